@@ -1,0 +1,43 @@
+# lorafleet — the two commands are `make run` and `make test`; everything else serves them.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTO_SRC := $(wildcard protos/lorafleet/v1/*.proto)
+PROTO_STAMP := protos/lorafleet/v1/.generated
+SETUP_STAMP := $(VENV)/.installed
+
+.PHONY: setup proto test test-fast lint run bench clean
+
+setup: $(SETUP_STAMP) $(PROTO_STAMP)
+
+# Re-installs only when the pins change; `pip install -e .` makes `lorafleet` a console script.
+$(SETUP_STAMP): requirements.txt requirements-test.txt pyproject.toml
+	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(SETUP_STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
+		--pyi_out=protos $(PROTO_SRC)
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+run: setup
+	$(VENV)/bin/lorafleet generate --local "What is the capital of France?"
+
+bench: setup
+	$(PY) benchmarks/model_cpu.py
+
+clean:
+	rm -rf $(VENV) protos/lorafleet/v1/*_pb2*.py protos/lorafleet/v1/*_pb2*.pyi $(PROTO_STAMP)

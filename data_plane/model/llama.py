@@ -1,0 +1,155 @@
+"""A Llama-family decoder: Llama (1-3.x), Mistral and Qwen2 share this one module.
+
+q/k/v and gate/up are packed into one projection each: fewer, larger matmuls, and the LoRA
+layers see them as one layer with several output slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data_plane.model.attention import AttentionMetadata, KVCache, paged_attention
+from data_plane.model.config import ModelConfig
+from data_plane.model.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Everything one forward pass needs besides the weights, built once per step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    kv_cache: KVCache
+    lora: Any = None  # per-step LoRA metadata read by LoRA-wrapped projections; None = base only
+
+
+class Projection(nn.Module):
+    """``y = x @ weight.T + bias`` where ``weight`` stacks the named output ``slices``."""
+
+    def __init__(self, in_features: int, slices: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.slices = dict(slices)
+        self.out_features = sum(self.slices.values())
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+
+    def slice_offsets(self) -> dict[str, tuple[int, int]]:
+        """Name -> (row offset, row count) of each packed slice."""
+        offsets, start = {}, 0
+        for name, size in self.slices.items():
+            offsets[name] = (start, size)
+            start += size
+        return offsets
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the weights' dtype, as the checkpoints were trained.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.window = config.sliding_windows[layer]
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Projection(
+            config.hidden_size, {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}, config.qkv_bias
+        )
+        self.o_proj = Projection(config.q_size, {"o": config.hidden_size}, config.o_bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x, batch)
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        cache = batch.kv_cache
+        out = paged_attention(q, k, v, cache.k[self.layer], cache.v[self.layer], batch.attn, self.window, self.scale)
+        return self.o_proj(out, batch)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Projection(
+            config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, config.mlp_bias
+        )
+        self.down_proj = Projection(config.intermediate_size, {"down": config.hidden_size}, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up, batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. ``forward`` returns final hidden states; ``logits`` projects the rows
+    that need a next-token distribution (usually one per sequence)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.register_parameter("lm_head", None)
+        else:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+
+    @property
+    def windows(self) -> set[int | None]:
+        return set(self.config.sliding_windows)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                       self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)

@@ -1,0 +1,58 @@
+"""Rotary position embeddings (the half-split layout of Hugging Face checkpoints)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from data_plane.model.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2]
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        return (inv_freq / rope.factor).float()
+    if rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+        # between them interpolated smoothly.
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    return inv_freq.float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies RoPE to queries and keys at given positions, from a cos/sin table built once."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device | str) -> None:
+        """Fills the cos/sin tables in float32 on ``device``."""
+        inv_freq = inverse_frequencies(self.rope, self.head_dim).to(device)
+        freqs = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
