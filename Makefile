@@ -31,7 +31,6 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
 
 run: setup
 	$(VENV)/bin/lorafleet generate --local "What is the capital of France?"

@@ -1,0 +1,39 @@
+"""Shared fixtures: the demo model (fetched and converted once per machine) and its tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Parity tests compare float32 results; keep both implementations on the same thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    from data_plane.demo_model import ensure_demo_model
+
+    return ensure_demo_model(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_model_dir):
+    from data_plane.model import load_model
+
+    return load_model(demo_model_dir, "float32")
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_model_dir):
+    from data_plane.model.tokenizer import Tokenizer
+
+    return Tokenizer(demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_demo_model(demo_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()

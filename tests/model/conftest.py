@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_plane.model.attention import SeqSlice, build_attention_metadata
+from data_plane.model.llama import ForwardBatch
+
+BLOCK = 16
+
+
+def run_chunks(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids``, fed to the model in chunks of the given sizes
+    through one paged KV cache (a single chunk is a plain prefill)."""
+    assert sum(chunks) == len(ids)
+    num_blocks = -(-len(ids) // BLOCK) + 1
+    # Blocks in reverse order: attention must follow the block table, not slot order.
+    blocks = list(reversed(range(num_blocks)))
+    cache = model.new_kv_cache(num_blocks, BLOCK)
+    out, done = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            attn = build_attention_metadata([SeqSlice(blocks, done, n)], BLOCK, model.windows)
+            batch = ForwardBatch(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), attn, cache)
+            out.append(model.logits(model(batch)))
+            done += n
+    return torch.cat(out)
+
+
+@pytest.fixture
+def chunked():
+    return run_chunks

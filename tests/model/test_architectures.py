@@ -1,0 +1,68 @@
+"""Random-weight Llama, Mistral and Qwen2 checkpoints saved by transformers load and match it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_plane.model import load_model
+from tests.model.conftest import run_chunks
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _save(tmp_path, config, shard: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for p in model.parameters():  # biases are zero-initialised; make them matter
+        torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "10GB")
+    return model
+
+
+def _check(tmp_path, hf_model, length=40, chunks=None):
+    ids = torch.randint(0, COMMON["vocab_size"], (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = run_chunks(load_model(tmp_path, "float32"), ids, chunks or [length])
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_qwen2_with_qkv_bias_matches_transformers(tmp_path):
+    from transformers import Qwen2Config
+
+    hf = _save(tmp_path, Qwen2Config(**COMMON, tie_word_embeddings=False))
+    assert hf.model.layers[0].self_attn.q_proj.bias is not None
+    _check(tmp_path, hf)
+
+
+def test_mistral_with_sliding_window_matches_transformers(tmp_path):
+    from transformers import MistralConfig
+
+    hf = _save(tmp_path, MistralConfig(**COMMON, sliding_window=8, head_dim=24))
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+def test_sharded_llama3_rope_scaling_untied_matches_transformers(tmp_path):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    hf = _save(tmp_path, LlamaConfig(**COMMON, rope_parameters=rope, tie_word_embeddings=False), shard=True)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    _check(tmp_path, hf, length=100)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stays_close_to_float32(tmp_path, dtype):
+    from transformers import LlamaConfig
+
+    _save(tmp_path, LlamaConfig(**COMMON))
+    ids = list(range(1, 30))
+    full = run_chunks(load_model(tmp_path, "float32"), ids, [len(ids)])
+    half = run_chunks(load_model(tmp_path, dtype), ids, [len(ids)])
+    assert load_model(tmp_path, dtype).embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()

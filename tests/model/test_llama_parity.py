@@ -1,0 +1,52 @@
+"""Our decoder against transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.conftest import run_chunks
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Numbers: 3.14159, 2718, and 1e-5 — plus emoji 🚀🌍!",
+]
+
+
+def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_demo_model_logits_match_transformers(demo_model, hf_demo_model, demo_tokenizer, prompt):
+    ids = demo_tokenizer.encode(prompt)
+    ours = run_chunks(demo_model, ids, [len(ids)])
+    assert (ours - _hf_logits(hf_demo_model, ids)).abs().max().item() < 1e-3
+
+
+def test_long_prompt_logits_match_transformers(demo_model, hf_demo_model, demo_tokenizer):
+    text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+    ids = demo_tokenizer.encode(text)
+    assert len(ids) > 512
+    ours = run_chunks(demo_model, ids, [len(ids)])
+    assert (ours - _hf_logits(hf_demo_model, ids)).abs().max().item() < 1e-3
+
+
+def test_chunked_prefill_and_decode_equal_one_prefill(demo_model, demo_tokenizer):
+    ids = demo_tokenizer.encode("Chunked prefill must not change a single logit of this sentence, ever. " * 3)
+    assert len(ids) > 18
+    whole = run_chunks(demo_model, ids, [len(ids)])
+    pieces = run_chunks(demo_model, ids, [5, 11, 1, 1, len(ids) - 18])
+    assert (whole - pieces).abs().max().item() < 1e-4
+
+
+def test_greedy_answer_is_coherent(demo_model, demo_tokenizer):
+    from data_plane.local import greedy_stream
+
+    prompt = demo_tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    text = "".join(greedy_stream(demo_model, demo_tokenizer, demo_tokenizer.encode(prompt), 24))
+    assert "Paris" in text
