@@ -7,7 +7,7 @@ PROTO_SRC := $(wildcard protos/lorafleet/v1/*.proto)
 PROTO_STAMP := protos/lorafleet/v1/.generated
 SETUP_STAMP := $(VENV)/.installed
 
-.PHONY: setup proto test test-fast lint run bench clean
+.PHONY: setup proto test lint helm-lint run bench clean
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP)
 
@@ -26,8 +26,12 @@ $(PROTO_STAMP): $(PROTO_SRC) $(SETUP_STAMP)
 		--pyi_out=protos $(PROTO_SRC)
 	@touch $@
 
-test: setup
+test: setup helm-lint
 	$(PY) -m pytest -q tests
+
+# helm lint + template (default and helm/values/*) validated with kubernetes-validate; helm is fetched offline.
+helm-lint: setup
+	bash helm/lint.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

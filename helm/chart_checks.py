@@ -1,0 +1,335 @@
+"""Checks of the lorafleet chart that helm lint and kubernetes-validate do not make.
+
+    chart_checks.py manifests RENDERED CORE_OUT
+        Reads the output of `helm template`, writes every resource of a built-in Kubernetes kind to
+        CORE_OUT (for `kubernetes-validate --strict`), and checks the rest itself:
+        - a ServiceMonitor (monitoring.coreos.com/v1, a CRD that kubernetes-validate has no schema for)
+          against the fields the Prometheus Operator defines, and that it selects a rendered Service
+          with the named port, whose pods expose it;
+        - every Service, PodDisruptionBudget and NetworkPolicy selector matches a rendered pod template;
+        - images are pinned, pods run as non-root, containers have resources;
+        - the Grafana dashboard ConfigMap holds valid JSON that queries the metrics it promises.
+        Any other kind that kubernetes-validate would only warn about is an error here.
+
+    chart_checks.py values-docs VALUES README
+        Every value in values.yaml has a "# --" comment (on it or an enclosing key), and the README
+        holds the values table that values-table prints.
+
+    chart_checks.py values-table VALUES
+        Prints the values table (key, default, the "# --" comment) for the chart's README.
+
+Exit status 1 on any failure; the reasons go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+CRD_KINDS = {SERVICE_MONITOR}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+# Fields of ServiceMonitor.spec and of one endpoint, as the Prometheus Operator's CRD defines them.
+SM_SPEC_FIELDS = set(
+    "attachMetadata bodySizeLimit endpoints fallbackScrapeProtocol jobLabel keepDroppedTargets "
+    "labelLimit labelNameLengthLimit labelValueLengthLimit namespaceSelector "
+    "nativeHistogramBucketLimit nativeHistogramMinBucketFactor podTargetLabels sampleLimit "
+    "scrapeClass scrapeClassicHistograms scrapeProtocols selector selectorMechanism "
+    "serviceDiscoveryRole targetLabels targetLimit".split()
+)
+SM_ENDPOINT_FIELDS = set(
+    "authorization basicAuth bearerTokenFile bearerTokenSecret enableHttp2 filterRunning "
+    "followRedirects honorLabels honorTimestamps interval metricRelabelings noProxy oauth2 params "
+    "path port proxyConnectHeader proxyFromEnvironment proxyUrl relabelings scheme scrapeTimeout "
+    "targetPort tlsConfig trackTimestampsStaleness".split()
+)
+# The Prometheus duration pattern of the CRD (interval, scrapeTimeout).
+DURATION_RE = re.compile(
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
+DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+DASHBOARD_METRICS = (
+    "lorafleet_gpu_lora_slots_used", "lorafleet_gpu_lora_slots_total", "lorafleet_gpu_lora_slots_pinned",
+    "lorafleet_cpu_lora_cache_used", "lorafleet_cpu_lora_cache_capacity", "lorafleet_cpu_lora_cache_pinned",
+    "lorafleet_adapter_loads_total", "lorafleet_adapter_evictions_total", "lorafleet_adapter_load_seconds_bucket",
+    "lorafleet_time_to_first_token_seconds_bucket", "lorafleet_inter_token_latency_seconds_bucket",
+    "lorafleet_requests_running", "lorafleet_requests_waiting", "lorafleet_kv_cache_usage_ratio",
+)
+
+
+def _seconds(duration: str) -> float:
+    units = {"y": 31536000, "w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|y|w|d|h|m|s)", duration))
+
+
+def _name(doc: dict) -> str:
+    return f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels/matchExpressions, or a plain map) matches labels."""
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+class Checker:
+    def __init__(self, docs: list[dict]):
+        self.docs = docs
+        self.errors: list[str] = []
+        self.pods = [d for d in docs if d.get("kind") in WORKLOAD_KINDS]
+
+    def fail(self, message: str) -> None:
+        self.errors.append(message)
+
+    def pod_templates(self, namespace: str | None = None):
+        for w in self.pods:
+            if namespace is None or w["metadata"].get("namespace") == namespace:
+                yield w, w["spec"]["template"]
+
+    def check_selectors(self) -> None:
+        for doc in self.docs:
+            kind, ns = doc.get("kind"), doc.get("metadata", {}).get("namespace")
+            if kind in ("Service", "PodDisruptionBudget"):
+                selector = doc["spec"].get("selector")
+            elif kind == "NetworkPolicy":
+                selector = doc["spec"].get("podSelector")
+                peers = [p for rule in doc["spec"].get("ingress") or [] for p in rule.get("from") or []]
+                for peer in peers:  # the chart's own peers (by instance label) must select its pods
+                    labels = (peer.get("podSelector") or {}).get("matchLabels") or {}
+                    if "app.kubernetes.io/instance" in labels and "namespaceSelector" not in peer:
+                        if not any(_selects(peer["podSelector"], t["metadata"].get("labels", {}))
+                                   for _, t in self.pod_templates(ns)):
+                            self.fail(f"{_name(doc)}: peer {peer['podSelector']} selects no rendered pod")
+            else:
+                continue
+            if not selector:
+                continue
+            if not any(_selects(selector, t["metadata"].get("labels", {})) for _, t in self.pod_templates(ns)):
+                self.fail(f"{_name(doc)}: selector {selector} matches no rendered pod template")
+
+    def check_pods(self) -> None:
+        for w, t in self.pod_templates():
+            spec = t["spec"]
+            pod_sc = spec.get("securityContext") or {}
+            for c in (spec.get("initContainers") or []) + spec["containers"]:
+                where = f"{_name(w)} container {c['name']}"
+                image = c.get("image", "")
+                if "@sha256:" not in image:
+                    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+                    if not tag or tag == "latest":
+                        self.fail(f"{where}: image {image!r} is not pinned to a version")
+                sc = c.get("securityContext") or {}
+                if sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
+                    self.fail(f"{where}: runAsNonRoot is not set")
+                if sc.get("allowPrivilegeEscalation") is not False:
+                    self.fail(f"{where}: allowPrivilegeEscalation is not false")
+                if not (c.get("resources") or {}).get("requests"):
+                    self.fail(f"{where}: no resource requests")
+
+    def check_service_monitor(self, sm: dict) -> None:
+        where = _name(sm)
+        meta, spec = sm.get("metadata") or {}, sm.get("spec")
+        if not DNS_LABEL_RE.match(str(meta.get("name", ""))):
+            self.fail(f"{where}: metadata.name is not a DNS subdomain")
+        if not isinstance(spec, dict):
+            self.fail(f"{where}: spec missing")
+            return
+        for extra in sorted(set(sm) - {"apiVersion", "kind", "metadata", "spec"}):
+            self.fail(f"{where}: unknown top-level field {extra!r}")
+        for extra in sorted(set(spec) - SM_SPEC_FIELDS):
+            self.fail(f"{where}: spec.{extra} is not a ServiceMonitor field")
+        selector = spec.get("selector")
+        if not isinstance(selector, dict) or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+            self.fail(f"{where}: spec.selector must hold matchLabels or matchExpressions")
+            return
+        for k, v in (selector.get("matchLabels") or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                self.fail(f"{where}: spec.selector.matchLabels {k!r}: {v!r} must map strings to strings")
+        endpoints = spec.get("endpoints")
+        if not isinstance(endpoints, list) or not endpoints:
+            self.fail(f"{where}: spec.endpoints must be a non-empty list")
+            return
+        namespaces = ((spec.get("namespaceSelector") or {}).get("matchNames")
+                      or [meta.get("namespace")])
+        services = [d for d in self.docs if d.get("kind") == "Service"
+                    and d["metadata"].get("namespace") in namespaces
+                    and _selects(selector, d["metadata"].get("labels", {}))]
+        if not services:
+            self.fail(f"{where}: selects no rendered Service")
+        for i, ep in enumerate(endpoints):
+            at = f"{where}: spec.endpoints[{i}]"
+            for extra in sorted(set(ep) - SM_ENDPOINT_FIELDS):
+                self.fail(f"{at}.{extra} is not an endpoint field")
+            if not isinstance(ep.get("port"), str) or not ep["port"]:
+                self.fail(f"{at}.port must name a Service port")
+                continue
+            for field in ("interval", "scrapeTimeout"):
+                if field in ep and not DURATION_RE.match(str(ep[field])):
+                    self.fail(f"{at}.{field} {ep[field]!r} is not a Prometheus duration")
+            if "interval" in ep and "scrapeTimeout" in ep and _seconds(ep["scrapeTimeout"]) > _seconds(ep["interval"]):
+                self.fail(f"{at}: scrapeTimeout is longer than interval")
+            if ep.get("scheme", "http") not in ("http", "https", "HTTP", "HTTPS"):
+                self.fail(f"{at}.scheme must be http or https")
+            for svc in services:
+                port = next((p for p in svc["spec"]["ports"] if p.get("name") == ep["port"]), None)
+                if port is None:
+                    self.fail(f"{at}: Service {svc['metadata']['name']} has no port named {ep['port']!r}")
+                    continue
+                target = port.get("targetPort", port["port"])
+                pods = [t for _, t in self.pod_templates(svc["metadata"].get("namespace"))
+                        if _selects(svc["spec"].get("selector") or {}, t["metadata"].get("labels", {}))]
+                for t in pods:
+                    cports = [p for c in t["spec"]["containers"] for p in c.get("ports") or []]
+                    if not any(p.get("name") == target or p.get("containerPort") == target for p in cports):
+                        self.fail(f"{at}: pods behind {svc['metadata']['name']} expose no port {target!r}")
+
+    def check_dashboards(self) -> None:
+        for doc in self.docs:
+            if doc.get("kind") != "ConfigMap" or (doc["metadata"].get("labels") or {}).get("grafana_dashboard") != "1":
+                continue
+            for key, text in (doc.get("data") or {}).items():
+                try:
+                    dash = json.loads(text)
+                except json.JSONDecodeError as e:
+                    self.fail(f"{_name(doc)}: {key} is not valid JSON: {e}")
+                    continue
+                exprs = " ".join(t.get("expr", "") for p in dash.get("panels", []) for t in p.get("targets", []))
+                for metric in DASHBOARD_METRICS:
+                    if metric not in exprs:
+                        self.fail(f"{_name(doc)}: {key} has no panel querying {metric}")
+                ids = [p["id"] for p in dash.get("panels", [])]
+                if len(ids) != len(set(ids)):
+                    self.fail(f"{_name(doc)}: {key} repeats a panel id")
+
+
+def manifests(rendered: Path, core_out: Path) -> int:
+    docs = [d for d in yaml.safe_load_all(rendered.read_text()) if d]
+    core, crds = [], []
+    for doc in docs:
+        (crds if (doc.get("apiVersion"), doc.get("kind")) in CRD_KINDS else core).append(doc)
+    core_out.write_text(yaml.safe_dump_all(core, sort_keys=False))
+    checker = Checker(docs)
+    checker.check_selectors()
+    checker.check_pods()
+    checker.check_dashboards()
+    for doc in crds:
+        checker.check_service_monitor(doc)
+    for message in checker.errors:
+        print(f"chart_checks: {message}", file=sys.stderr)
+    kinds = sorted({d["kind"] for d in docs})
+    print(f"chart_checks: {len(docs)} resources ({', '.join(kinds)}); {len(crds)} checked here "
+          f"({', '.join(_name(d) for d in crds) or 'none'}); {len(checker.errors)} problems")
+    return 1 if checker.errors else 0
+
+
+_KEY_RE = re.compile(r"^(\s*)([A-Za-z0-9_]+):(.*)$")
+
+
+def _values_keys(text: str) -> tuple[dict[str, str], set[str]]:
+    """Maps each key path of values.yaml to its "# --" comment ("" when it has none); also returns the
+    leaf paths (scalars, lists, empty maps). Items of a list value are part of that one value."""
+    docs: dict[str, str] = {}
+    leaves: set[str] = set()
+    stack: list[tuple[int, str]] = []  # enclosing maps: (indentation, key)
+    comment: list[str] | None = None  # the "# --" comment being read
+    skip_deeper_than: int | None = None  # inside a list item
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if not stripped:
+            continue
+        if skip_deeper_than is not None and indent > skip_deeper_than:
+            continue
+        skip_deeper_than = None
+        if stripped.startswith("# --"):
+            comment = [stripped[4:].strip()]
+            continue
+        if stripped.startswith("#"):
+            if comment is not None:
+                comment.append(stripped[1:].strip())
+            continue
+        if stripped.startswith("- "):
+            skip_deeper_than = indent
+            continue
+        m = _KEY_RE.match(line)
+        if not m:
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([k for _, k in stack] + [m.group(2)])
+        docs[path] = " ".join(comment or [])
+        comment = None
+        if m.group(3).strip() and not m.group(3).strip().startswith("#"):
+            leaves.add(path)
+            continue
+        nxt = next((ln for ln in lines[i + 1:] if ln.strip() and not ln.strip().startswith("#")), "")
+        if nxt.strip().startswith("- ") or len(nxt) - len(nxt.lstrip()) <= indent:
+            leaves.add(path)
+        else:
+            stack.append((indent, m.group(2)))
+    return docs, leaves
+
+
+def values_table(values: Path) -> str:
+    """The README's values table: every documented value, its default and its comment."""
+    text = values.read_text()
+    defaults = yaml.safe_load(text)
+    docs, _ = _values_keys(text)
+    rows = ["| Key | Default | Description |", "|---|---|---|"]
+    for path, doc in docs.items():
+        if not doc:
+            continue
+        value = defaults
+        for key in path.split("."):
+            value = value[key]
+        default = json.dumps(value, separators=(", ", ": "))
+        doc = doc.replace("|", "\\|").replace("<", "\\<")
+        rows.append(f"| `{path}` | `{default}` | {doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def values_docs(values: Path, readme: Path) -> int:
+    docs, leaves = _values_keys(values.read_text())
+    errors = []
+    for leaf in sorted(leaves):
+        parts = leaf.split(".")
+        if not any(docs.get(".".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            errors.append(f"{values.name}: {leaf} has no '# --' comment (on it or an enclosing key)")
+    if values_table(values) not in readme.read_text():
+        errors.append(f"{readme.name}: the values table differs from values.yaml; regenerate it with "
+                      f"`python helm/chart_checks.py values-table {values}`")
+    for e in errors:
+        print(f"chart_checks: {e}", file=sys.stderr)
+    documented = sum(1 for d in docs.values() if d)
+    print(f"chart_checks: {documented} documented values, {len(leaves)} leaves; {len(errors)} problems")
+    return 1 if errors else 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "manifests":
+        return manifests(Path(argv[1]), Path(argv[2]))
+    if len(argv) == 3 and argv[0] == "values-docs":
+        return values_docs(Path(argv[1]), Path(argv[2]))
+    if len(argv) == 2 and argv[0] == "values-table":
+        sys.stdout.write(values_table(Path(argv[1])))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

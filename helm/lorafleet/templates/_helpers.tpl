@@ -1,0 +1,189 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "lorafleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Prefix of every resource name: "<release>-lorafleet", or the release name when it already contains the chart name. */}}
+{{- define "lorafleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Names of the components' resources. Kept short: StatefulSet pod names get "-N" and a controller hash label. */}}
+{{- define "lorafleet.controlPlane.fullname" -}}
+{{- printf "%s-control-plane" (include "lorafleet.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- define "lorafleet.dataPlane.fullname" -}}
+{{- printf "%s-data-plane" (include "lorafleet.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- define "lorafleet.dataPlane.headless" -}}
+{{- printf "%s-pods" (include "lorafleet.dataPlane.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "lorafleet.redis.fullname" -}}
+{{- printf "%s-redis" (include "lorafleet.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "lorafleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every resource. */}}
+{{- define "lorafleet.labels" -}}
+helm.sh/chart: {{ include "lorafleet.chart" . }}
+{{ include "lorafleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: lorafleet
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "lorafleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "lorafleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Selector labels of one component: include "lorafleet.componentSelector" (list $ "data-plane"). */}}
+{{- define "lorafleet.componentSelector" -}}
+{{ include "lorafleet.selectorLabels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* All labels of one component's resources. */}}
+{{- define "lorafleet.componentLabels" -}}
+{{ include "lorafleet.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "lorafleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "lorafleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* repository:tag or repository@digest; refuses an unpinned tag. Call with (list $ .Values.x.image "name"). */}}
+{{- define "lorafleet.image" -}}
+{{- $image := index . 1 }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- $tag := toString $image.tag }}
+{{- if or (eq $tag "") (eq $tag "latest") }}
+{{- fail (printf "%s.image.tag must be a pinned version (got %q); set a version tag or a digest" (index . 2) $tag) }}
+{{- end }}
+{{- printf "%s:%s" $image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The admin token Secret: its name and key. */}}
+{{- define "lorafleet.tokenSecretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-admin-token" (include "lorafleet.fullname" .) }}
+{{- end }}
+{{- end }}
+{{- define "lorafleet.tokenSecretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* Where the token is mounted in control-plane and data-plane containers. */}}
+{{- define "lorafleet.tokenDir" -}}/etc/lorafleet/token{{- end }}
+{{- define "lorafleet.tokenFile" -}}/etc/lorafleet/token/token{{- end }}
+
+{{/* The Redis password Secret (in-release Redis with auth). */}}
+{{- define "lorafleet.redis.secretName" -}}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecret }}
+{{- else }}
+{{- include "lorafleet.redis.fullname" . }}
+{{- end }}
+{{- end }}
+{{- define "lorafleet.redis.secretKey" -}}
+{{- if .Values.redis.auth.existingSecret }}{{ .Values.redis.auth.existingSecretKey }}{{ else }}password{{ end }}
+{{- end }}
+
+{{/* The external Redis URL Secret. */}}
+{{- define "lorafleet.externalRedis.secretName" -}}
+{{- if .Values.externalRedis.existingSecret }}
+{{- .Values.externalRedis.existingSecret }}
+{{- else }}
+{{- printf "%s-redis-url" (include "lorafleet.fullname" .) }}
+{{- end }}
+{{- end }}
+{{- define "lorafleet.externalRedis.secretKey" -}}
+{{- if .Values.externalRedis.existingSecret }}{{ .Values.externalRedis.existingSecretKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{/* Fails on contradictory values; included once from the control-plane Deployment. */}}
+{{- define "lorafleet.validate" -}}
+{{- if .Values.redis.enabled }}
+{{- if or .Values.externalRedis.url .Values.externalRedis.existingSecret }}
+{{- fail "externalRedis is set but redis.enabled is true: set redis.enabled=false to use an external Redis" }}
+{{- end }}
+{{- if not (has .Values.redis.persistence.appendfsync (list "always" "everysec" "no")) }}
+{{- fail (printf "redis.persistence.appendfsync must be always, everysec or no (got %q)" .Values.redis.persistence.appendfsync) }}
+{{- end }}
+{{- else if not (or .Values.externalRedis.url .Values.externalRedis.existingSecret) }}
+{{- fail "redis.enabled is false: set externalRedis.url or externalRedis.existingSecret" }}
+{{- end }}
+{{- if and .Values.externalRedis.url (not (regexMatch "^(redis|rediss|unix)://" .Values.externalRedis.url)) }}
+{{- fail "externalRedis.url must start with redis://, rediss:// or unix://" }}
+{{- end }}
+{{- if not (has .Values.model.fetch (list "demo" "custom" "none")) }}
+{{- fail (printf "model.fetch must be demo, custom or none (got %q)" .Values.model.fetch) }}
+{{- end }}
+{{- if and (eq .Values.model.fetch "demo") (ne .Values.model.name "SmolLM2-135M-Instruct") }}
+{{- fail "model.fetch=demo writes /data/models/SmolLM2-135M-Instruct: leave model.name at SmolLM2-135M-Instruct, or use fetch=custom or none" }}
+{{- end }}
+{{- if and (eq .Values.model.fetch "custom") (not .Values.model.custom.command) }}
+{{- fail "model.fetch=custom needs model.custom.command" }}
+{{- end }}
+{{- if not (regexMatch "^[A-Za-z0-9._-]+$" .Values.model.name) }}
+{{- fail (printf "model.name %q must be a plain directory name ([A-Za-z0-9._-])" .Values.model.name) }}
+{{- end }}
+{{- if not (has .Values.dataPlane.device (list "cuda" "cpu")) }}
+{{- fail (printf "dataPlane.device must be cuda or cpu (got %q)" .Values.dataPlane.device) }}
+{{- end }}
+{{- if and (eq .Values.dataPlane.device "cuda") (lt (int .Values.dataPlane.gpus) 1) }}
+{{- fail "dataPlane.device=cuda needs dataPlane.gpus >= 1" }}
+{{- end }}
+{{- if not (has .Values.dataPlane.dtype (list "bfloat16" "float16" "float32")) }}
+{{- fail (printf "dataPlane.dtype must be bfloat16, float16 or float32 (got %q)" .Values.dataPlane.dtype) }}
+{{- end }}
+{{- end }}
+
+{{/* Address of the control plane for data-plane pods. */}}
+{{- define "lorafleet.controlPlane.address" -}}
+{{- printf "%s:%d" (include "lorafleet.controlPlane.fullname" .) (int .Values.controlPlane.port) }}
+{{- end }}
+
+{{/* The model directory inside data-plane pods. */}}
+{{- define "lorafleet.modelDir" -}}
+{{- printf "/data/models/%s" .Values.model.name }}
+{{- end }}
+
+{{/* NetworkPolicy peer: this release's pods of one component. Call with (list $ "control-plane"). */}}
+{{- define "lorafleet.componentPeer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "lorafleet.componentSelector" . | nindent 6 }}
+{{- end }}
+
+{{/* A gRPC health probe: (list .Values.x.startupProbe port). Kubernetes' native grpc probe calls grpc.health.v1.Health/Check with service "". */}}
+{{- define "lorafleet.grpcProbe" -}}
+grpc:
+  port: {{ index . 1 }}
+{{ toYaml (index . 0) }}
+{{- end }}
