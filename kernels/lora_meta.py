@@ -21,6 +21,7 @@ class LoraMeta:
     sorted_tokens: torch.Tensor  # [num_tokens] int32, token indices grouped by slot (LoRA tokens first)
     seg_slots: torch.Tensor  # [max_loras] int32, slot of each segment, -1 = unused segment
     seg_starts: torch.Tensor  # [max_loras + 1] int32, segment s spans sorted_tokens[seg_starts[s]:seg_starts[s+1]]
+    buffer: torch.Tensor  # [max_slices, max_tokens, max_rank] float32 scratch between shrink and expand
     num_tokens: int
     # Host copies for the CPU path, which loops over segments in Python.
     host_segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of each used segment
@@ -33,9 +34,11 @@ class LoraMeta:
 class LoraMetaBuilder:
     """Owns the preallocated metadata buffers and fills them for each step."""
 
-    def __init__(self, max_tokens: int, max_loras: int, device: torch.device | str) -> None:
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device | str, max_rank: int = 0,
+                 max_slices: int = 3) -> None:
         self.max_tokens = max_tokens
         self.max_loras = max_loras
+        self._buffer = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32, device=device)
         self._token_slots = torch.empty(max_tokens, dtype=torch.int32, device=device)  # [max_tokens]
         self._sorted_tokens = torch.empty(max_tokens, dtype=torch.int32, device=device)  # [max_tokens]
         self._seg_slots = torch.empty(max_loras, dtype=torch.int32, device=device)  # [max_loras]
@@ -75,6 +78,7 @@ class LoraMetaBuilder:
             sorted_tokens=self._sorted_tokens[:n],
             seg_slots=self._seg_slots,
             seg_starts=self._seg_starts,
+            buffer=self._buffer,
             num_tokens=n,
             host_segments=tuple(segments),
         )

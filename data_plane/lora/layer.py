@@ -1,0 +1,91 @@
+"""LoRA by composition: a wrapper around one base projection that owns its adapter slots."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from data_plane.lora.peft_adapter import SliceDelta
+from data_plane.model.llama import ForwardBatch, LlamaForCausalLM, Projection
+from kernels.lora_ops import lora_expand, lora_shrink
+
+
+class LoRAProjection(nn.Module):
+    """``y = base(x) + scale·(x @ A[slot]ᵀ) @ B[slot]ᵀ`` per token, with each token's slot read from
+    the step's LoRA metadata (-1 = base only).
+
+    Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
+    copies into a slot and never allocates.
+    """
+
+    def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.slice_names = tuple(base.slices)
+        offsets = [0]
+        for width in base.slices.values():
+            offsets.append(offsets[-1] + width)
+        self.host_offsets = offsets
+        w = base.weight
+        num_slices = len(self.slice_names)
+        self.register_buffer(  # [S, max_loras, max_rank, in_features]
+            "lora_a", torch.zeros(num_slices, max_loras, max_rank, base.in_features, dtype=w.dtype, device=w.device)
+        )
+        self.register_buffer(  # [max_loras, out_features, max_rank]
+            "lora_b", torch.zeros(max_loras, base.out_features, max_rank, dtype=w.dtype, device=w.device)
+        )
+        self.register_buffer(  # [S, max_loras] real rank of each slot per slice, 0 = empty
+            "ranks", torch.zeros(num_slices, max_loras, dtype=torch.int32, device=w.device)
+        )
+        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
+        self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
+
+    def set_slot(self, slot: int, deltas: dict[str, SliceDelta]) -> None:
+        """Writes an adapter's deltas for this projection into ``slot`` (slices it lacks are zero)."""
+        self.clear_slot(slot)
+        for s, name in enumerate(self.slice_names):
+            delta = deltas.get(name)
+            if delta is None:
+                continue
+            r = delta.a.shape[0]
+            lo, hi = self.host_offsets[s], self.host_offsets[s + 1]
+            self.lora_a[s, slot, :r].copy_(delta.a, non_blocking=True)
+            self.lora_b[slot, lo:hi, :r].copy_(delta.b, non_blocking=True)
+            self.ranks[s, slot] = r
+            self.host_ranks[s][slot] = r
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[:, slot].zero_()
+        self.lora_b[slot].zero_()
+        self.ranks[:, slot] = 0
+        for ranks in self.host_ranks:
+            ranks[slot] = 0
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        y = self.base(x)
+        meta = batch.lora if batch is not None else None
+        if meta is None or not meta.has_lora:
+            return y
+        buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
+        lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
+        lora_expand(y, buf, self.lora_b, self.ranks, self.slice_offsets, self.host_offsets, meta, self.host_ranks)
+        return y
+
+
+def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:
+    """Replaces every projection of ``model`` by a LoRA wrapper; returns them by module path
+    (``layers.3.self_attn.qkv_proj``)."""
+    wrapped: dict[str, LoRAProjection] = {}
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Projection):
+            parent_path, _, attr = path.rpartition(".")
+            lora = LoRAProjection(module, max_loras, max_rank)
+            setattr(model.get_submodule(parent_path), attr, lora)
+            wrapped[path] = lora
+    return wrapped
+
+
+def projection_shapes(wrapped: dict[str, LoRAProjection]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Projection path -> slice name -> (in_features, out_features), what adapters are checked against."""
+    return {path: {name: (w.base.in_features, width) for name, width in w.base.slices.items()}
+            for path, w in wrapped.items()}

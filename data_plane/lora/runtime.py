@@ -1,0 +1,37 @@
+"""The LoRA side of a pod: wrapped layers, the adapter reader, the caches and the per-step metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data_plane.lora.adapter_cache import AdapterCache
+from data_plane.lora.layer import projection_shapes, wrap_with_lora
+from data_plane.lora.peft_adapter import AdapterLimits, LoraAdapter, load_peft_adapter
+from data_plane.model.llama import LlamaForCausalLM
+from kernels.lora_meta import LoraMeta, LoraMetaBuilder
+
+
+class LoraRuntime:
+    def __init__(self, model: LlamaForCausalLM, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 max_tokens: int, adapter_roots: tuple[Path, ...], limits: AdapterLimits | None = None) -> None:
+        device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.roots = tuple(adapter_roots)
+        self.limits = limits or AdapterLimits(max_rank=max_rank)
+        if self.limits.max_rank != max_rank:
+            raise ValueError("AdapterLimits.max_rank must equal max_rank")
+        self.layers = wrap_with_lora(model, max_loras, max_rank)
+        self._shapes = projection_shapes(self.layers)
+        self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=device.type == "cuda")
+        self._meta = LoraMetaBuilder(max_tokens, max_loras, device, max_rank=max_rank)
+
+    def read(self, name: str, source: str, sha256: str = "") -> LoraAdapter:
+        """Reads and validates an adapter from disk. Touches no cache, so it may run on any thread."""
+        return load_peft_adapter(name, source, self.roots, sha256, self._shapes, self.limits, self.dtype)
+
+    def step_metadata(self, token_slots: list[int]) -> LoraMeta:
+        return self._meta.build(token_slots)
+
+    def load(self, name: str, source: str, sha256: str = ""):
+        """Read then insert into the CPU tier (convenience for callers on the engine thread)."""
+        return self.cache.insert(self.read(name, source, sha256))

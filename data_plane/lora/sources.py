@@ -1,0 +1,54 @@
+"""Where adapter files may come from: only directories under the configured adapter roots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from data_plane.errors import InvalidAdapter
+
+
+def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path:
+    """The real directory that ``source`` (a path or ``file://`` URL) names, after following
+    every symlink, provided it lies under one of ``roots``.
+
+    Raises InvalidAdapter for another scheme, a path outside the roots (``..``, an absolute
+    path elsewhere, a symlink that escapes), or a source that is not a directory.
+    """
+    if not source:
+        raise InvalidAdapter(f"adapter {name!r}: no source given; pass the adapter directory")
+    parsed = urlparse(source)
+    if parsed.scheme == "file":
+        raw = unquote(parsed.path)
+    elif parsed.scheme == "":
+        raw = source
+    else:
+        raise InvalidAdapter(
+            f"adapter {name!r}: source scheme {parsed.scheme!r} is not supported here; use a path or file:// URL "
+            "under the pod's adapter roots"
+        )
+    if not roots:
+        raise InvalidAdapter(f"adapter {name!r}: this pod has no adapter roots configured (--adapter-root)")
+    real_roots = tuple(Path(os.path.realpath(r)) for r in roots)
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        candidate = real_roots[0] / candidate
+    real = Path(os.path.realpath(candidate))
+    if not any(real == root or root in real.parents for root in real_roots):
+        raise InvalidAdapter(
+            f"adapter {name!r}: {source!r} resolves to {real}, outside the adapter roots "
+            f"({', '.join(str(r) for r in real_roots)}); put the adapter under a root"
+        )
+    if not real.is_dir():
+        raise InvalidAdapter(f"adapter {name!r}: {real} is not a directory (expected a PEFT adapter directory)")
+    return real
+
+
+def contained_file(name: str, adapter_dir: Path, filename: str, roots: tuple[Path, ...]) -> Path:
+    """``adapter_dir/filename`` after following symlinks; refused if a symlink leads outside the roots."""
+    real = Path(os.path.realpath(adapter_dir / filename))
+    real_roots = tuple(Path(os.path.realpath(r)) for r in roots)
+    if not any(root in real.parents for root in real_roots):
+        raise InvalidAdapter(f"adapter {name!r}: {filename} is a symlink to {real}, outside the adapter roots")
+    return real

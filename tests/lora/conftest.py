@@ -1,0 +1,74 @@
+"""A tiny random Llama and PEFT adapters of varied shapes, saved by transformers and peft."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from data_plane.model.attention import SeqSlice, build_attention_metadata
+from data_plane.model.llama import ForwardBatch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# name -> LoraConfig kwargs: ranks 1/8/16/64, alpha != r, rsLoRA, rank_pattern, partial targets.
+ADAPTERS = {
+    "r1": dict(r=1, lora_alpha=2, target_modules=["q_proj", "v_proj"]),
+    "r8": dict(r=8, lora_alpha=16, target_modules=ALL),
+    "r16rs": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "down_proj"]),
+    "r64pat": dict(r=64, lora_alpha=32, target_modules=ALL, rank_pattern={"down_proj": 4, "q_proj": 12},
+                   alpha_pattern={"up_proj": 3}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_base, tmp_path_factory):
+    """Root directory holding one PEFT directory per entry of ADAPTERS."""
+    from peft import LoraConfig, get_peft_model
+
+    _, model = tiny_base
+    root = tmp_path_factory.mktemp("adapters")
+    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                torch.nn.init.normal_(p, std=0.3)
+        peft_model.save_pretrained(root / name)
+    return root
+
+
+def forward_rows(model, runtime, rows: list[tuple[str | None, list[int]]]) -> list[torch.Tensor]:
+    """Logits of every position of every row, all rows in ONE step; row = (adapter or None, ids)."""
+    block = 16
+    seqs, ids, positions, token_slots, start_block = [], [], [], [], 0
+    for adapter, row_ids in rows:
+        n_blocks = -(-len(row_ids) // block)
+        seqs.append(SeqSlice(list(range(start_block, start_block + n_blocks)), 0, len(row_ids)))
+        start_block += n_blocks
+        slot = -1 if adapter is None else runtime.cache.slot_of(adapter)
+        ids += row_ids
+        positions += list(range(len(row_ids)))
+        token_slots += [slot] * len(row_ids)
+    cache = model.new_kv_cache(start_block, block)
+    attn = build_attention_metadata(seqs, block, model.windows)
+    batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), attn, cache,
+                         lora=runtime.step_metadata(token_slots))
+    with torch.inference_mode():
+        logits = model.logits(model(batch))
+    return list(logits.split([len(r) for _, r in rows]))
