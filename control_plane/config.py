@@ -1,0 +1,122 @@
+"""The control plane's one configuration object, and the command line that builds it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from control_plane.errors import ConfigError
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    """Everything one control-plane replica needs; validated on construction."""
+
+    redis_url: str
+    admin_token_file: Path
+    host: str = "0.0.0.0"
+    port: int = 50070
+    metrics_port: int = 9470  # 0 disables the /metrics endpoint
+    key_prefix: str = "lorafleet"
+    base_model: str = ""  # empty accepts any base model named at registration
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    replica_id: str = ""  # empty: hostname-pid
+    pod_lease_ttl_s: float = 10.0
+    pod_grace_s: float = 20.0
+    leader_lease_ttl_s: float = 10.0
+    reconcile_interval_s: float = 2.0
+    command_timeout_s: float = 30.0
+    max_load_attempts: int = 3
+    retry_backoff_s: float = 1.0
+    # Slots each pod keeps free of pins, so that unpinned (on-demand) adapters still run.
+    reserved_unpinned_slots: int = 1
+    event_stream_maxlen: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"--redis-url {self.redis_url!r} must start with redis://, rediss:// or unix://")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name} {value} is not a TCP port; use 0-65535")
+        if not _ID_RE.match(self.key_prefix):
+            raise ConfigError(f"--key-prefix {self.key_prefix!r} must be 1-64 characters of [A-Za-z0-9._-]")
+        if self.replica_id and not _ID_RE.match(self.replica_id):
+            raise ConfigError(f"--replica-id {self.replica_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
+        for path in (self.admin_token_file, self.tls_cert_file, self.tls_key_file):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{path} is not a readable file; check the path given on the command line")
+        for name in ("pod_lease_ttl_s", "leader_lease_ttl_s", "reconcile_interval_s", "command_timeout_s",
+                     "retry_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pod_grace_s < 0:
+            raise ConfigError(f"pod_grace_s must not be negative, got {self.pod_grace_s}")
+        if self.max_load_attempts < 1:
+            raise ConfigError(f"max_load_attempts must be at least 1, got {self.max_load_attempts}")
+        if self.reserved_unpinned_slots < 0:
+            raise ConfigError(f"reserved_unpinned_slots must not be negative, got {self.reserved_unpinned_slots}")
+        if self.event_stream_maxlen < 1:
+            raise ConfigError(f"event_stream_maxlen must be at least 1, got {self.event_stream_maxlen}")
+
+    @property
+    def replica(self) -> str:
+        """This replica's identity in the leader lease: replica_id, or hostname-pid."""
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ControlPlaneConfig
+    p = argparse.ArgumentParser(prog="lorafleet control-plane",
+                                description="Adapter registry, placement and reconciliation for a lorafleet fleet.")
+    p.add_argument("--redis-url", required=True, help="Redis holding the registry, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--host", default=d.host, help=f"address to serve gRPC on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
+    p.add_argument("--admin-token-file", type=Path, required=True,
+                   help="file holding the bearer token that admin tools and pods must send")
+    p.add_argument("--key-prefix", default=d.key_prefix, help=f"prefix of every Redis key (default {d.key_prefix})")
+    p.add_argument("--base-model", default=d.base_model,
+                   help="the fleet's base model id; registrations and pods must match it (default: not enforced)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain to serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    p.add_argument("--replica-id", default="", help="this replica's name in the leader lease (default hostname-pid)")
+    p.add_argument("--pod-lease-ttl", type=float, default=d.pod_lease_ttl_s,
+                   help=f"seconds a pod heartbeat keeps it READY (default {d.pod_lease_ttl_s})")
+    p.add_argument("--pod-grace", type=float, default=d.pod_grace_s,
+                   help=f"seconds past its lease before a silent pod is removed (default {d.pod_grace_s})")
+    p.add_argument("--leader-lease-ttl", type=float, default=d.leader_lease_ttl_s,
+                   help=f"seconds the reconciler leader lease lasts without renewal (default {d.leader_lease_ttl_s})")
+    p.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_s,
+                   help=f"seconds between reconciliation passes (default {d.reconcile_interval_s})")
+    p.add_argument("--max-load-attempts", type=int, default=d.max_load_attempts,
+                   help=f"loads of one adapter on one pod before giving up (default {d.max_load_attempts})")
+    p.add_argument("--reserved-unpinned-slots", type=int, default=d.reserved_unpinned_slots,
+                   help=f"slots per pod kept free of pins (default {d.reserved_unpinned_slots})")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
+    return ControlPlaneConfig(
+        redis_url=args.redis_url, admin_token_file=args.admin_token_file, host=args.host, port=args.port,
+        metrics_port=args.metrics_port, key_prefix=args.key_prefix, base_model=args.base_model,
+        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
+        pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace, leader_lease_ttl_s=args.leader_lease_ttl,
+        reconcile_interval_s=args.reconcile_interval, max_load_attempts=args.max_load_attempts,
+        reserved_unpinned_slots=args.reserved_unpinned_slots,
+    )

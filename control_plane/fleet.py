@@ -1,0 +1,58 @@
+"""Fleet membership: pods join and stay by heartbeat; a lease decides who is live."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from control_plane.errors import BaseModelMismatch, InvalidArgument
+from control_plane.records import PodRecord
+from control_plane.store import Store
+
+_POD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class PodView:
+    """A pod and whether it may receive work now."""
+
+    pod: PodRecord
+    ready: bool
+
+
+class Fleet:
+    """Pod leases: a heartbeat renews a pod's lease for ``lease_ttl_s``; a pod silent for the
+    lease plus ``grace_s`` is no longer listed, and the leader removes it for good."""
+
+    def __init__(self, store: Store, base_model: str, lease_ttl_s: float, grace_s: float) -> None:
+        self._store = store
+        self._base_model = base_model
+        self.lease_ttl_s = lease_ttl_s
+        self.grace_s = grace_s
+
+    async def heartbeat(self, pod: PodRecord) -> int:
+        """Validates and records a heartbeat; returns the newest fencing token for the pod."""
+        if not _POD_ID_RE.match(pod.id):
+            raise InvalidArgument(f"pod_id {pod.id!r} must be 1-64 characters of [A-Za-z0-9._-], "
+                                  "starting with a letter or digit; set --pod-id")
+        match = _ENDPOINT_RE.match(pod.endpoint)
+        if not match or not 0 < int(match.group(2)) < 65536:
+            raise InvalidArgument(f"endpoint {pod.endpoint!r} must be host:port with a port in 1-65535")
+        if self._base_model and pod.base_model and pod.base_model != self._base_model:
+            raise BaseModelMismatch(f"pod {pod.id!r} serves base model {pod.base_model!r} but this fleet serves "
+                                    f"{self._base_model!r}; start the pod with the fleet's model")
+        await self._store.put_pod(dataclasses.replace(pod, last_heartbeat=self._store.now()))
+        return await self._store.fencing_token()
+
+    async def pods(self) -> list[PodView]:
+        """Every pod within its lease plus grace, in id order, READY when its lease runs and it
+        reported itself ready."""
+        now = self._store.now()
+        pods = await self._store.list_pods(heard_since=now - self.lease_ttl_s - self.grace_s)
+        return [PodView(p, p.reported_ready and p.is_live(now, self.lease_ttl_s)) for p in pods]
+
+    async def remove_lost(self) -> list[str]:
+        """Removes pods silent for longer than lease plus grace; returns their ids."""
+        return await self._store.remove_pods_silent_since(self._store.now() - self.lease_ttl_s - self.grace_s)

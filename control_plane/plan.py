@@ -1,0 +1,76 @@
+"""What to tell each pod: a pure diff of desired state against what the pods report."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
+
+
+class Command(enum.Enum):
+    LOAD_AND_PIN = "load_and_pin"  # LoadAdapter, then PinAdapter
+    PIN = "pin"
+    UNPIN = "unpin"
+    UNLOAD = "unload"
+
+
+@dataclass(frozen=True)
+class Action:
+    pod: str
+    endpoint: str
+    command: Command
+    adapter: str
+    source: str = ""
+    sha256: str = ""
+
+
+def retry_due(rec: PlacementRecord, now: float, backoff_s: float) -> bool:
+    """Whether a failed load may be tried again: the wait doubles with each failure."""
+    return now >= rec.updated_at + backoff_s * 2 ** max(0, rec.attempts - 1)
+
+
+def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned: dict[str, tuple[str, ...]],
+                 placements: dict[str, list[PlacementRecord]], now: float, max_attempts: int,
+                 backoff_s: float) -> list[Action]:
+    """Commands that move ``pods`` (the ready ones) towards ``assigned`` (adapter -> pods that
+    should hold it pinned), in per-pod order: unpins first, so that pins never exceed a pod's
+    capacity in passing, then unloads, then loads and pins.
+
+    Promises: empty when the pods already agree (so reconciling is idempotent); an adapter that
+    is not registered, or is resident with other weights than registered, is unpinned and
+    unloaded; a failed load is retried only after its backoff and at most ``max_attempts`` times.
+    """
+    registered = {a.name: a for a in adapters}
+    wanted_on: dict[str, set[str]] = {}
+    for adapter, pod_ids in assigned.items():
+        for pod_id in pod_ids:
+            wanted_on.setdefault(pod_id, set()).add(adapter)
+    failures = {(r.adapter, r.pod): r for recs in placements.values() for r in recs
+                if r.state is PlacementState.FAILED}
+
+    actions: list[Action] = []
+    for pod in sorted(pods, key=lambda p: p.id):
+        unpins, unloads, loads = [], [], []
+        wanted = wanted_on.get(pod.id, set())
+        for res in pod.residents:
+            rec = registered.get(res.name)
+            stale = rec is None or (res.sha256 and res.sha256 != rec.sha256)
+            if res.pinned and (stale or res.name not in wanted):
+                unpins.append(Action(pod.id, pod.endpoint, Command.UNPIN, res.name))
+            if stale:
+                unloads.append(Action(pod.id, pod.endpoint, Command.UNLOAD, res.name))
+        for name in sorted(wanted):
+            rec, res = registered.get(name), pod.resident(name)
+            if rec is None:
+                continue
+            if res is not None and res.sha256 in ("", rec.sha256):
+                if not res.pinned:
+                    loads.append(Action(pod.id, pod.endpoint, Command.PIN, name))
+                continue
+            failed = failures.get((name, pod.id))
+            if failed and (failed.attempts >= max_attempts or not retry_due(failed, now, backoff_s)):
+                continue
+            loads.append(Action(pod.id, pod.endpoint, Command.LOAD_AND_PIN, name, rec.source, rec.sha256))
+        actions += unpins + unloads + loads
+    return actions

@@ -1,0 +1,146 @@
+"""The reconciliation loop: while this replica leads, drive pods towards the registry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+
+from control_plane.config import ControlPlaneConfig
+from control_plane.errors import StoreUnavailable
+from control_plane.fleet import Fleet
+from control_plane.leader import LeaderLease
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.placement import Pin, PodSlots, pinned_capacity, place
+from control_plane.plan import Action, Command, plan_actions
+from control_plane.pod_client import PodClients
+from control_plane.records import PlacementRecord, PlacementState
+from control_plane.store import Store
+
+log = logging.getLogger(__name__)
+_MAX_POD_BACKOFF_S = 60.0
+
+
+class Reconciler:
+    """Each pass: remove lost pods, place pins, record unsatisfiable ones, send the commands
+    that make the pods agree. Passes run every ``reconcile_interval_s`` and at once after a
+    registry change; they do nothing unless this replica holds the leader lease."""
+
+    def __init__(self, config: ControlPlaneConfig, store: Store, fleet: Fleet, lease: LeaderLease,
+                 pods: PodClients, metrics: ControlPlaneMetrics) -> None:
+        self._config = config
+        self._store = store
+        self._fleet = fleet
+        self._lease = lease
+        self._pods = pods
+        self._metrics = metrics
+        # pod id -> (consecutive failed passes, monotonic time before which it is left alone)
+        self._pod_retry: dict[str, tuple[int, float]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Reconciles until ``stop`` is set (within one interval)."""
+        cursor = "$"
+        while not stop.is_set():
+            try:
+                if cursor == "$":
+                    cursor = await self._store.last_event_id()
+                if self._lease.token:
+                    await self.reconcile_once()
+                # Sleep until the next pass is due, or a change event arrives, whichever is first.
+                events = await self._store.events(cursor, count=100,
+                                                  block_ms=int(self._config.reconcile_interval_s * 1000))
+                if events:
+                    cursor = events[-1].id
+            except StoreUnavailable as e:
+                log.warning("reconciliation paused: Redis unavailable", extra={"error": str(e)})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._config.reconcile_interval_s)
+
+    async def reconcile_once(self) -> list[Action]:
+        """One pass; returns the actions it sent."""
+        started = time.perf_counter()
+        cfg = self._config
+        removed = await self._fleet.remove_lost()
+        if removed:
+            self._metrics.pods_removed.inc(len(removed))
+            log.warning("pods removed after lease and grace", extra={"pods": removed})
+        adapters = await self._store.all_adapters()
+        views = await self._fleet.pods()
+        placements = await self._store.placements([a.name for a in adapters])
+        failed = frozenset((r.adapter, r.pod) for recs in placements.values() for r in recs
+                           if r.state is PlacementState.FAILED and r.attempts >= cfg.max_load_attempts)
+        slots = [PodSlots(v.pod.id, pinned_capacity(v.pod.slots_total, v.pod.cpu_cache_capacity,
+                                                     cfg.reserved_unpinned_slots),
+                          frozenset(r.name for r in v.pod.residents if r.pinned), v.ready) for v in views]
+        pins = [Pin(a.name, a.pin_replicas) for a in adapters if a.pinned]
+        assignment = place(pins, slots, failed)
+        await self._store.set_pin_status(assignment.unsatisfied)
+        for name, why in assignment.unsatisfied.items():
+            log.warning("pin not satisfied", extra={"adapter": name, "reason": why})
+
+        ready = [v.pod for v in views if v.ready]
+        actions = plan_actions(adapters, ready, assignment.pods, placements, self._store.now(),
+                               cfg.max_load_attempts, cfg.retry_backoff_s)
+        by_pod: dict[str, list[Action]] = defaultdict(list)
+        for a in actions:
+            if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:
+                by_pod[a.pod].append(a)
+        self._pod_retry = {p: r for p, r in self._pod_retry.items() if p in {v.pod.id for v in views}}
+        attempts = {(r.adapter, r.pod): r.attempts for recs in placements.values() for r in recs}
+        await asyncio.gather(*(self._drive(pod_actions, attempts) for pod_actions in by_pod.values()))
+        await self._pods.forget({v.pod.endpoint for v in views})
+
+        self._metrics.adapters.set(len(adapters))
+        self._metrics.adapters_pinned.set(len(pins))
+        self._metrics.pins_unsatisfied.set(len(assignment.unsatisfied))
+        self._metrics.pods.labels("true").set(sum(v.ready for v in views))
+        self._metrics.pods.labels("false").set(sum(not v.ready for v in views))
+        self._metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        return actions
+
+    async def _drive(self, actions: list[Action], attempts: dict[tuple[str, str], int]) -> None:
+        """Sends one pod's actions in order, recording each load's outcome; stops on the first
+        failure (a later pass retries, after a per-pod backoff that doubles with each failed
+        pass) and steps down on a stale fencing token."""
+        for action in actions:
+            token = self._lease.token
+            if not token:
+                return
+            key = (action.adapter, action.pod)
+            if action.command is Command.LOAD_AND_PIN:
+                await self._record(action, PlacementState.LOADING, "", attempts.get(key, 0))
+            result = await self._pods.execute(action, token)
+            outcome = "ok" if result.ok else result.code.name.lower()
+            self._metrics.pod_commands.labels(action.command.value, outcome).inc()
+            log.info("pod command", extra={"pod": action.pod, "command": action.command.value,
+                                           "adapter": action.adapter, "fencing_token": token, "outcome": outcome,
+                                           "error": result.error})
+            if result.stale:
+                self._lease.step_down(f"pod {action.pod} has seen a newer fencing token than {token}")
+                return
+            if action.command in (Command.LOAD_AND_PIN, Command.PIN):
+                if result.ok:
+                    await self._record(action, PlacementState.READY, "", 0)
+                elif result.transient:
+                    await self._record(action, PlacementState.LOADING, f"pod unreachable, will retry: {result.error}",
+                                       attempts.get(key, 0))
+                else:
+                    failures = attempts.get(key, 0) + 1
+                    await self._record(action, PlacementState.FAILED,
+                                       f"{result.error} (attempt {failures} of {self._config.max_load_attempts})",
+                                       failures)
+            elif action.command is Command.UNLOAD and result.ok:
+                await self._store.delete_placement(action.adapter, action.pod)
+            if not result.ok:
+                failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
+                delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))
+                self._pod_retry[action.pod] = (failed_passes, time.monotonic() + delay)
+                return
+        if actions:
+            self._pod_retry.pop(actions[0].pod, None)
+
+    async def _record(self, action: Action, state: PlacementState, error: str, attempts: int) -> None:
+        await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
+                                                        self._store.now()))

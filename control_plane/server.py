@@ -1,0 +1,147 @@
+"""The control-plane process: wiring, start-up and graceful shutdown.
+
+Run with ``python -m control_plane.server --help`` (or ``lorafleet control-plane``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from lorafleet.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc, membership_pb2, membership_pb2_grpc
+
+from control_plane import logs
+from control_plane.admin_service import AdapterAdminService
+from control_plane.auth import BearerAuthInterceptor, read_token
+from control_plane.config import ControlPlaneConfig, build_parser, config_from_args
+from control_plane.error_status import ErrorStatusInterceptor
+from control_plane.errors import ControlPlaneError, StoreUnavailable
+from control_plane.fleet import Fleet
+from control_plane.leader import LeaderLease
+from control_plane.membership_service import PodMembershipService
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.pod_client import PodClients
+from control_plane.reconciler import Reconciler
+from control_plane.registry import Registry
+from control_plane.store import Store
+
+log = logging.getLogger("control_plane.server")  # not "__main__" under python -m
+
+SERVICES = (
+    adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdmin"].full_name,
+    membership_pb2.DESCRIPTOR.services_by_name["PodMembership"].full_name,
+)
+_SHUTDOWN_GRACE_S = 5.0
+_REDIS_PING_INTERVAL_S = 0.5
+
+
+async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -> None:
+    """Serves until ``stop`` is set or the process receives SIGTERM/SIGINT, then drains."""
+    stop = stop or asyncio.Event()
+    token = read_token(config.admin_token_file)
+    metrics = ControlPlaneMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.host)
+    store = Store(config.redis_url, config.key_prefix, config.event_stream_maxlen)
+    fleet = Fleet(store, config.base_model, config.pod_lease_ttl_s, config.pod_grace_s)
+    registry = Registry(store, fleet, config.base_model)
+    lease = LeaderLease(store, config.replica, config.leader_lease_ttl_s, metrics)
+    pods = PodClients(token, config.command_timeout_s)
+    reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
+
+    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics), BearerAuthInterceptor(token)])
+    adapter_admin_pb2_grpc.add_AdapterAdminServicer_to_server(AdapterAdminService(registry), server)
+    membership_pb2_grpc.add_PodMembershipServicer_to_server(PodMembershipService(fleet, registry), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if config.tls:
+        creds = grpc.ssl_server_credentials([(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())])
+        server.add_secure_port(address, creds)
+    else:
+        server.add_insecure_port(address)
+
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("control plane serving", extra={"address": address, "tls": config.tls, "replica": lease.replica,
+                                             "key_prefix": config.key_prefix, "metrics_port": config.metrics_port})
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(_watch_redis(store, health_servicer, metrics, stop)),
+             asyncio.create_task(lease.run(stop)), asyncio.create_task(reconciler.run(stop))]
+    try:
+        await stop.wait()
+    finally:
+        stop.set()
+        log.info("control plane stopping")
+        await health_servicer.enter_graceful_shutdown()
+        # The loops notice ``stop`` within one interval; lease.run then releases the lease so
+        # that another replica takes over at once. Cancelling is the fallback only, because a
+        # cancellation inside a Redis call can surface as a connection error instead.
+        _, late = await asyncio.wait(tasks, timeout=config.reconcile_interval_s + _SHUTDOWN_GRACE_S)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop(_SHUTDOWN_GRACE_S)
+        await pods.close()
+        await store.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+        log.info("control plane stopped")
+
+
+async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
+    for name in ("", *SERVICES):
+        await servicer.set(name, status)
+
+
+async def _watch_redis(store: Store, servicer: health.aio.HealthServicer, metrics: ControlPlaneMetrics,
+                       stop: asyncio.Event) -> None:
+    """SERVING exactly while Redis answers: every RPC needs the registry."""
+    up = None
+    while not stop.is_set():
+        try:
+            await store.ping()
+            now_up = True
+        except StoreUnavailable as e:
+            now_up = False
+            if up is not False:
+                log.warning("Redis unreachable; health is NOT_SERVING", extra={"error": str(e)})
+        if now_up != up:
+            up = now_up
+            metrics.redis_up.set(1 if up else 0)
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            await _set_health(servicer, status)
+            if up:
+                log.info("Redis reachable; health is SERVING")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), _REDIS_PING_INTERVAL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lorafleet control-plane``: parses flags, then serves until SIGTERM or Ctrl-C."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        logs.configure(args.log_level, config.replica)
+        asyncio.run(serve(config))
+    except ControlPlaneError as e:
+        print(f"lorafleet control-plane: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

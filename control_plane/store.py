@@ -1,0 +1,358 @@
+"""The registry in Redis: the only module that talks to Redis.
+
+Key layout, all under ``{prefix}:``
+    adapter:{name}     hash   name, source, sha256, base_model, version, pinned, pin_replicas
+    adapters           zset   every adapter name at score 0 (name order, for paging by ZRANGEBYLEX)
+    placement:{name}   hash   pod id -> JSON PlacementRecord (what the reconciler asked of that pod)
+    pin_status         hash   adapter name -> why its pin is not fully placed
+    pods               zset   pod id -> unix time of its last heartbeat
+    pod:{id}           string JSON PodRecord as of its last heartbeat
+    events             stream change feed: kind, name, version (capped, approximately)
+    leader             string "{replica}|{fencing token}" with a TTL: the reconciler lease
+    fencing            int    last fencing token issued (INCR; never decreases)
+
+Adapter writes are compare-and-set on the record's version: WATCH the hash, read, check, then
+MULTI/EXEC the new record, its index and its change event together; a concurrent writer aborts
+the EXEC and the change is retried on the fresh record, so no acknowledged write is lost.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError, WatchError
+
+from control_plane.errors import AdapterExists, AdapterNotFound, InvalidArgument, StoreUnavailable, VersionConflict
+from control_plane.records import AdapterRecord, Event, PlacementRecord, PodRecord
+
+_CAS_ATTEMPTS = 32
+
+# KEYS: leader, fencing. ARGV: replica, ttl ms. Returns the holder's fencing token, or 0 when
+# another replica holds the lease. A lapsed lease is taken with a new, larger token.
+_ACQUIRE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local sep = string.find(cur, '|', 1, true)
+  if string.sub(cur, 1, sep - 1) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(string.sub(cur, sep + 1))
+  end
+  return 0
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return token
+"""
+
+# KEYS: leader. ARGV: "{replica}|{token}". Deletes the lease only if this holder still has it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: pods, pod:{id}, events. ARGV: id, cutoff, maxlen. Removes the pod only if no heartbeat
+# arrived since the caller decided it was dead.
+_REMOVE_POD = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'kind', 'pod_removed', 'name', ARGV[1], 'version', '0')
+return 1
+"""
+
+
+class Store:
+    """Async access to the registry; every method is one atomic step in Redis."""
+
+    def __init__(self, redis_url: str, prefix: str, event_maxlen: int = 10_000,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._r = redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
+                                 socket_connect_timeout=2.0)
+        self._p = prefix
+        self._maxlen = event_maxlen
+        self._clock = clock
+        self._acquire = self._r.register_script(_ACQUIRE)
+        self._release = self._r.register_script(_RELEASE)
+        self._remove_pod = self._r.register_script(_REMOVE_POD)
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self._p, *parts))
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def ping(self) -> None:
+        """Returns when Redis answers; raises StoreUnavailable otherwise."""
+        async with _available():
+            await self._r.ping()
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    async def create_adapter(self, rec: AdapterRecord) -> AdapterRecord:
+        """Stores a new adapter at version 1. Registering the same adapter again returns the
+        stored record; a different adapter under a taken name raises AdapterExists."""
+        key = self._k("adapter", rec.name)
+        async with _available(), self._r.pipeline() as pipe:
+            for _ in range(_CAS_ATTEMPTS):
+                try:
+                    await pipe.watch(key)
+                    old = _adapter(await pipe.hgetall(key))
+                    if old is not None:
+                        await pipe.reset()
+                        if (old.source, old.sha256, old.base_model) == (rec.source, rec.sha256, rec.base_model):
+                            return old
+                        raise AdapterExists(
+                            f"adapter {rec.name!r} is already registered with source {old.source} and sha256 "
+                            f"{old.sha256}; unregister it first or choose another name")
+                    new = dataclasses.replace(rec, version=1)
+                    pipe.multi()
+                    pipe.hset(key, mapping=new.to_fields())
+                    pipe.zadd(self._k("adapters"), {rec.name: 0})
+                    self._event(pipe, "registered", rec.name, 1)
+                    await pipe.execute()
+                    return new
+                except WatchError:
+                    continue
+        raise StoreUnavailable(f"registering {rec.name!r} kept conflicting with other writers; retry")
+
+    async def get_adapter(self, name: str) -> AdapterRecord:
+        async with _available():
+            rec = _adapter(await self._r.hgetall(self._k("adapter", name)))
+        if rec is None:
+            raise _not_found(name)
+        return rec
+
+    async def update_adapter(self, name: str, change: Callable[[AdapterRecord], AdapterRecord], event: str,
+                             expected_version: int = 0, clear_placements: bool = False) -> AdapterRecord:
+        """Applies ``change`` to the current record and stores it at the next version, retrying
+        on concurrent writes. With ``expected_version`` the write happens only if the record is
+        still at that version (VersionConflict otherwise). A change that alters nothing is not
+        written and keeps the version. ``clear_placements`` also forgets the reconciler's
+        placement records (and so its failed-load counts) for the adapter."""
+        key = self._k("adapter", name)
+        async with _available(), self._r.pipeline() as pipe:
+            for _ in range(_CAS_ATTEMPTS):
+                try:
+                    await pipe.watch(key)
+                    old = _adapter(await pipe.hgetall(key))
+                    _check_version(name, old, expected_version)
+                    new = dataclasses.replace(change(old), name=name, version=old.version)
+                    if new == old and not clear_placements:
+                        await pipe.reset()
+                        return old
+                    new = dataclasses.replace(new, version=old.version + (new != old))
+                    pipe.multi()
+                    pipe.hset(key, mapping=new.to_fields())
+                    if clear_placements:
+                        pipe.delete(self._k("placement", name))
+                    self._event(pipe, event, name, new.version)
+                    await pipe.execute()
+                    return new
+                except WatchError:
+                    continue
+        raise StoreUnavailable(f"updating {name!r} kept conflicting with other writers; retry")
+
+    async def delete_adapter(self, name: str, expected_version: int = 0) -> AdapterRecord:
+        """Removes the adapter, its placements and its pin status; returns the removed record."""
+        key = self._k("adapter", name)
+        async with _available(), self._r.pipeline() as pipe:
+            for _ in range(_CAS_ATTEMPTS):
+                try:
+                    await pipe.watch(key)
+                    old = _adapter(await pipe.hgetall(key))
+                    _check_version(name, old, expected_version)
+                    pipe.multi()
+                    pipe.delete(key, self._k("placement", name))
+                    pipe.zrem(self._k("adapters"), name)
+                    pipe.hdel(self._k("pin_status"), name)
+                    self._event(pipe, "unregistered", name, old.version + 1)
+                    await pipe.execute()
+                    return old
+                except WatchError:
+                    continue
+        raise StoreUnavailable(f"unregistering {name!r} kept conflicting with other writers; retry")
+
+    async def list_adapters(self, page_size: int, page_token: str = "") -> tuple[list[AdapterRecord], str]:
+        """One page of adapters in name order and the token of the next page ("" on the last)."""
+        start = "-"
+        if page_token:
+            try:
+                start = "(" + base64.b64decode(page_token.encode(), altchars=b"-_", validate=True).decode()
+                if start == "(":
+                    raise ValueError("empty page token")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise InvalidArgument(f"page_token {page_token!r} is not one this server issued; "
+                                      "pass next_page_token from the previous page or empty") from e
+        async with _available():
+            names = await self._r.zrangebylex(self._k("adapters"), start, "+", start=0, num=page_size + 1)
+            records = await self._adapters(names[:page_size])
+        token = ""
+        if len(names) > page_size:
+            token = base64.urlsafe_b64encode(names[page_size - 1].encode()).decode()
+        return records, token
+
+    async def all_adapters(self) -> list[AdapterRecord]:
+        async with _available():
+            return await self._adapters(await self._r.zrange(self._k("adapters"), 0, -1))
+
+    async def _adapters(self, names: list[str]) -> list[AdapterRecord]:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hgetall(self._k("adapter", n))
+            rows = await pipe.execute()
+        # A name removed between the two reads is skipped rather than reported half-gone.
+        return [rec for rec in map(_adapter, rows) if rec is not None]
+
+    # ---- pods -----------------------------------------------------------------------------
+
+    async def put_pod(self, pod: PodRecord) -> None:
+        """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat."""
+        async with _available(), self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("pod", pod.id), pod.to_json())
+            pipe.zadd(self._k("pods"), {pod.id: pod.last_heartbeat})
+            _, added = await pipe.execute()
+            if added:
+                await self._r.xadd(self._k("events"), {"kind": "pod_joined", "name": pod.id, "version": "0"},
+                                   maxlen=self._maxlen, approximate=True)
+
+    async def list_pods(self, heard_since: float = 0.0) -> list[PodRecord]:
+        """Pods whose last heartbeat is at or after ``heard_since``, in id order."""
+        async with _available():
+            ids = await self._r.zrangebyscore(self._k("pods"), heard_since, "+inf")
+            if not ids:
+                return []
+            rows = await self._r.mget([self._k("pod", i) for i in ids])
+        return sorted((PodRecord.from_json(row) for row in rows if row), key=lambda p: p.id)
+
+    async def remove_pods_silent_since(self, cutoff: float) -> list[str]:
+        """Removes every pod with no heartbeat after ``cutoff``, with its placements; returns their ids."""
+        async with _available():
+            ids = await self._r.zrangebyscore(self._k("pods"), "-inf", cutoff)
+            removed = []
+            for pod_id in ids:
+                keys = [self._k("pods"), self._k("pod", pod_id), self._k("events")]
+                if await self._remove_pod(keys=keys, args=[pod_id, cutoff, self._maxlen]):
+                    removed.append(pod_id)
+            if removed:
+                names = await self._r.zrange(self._k("adapters"), 0, -1)
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for n in names:
+                        pipe.hdel(self._k("placement", n), *removed)
+                    await pipe.execute()
+        return removed
+
+    # ---- placements and pin status --------------------------------------------------------
+
+    async def put_placement(self, rec: PlacementRecord) -> None:
+        async with _available():
+            await self._r.hset(self._k("placement", rec.adapter), rec.pod, rec.to_json())
+
+    async def delete_placement(self, adapter: str, pod: str) -> None:
+        async with _available():
+            await self._r.hdel(self._k("placement", adapter), pod)
+
+    async def placements(self, names: list[str]) -> dict[str, list[PlacementRecord]]:
+        """The placement records of each named adapter, by pod id."""
+        async with _available(), self._r.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hgetall(self._k("placement", n))
+            rows = await pipe.execute()
+        return {n: sorted(map(PlacementRecord.from_json, row.values()), key=lambda p: p.pod)
+                for n, row in zip(names, rows, strict=True)}
+
+    async def set_pin_status(self, statuses: dict[str, str]) -> None:
+        """Replaces every adapter's pin status at once (adapters absent here are fully placed)."""
+        async with _available(), self._r.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k("pin_status"))
+            if statuses:
+                pipe.hset(self._k("pin_status"), mapping=statuses)
+            await pipe.execute()
+
+    async def pin_status(self, names: list[str]) -> dict[str, str]:
+        if not names:
+            return {}
+        async with _available():
+            values = await self._r.hmget(self._k("pin_status"), names)
+        return {n: v for n, v in zip(names, values, strict=True) if v}
+
+    # ---- change feed ----------------------------------------------------------------------
+
+    def _event(self, pipe, kind: str, name: str, version: int) -> None:
+        pipe.xadd(self._k("events"), {"kind": kind, "name": name, "version": str(version)},
+                  maxlen=self._maxlen, approximate=True)
+
+    async def events(self, after: str = "0-0", count: int = 100, block_ms: int | None = None) -> list[Event]:
+        """Change events after stream id ``after``, oldest first; waits up to ``block_ms`` for one."""
+        async with _available():
+            reply = await self._r.xread({self._k("events"): after}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [Event(id=i, kind=f["kind"], name=f["name"], version=int(f.get("version", 0)), fields=f)
+                for i, f in entries]
+
+    async def last_event_id(self) -> str:
+        async with _available():
+            last = await self._r.xrevrange(self._k("events"), count=1)
+        return last[0][0] if last else "0-0"
+
+    # ---- leader lease ---------------------------------------------------------------------
+
+    async def acquire_leadership(self, replica: str, ttl_s: float) -> int:
+        """Takes or renews the reconciler lease for ``ttl_s``; returns this replica's fencing
+        token, or 0 while another replica holds the lease."""
+        async with _available():
+            return int(await self._acquire(keys=[self._k("leader"), self._k("fencing")],
+                                           args=[replica, max(1, int(ttl_s * 1000))]))
+
+    async def release_leadership(self, replica: str, token: int) -> bool:
+        """Gives the lease up if this replica still holds it with ``token``."""
+        async with _available():
+            return bool(await self._release(keys=[self._k("leader")], args=[f"{replica}|{token}"]))
+
+    async def leader(self) -> tuple[str, int] | None:
+        """(replica, fencing token) of the current lease holder, or None."""
+        async with _available():
+            cur = await self._r.get(self._k("leader"))
+        if not cur:
+            return None
+        replica, _, token = cur.rpartition("|")
+        return replica, int(token)
+
+    async def fencing_token(self) -> int:
+        """The newest fencing token ever issued (0 before any)."""
+        async with _available():
+            return int(await self._r.get(self._k("fencing")) or 0)
+
+    def now(self) -> float:
+        return self._clock()
+
+
+@asynccontextmanager
+async def _available() -> AsyncIterator[None]:
+    try:
+        yield
+    except RedisError as e:
+        raise StoreUnavailable(f"Redis is unavailable ({e}); check --redis-url and that Redis is running") from e
+
+
+def _check_version(name: str, old: AdapterRecord | None, expected: int) -> None:
+    if old is None:
+        raise _not_found(name)
+    if expected and old.version != expected:
+        raise VersionConflict(f"adapter {name!r} is at version {old.version}, not {expected}; "
+                              "read it again (GetAdapter) and retry with the current version")
+
+
+def _adapter(h: dict[str, str]) -> AdapterRecord | None:
+    return AdapterRecord.from_fields(h) if h else None
+
+
+def _not_found(name: str) -> AdapterNotFound:
+    return AdapterNotFound(f"adapter {name!r} is not registered; register it first (RegisterAdapter)")

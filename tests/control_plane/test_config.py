@@ -1,0 +1,46 @@
+"""The control plane's configuration refuses bad values with a message naming the flag to fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from control_plane.config import ControlPlaneConfig, build_parser, config_from_args
+from control_plane.errors import ConfigError
+from control_plane.server import main
+
+
+@pytest.fixture
+def valid(token_file) -> ControlPlaneConfig:
+    return ControlPlaneConfig(redis_url="redis://127.0.0.1:6379/0", admin_token_file=token_file)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"redis_url": "127.0.0.1:6379"}, "--redis-url"),
+    ({"port": 70000}, "not a TCP port"),
+    ({"key_prefix": "a:b"}, "--key-prefix"),
+    ({"replica_id": "r|1"}, "--replica-id"),
+    ({"tls_key_file": "/nonexistent/key.pem"}, "--tls-cert and --tls-key go together"),
+    ({"admin_token_file": "/nonexistent/token"}, "is not a readable file"),
+    ({"pod_lease_ttl_s": 0}, "pod_lease_ttl_s must be positive"),
+    ({"max_load_attempts": 0}, "at least 1"),
+])
+def test_invalid_settings_are_refused_naming_what_to_fix(valid, change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(valid, **change)
+
+
+def test_flags_build_the_config(token_file):
+    args = build_parser().parse_args(["--redis-url", "redis://r:1/2", "--host", "127.0.0.1", "--port", "5",
+                                      "--metrics-port", "6", "--admin-token-file", str(token_file),
+                                      "--key-prefix", "fleet", "--base-model", "m"])
+    config = config_from_args(args)
+    assert (config.redis_url, config.host, config.port, config.metrics_port, config.key_prefix, config.base_model) \
+        == ("redis://r:1/2", "127.0.0.1", 5, 6, "fleet", "m")
+    assert config.replica  # defaults to hostname-pid
+
+
+def test_main_reports_a_bad_flag_value_and_exits_2(token_file, capsys):
+    assert main(["--redis-url", "localhost", "--admin-token-file", str(token_file)]) == 2
+    assert "must start with redis://" in capsys.readouterr().err

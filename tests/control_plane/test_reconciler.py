@@ -1,0 +1,214 @@
+"""Reconciliation passes against a real Redis, with the DataPlaneAdmin calls answered by a
+scripted stand-in for the pod clients (pods themselves are integration-tested with the data plane)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from control_plane.fleet import Fleet
+from control_plane.leader import LeaderLease
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.plan import Action, Command
+from control_plane.pod_client import CommandResult
+from control_plane.reconciler import Reconciler
+from control_plane.records import AdapterRecord, PlacementState, PodRecord, Residency
+from control_plane.registry import Registry
+from control_plane.store import Store
+
+SHA = "ab" * 32
+
+
+class ScriptedPods:
+    """Answers every command OK unless ``refuse`` names its (pod, command); records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Command, str, int]] = []
+        self.refuse: dict[tuple[str, Command], CommandResult] = {}
+
+    async def execute(self, action: Action, token: int) -> CommandResult:
+        self.calls.append((action.pod, action.command, action.adapter, token))
+        return self.refuse.get((action.pod, action.command), CommandResult(True))
+
+    async def forget(self, keep: set[str]) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Harness:
+    def __init__(self, config, redis_url: str) -> None:
+        self.config = dataclasses.replace(config, retry_backoff_s=0.01, max_load_attempts=2)
+        self.clock = Clock()
+        self.store = Store(redis_url, "rec", clock=self.clock)
+        self.fleet = Fleet(self.store, "", self.config.pod_lease_ttl_s, self.config.pod_grace_s)
+        self.registry = Registry(self.store, self.fleet, "")
+        self.lease = LeaderLease(self.store, "me", 30.0, ControlPlaneMetrics())
+        self.pods = ScriptedPods()
+        self.reconciler = Reconciler(self.config, self.store, self.fleet, self.lease, self.pods, ControlPlaneMetrics())
+
+    async def pod(self, pod_id: str, *residents: Residency, slots: int = 3) -> None:
+        await self.fleet.heartbeat(PodRecord(pod_id, f"127.0.0.1:{7000 + int(pod_id[-1])}", reported_ready=True,
+                                             slots_total=slots, cpu_cache_capacity=8, residents=residents))
+
+    async def adapter(self, name: str, replicas: int | None = None) -> None:
+        await self.store.create_adapter(AdapterRecord(name, f"file:///a/{name}", SHA, "m"))
+        if replicas is not None:
+            await self.registry.pin(name, replicas)
+
+    async def sent(self) -> list[tuple[str, Command, str]]:
+        """Runs one pass; returns the commands it sent (without tokens)."""
+        self.pods.calls.clear()
+        await self.reconciler.reconcile_once()
+        return [c[:3] for c in self.pods.calls]
+
+
+def run(config, redis_server, body):
+    async def go():
+        h = Harness(config, redis_server.url)
+        try:
+            return await body(h)
+        finally:
+            await h.store.close()
+
+    return asyncio.run(go())
+
+
+def test_a_replica_without_the_leader_lease_sends_no_commands(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0")
+        await h.store.acquire_leadership("someone-else", 30)
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == []
+
+
+def test_a_pinned_adapter_is_loaded_and_pinned_with_the_leaders_fencing_token(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0")
+        token = await h.lease.renew()
+        await h.reconciler.reconcile_once()
+        return token, h.pods.calls, await h.store.placements(["a"])
+
+    token, calls, placements = run(config, redis_server, body)
+    assert token > 0
+    assert calls == [("p0", Command.LOAD_AND_PIN, "a", token)]
+    assert [(p.pod, p.state) for p in placements["a"]] == [("p0", PlacementState.READY)]
+
+
+def test_reconciling_pods_that_already_agree_sends_nothing(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.adapter("b")
+        await h.pod("p0", Residency("a", pinned=True, sha256=SHA), Residency("b", sha256=SHA))
+        await h.lease.renew()
+        return await h.sent(), await h.sent()
+
+    assert run(config, redis_server, body) == ([], [])
+
+
+def test_a_failed_load_is_recorded_with_its_reason_retried_then_placed_elsewhere(config, redis_server):
+    refusal = CommandResult(False, grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch for a")
+
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0", slots=4)
+        await h.pod("p1", slots=2)  # less free capacity: p0 is chosen first
+        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = refusal
+        await h.lease.renew()
+        first = await h.sent()
+        view = await h.registry.get("a")
+        await asyncio.sleep(0.05)  # past the (tiny) retry backoff
+        h.clock.t += 1
+        second = await h.sent()
+        return first, view, second, await h.sent(), (await h.registry.get("a")).pin_status
+
+    first, view, second, third, status = run(config, redis_server, body)
+    assert first == [("p0", Command.LOAD_AND_PIN, "a")]
+    assert [(p.pod, p.state, p.error) for p in view.placements] == [
+        ("p0", PlacementState.FAILED, "sha256 mismatch for a (attempt 1 of 2)")]
+    assert second == [("p0", Command.LOAD_AND_PIN, "a")]  # second and last attempt on p0
+    assert third == [("p1", Command.LOAD_AND_PIN, "a")]  # given up on p0: placed on p1
+    assert status == ""
+
+
+def test_an_unplaceable_pin_is_reported_in_the_adapters_pin_status(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=3)
+        await h.pod("p0")
+        await h.lease.renew()
+        await h.sent()
+        return await h.registry.get("a")
+
+    view = run(config, redis_server, body)
+    assert view.pin_status == "asked for 3 pods, pinned on 1: only 1 ready pod"
+
+
+def test_a_pod_that_has_seen_a_newer_fencing_token_makes_the_leader_step_down(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=0)
+        await h.adapter("b", replicas=0)
+        await h.pod("p0")
+        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = CommandResult(False, grpc.StatusCode.ABORTED, "stale", True)
+        await h.lease.renew()
+        sent = await h.sent()
+        return sent, h.lease.token
+
+    sent, token = run(config, redis_server, body)
+    assert sent == [("p0", Command.LOAD_AND_PIN, "a")]  # nothing after the refusal
+    assert token == 0
+
+
+def test_a_pod_lost_past_its_lease_and_grace_is_removed_and_its_pins_move(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0", Residency("a", pinned=True, sha256=SHA))
+        await h.pod("p1")
+        await h.lease.renew()
+        assert await h.sent() == []
+        h.clock.t += h.config.pod_lease_ttl_s + h.config.pod_grace_s + 0.1
+        await h.pod("p1")  # p1 keeps heartbeating, p0 has gone silent
+        moved = await h.sent()
+        return moved, [v.pod.id for v in await h.fleet.pods()]
+
+    moved, pods = run(config, redis_server, body)
+    assert moved == [("p1", Command.LOAD_AND_PIN, "a")]
+    assert pods == ["p1"]
+
+
+def test_an_unregistered_adapter_is_unpinned_and_unloaded_from_pods(config, redis_server):
+    async def body(h):
+        await h.pod("p0", Residency("old", pinned=True, sha256=SHA))
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old")]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_an_unreachable_pod_does_not_use_up_load_attempts(config, redis_server, code):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0")
+        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = CommandResult(False, code, "connection refused")
+        await h.lease.renew()
+        for _ in range(3):
+            await h.sent()
+            await asyncio.sleep(0.05)
+        return await h.store.placements(["a"])
+
+    [placement] = run(config, redis_server, body)["a"]
+    assert (placement.state, placement.attempts) == (PlacementState.LOADING, 0)
+    assert "pod unreachable, will retry" in placement.error
