@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.errors import ConfigError, Unauthenticated
+from control_plane.errors import ConfigError
 
 PROTECTED_PREFIXES = ("/lorafleet.v1.AdapterAdmin/", "/lorafleet.v1.PodMembership/")
 
@@ -25,7 +25,8 @@ def read_token(path: Path) -> str:
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Lets a call to a protected service through only with ``authorization: Bearer <token>``.
-    Health and reflection stay open so that probes and grpcurl work without the token."""
+    Health and reflection stay open so that probes and grpcurl work without the token.
+    Serves both processes: the control plane's admin services and the pods' DataPlaneAdmin."""
 
     def __init__(self, token: str, protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
         self._expected = token.encode()
@@ -52,7 +53,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 def _deny(message: str) -> grpc.RpcMethodHandler:
     async def deny(request, context):
-        raise Unauthenticated(message)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     # Every protected RPC is unary-unary; the request is left undecoded since it is refused.
     return grpc.unary_unary_rpc_method_handler(deny)

@@ -46,3 +46,11 @@ class ShuttingDown(LorafleetError):
 
 class StaleCommand(LorafleetError):
     """A command carried a fencing token older than one the pod has already seen."""
+
+
+class ControlPlaneUnavailable(LorafleetError):
+    """The control plane could not be reached or refused the pod's credentials."""
+
+
+class NotReady(LorafleetError):
+    """The pod is still loading its model; retry shortly."""

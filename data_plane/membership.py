@@ -12,17 +12,13 @@ from collections.abc import Callable
 import grpc
 from lorafleet.v1 import data_plane_admin_pb2, membership_pb2, membership_pb2_grpc
 
-from data_plane.errors import AdapterNotFound, LorafleetError, StaleCommand
+from data_plane.errors import AdapterNotFound, ControlPlaneUnavailable, StaleCommand
 
 log = logging.getLogger(__name__)
 
 # Reconnect quickly once the control plane is back (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                     ("grpc.max_reconnect_backoff_ms", 5000))
-
-
-class ControlPlaneUnavailable(LorafleetError):
-    """The control plane could not be reached or refused the pod's credentials."""
 
 
 class FencingGuard:

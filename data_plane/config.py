@@ -1,0 +1,112 @@
+"""The data-plane pod's configuration: built once from flags, frozen, validated."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    model: Path | None  # None = the demo model
+    host: str = "127.0.0.1"
+    port: int = 50052
+    metrics_port: int = 9101
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8
+    max_cpu_loras: int = 32
+    max_lora_rank: int = 64
+    control_plane: str | None = None
+    pod_id: str = ""
+    endpoint: str = ""  # what the pod tells the control plane to dial; default host:port
+    adapter_roots: tuple[Path, ...] = ()
+    admin_token_file: Path | None = None
+    allow_pickle_adapters: bool = False
+    max_adapter_bytes: int = 2 << 30
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 256
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0 = sized automatically (device memory on CUDA, a fixed budget on CPU)
+    gpu_memory_utilization: float = 0.9
+    drain_grace_s: float = 30.0
+    heartbeat_interval_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if not 1 <= self.max_loras <= self.max_cpu_loras:
+            raise ValueError(f"need 1 <= --max-loras ({self.max_loras}) <= --max-cpu-loras ({self.max_cpu_loras})")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"--max-lora-rank must be within 1..512, got {self.max_lora_rank}")
+        if self.control_plane and not self.admin_token_file:
+            raise ValueError("--control-plane needs --admin-token-file (the control plane's bearer token)")
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1 or self.num_kv_blocks < 0:
+            raise ValueError("engine limits must be positive")
+        if not 0.1 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
+
+    @property
+    def resolved_pod_id(self) -> str:
+        return self.pod_id or f"{socket.gethostname()}-{self.port}"
+
+    @property
+    def resolved_endpoint(self) -> str:
+        return self.endpoint or f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
+        return cls(
+            model=Path(args.model) if args.model else None, host=args.host, port=args.port,
+            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
+            pod_id=args.pod_id or "", endpoint=args.endpoint or "",
+            adapter_roots=tuple(Path(p) for p in args.adapter_root or ()),
+            admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
+            allow_pickle_adapters=args.allow_pickle_adapters, max_adapter_bytes=args.max_adapter_bytes,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
+            heartbeat_interval_s=args.heartbeat_interval,
+        )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``lorafleet data-plane`` flags."""
+    d = DataPlaneConfig(model=None)
+    p.add_argument("--model", help="Hugging Face model directory (default: the demo model)")
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port (Generation, DataPlaneAdmin, health)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
+    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
+    p.add_argument("--control-plane", help="control plane host:port to register with and heartbeat to")
+    p.add_argument("--pod-id", help="this pod's identifier (default: hostname-port)")
+    p.add_argument("--endpoint", help="host:port the control plane and clients dial (default: host:port)")
+    p.add_argument("--adapter-root", action="append",
+                   help="directory adapters may be loaded from (repeatable); its subdirectories load by name")
+    p.add_argument("--admin-token-file", help="file holding the bearer token DataPlaneAdmin callers must send")
+    p.add_argument("--allow-pickle-adapters", action="store_true",
+                   help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")
+    p.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes, help="largest adapter file")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="most tokens in one step (bounds prefill chunks)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV-cache blocks (0 = automatic)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of GPU memory the pod may use (model + adapters + KV cache)")
+    p.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   help="seconds between heartbeats to the control plane")

@@ -1,0 +1,1 @@
+"""The continuous-batching engine: schedule() -> run() -> postprocess(), over a paged KV cache."""

@@ -1,0 +1,293 @@
+"""The engine: one asyncio task that loops schedule() -> run() -> postprocess().
+
+Scheduling and bookkeeping happen on the event loop; the forward pass runs in a worker thread
+under ``model_lock`` so that admin operations that copy into adapter slots never race with it.
+Adapter files are read and validated in worker threads too, off the step loop: a request whose
+adapter is loading waits while the batch keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.model_runner import ModelRunner
+from data_plane.engine.output import OutputText
+from data_plane.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
+from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown
+from data_plane.lora.adapter_cache import Residency, Tier
+from data_plane.lora.runtime import LoraRuntime
+from data_plane.metrics import PodMetrics
+from data_plane.model.llama import LlamaForCausalLM
+from data_plane.model.tokenizer import Tokenizer
+
+log = logging.getLogger("lorafleet.engine")
+
+# name -> (source, sha256); raises AdapterNotFound for an unknown name.
+Resolver = Callable[[str], Awaitable[tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 256
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:
+            raise ValueError("engine limits must be positive")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    text: str
+    tokens: tuple[TokenOut, ...]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    seq: Sequence
+    text: OutputText
+    queue: asyncio.Queue  # StepOutput | LorafleetError
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
+                 resolver: Resolver, metrics: PodMetrics) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lora = lora
+        self.limits = limits
+        self.metrics = metrics
+        self._resolve = resolver
+        self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size)
+        self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size))
+        self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
+                                   self.blocks, lora.cache, lambda name: name in lora.cache)
+        self.model_lock = asyncio.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.accepting = True
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops accepting requests and waits up to ``grace_s`` for in-flight ones to finish."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id, ShuttingDown("the pod shut down before the request finished; retry elsewhere"))
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+        """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
+        output for a bad request; closing the iterator aborts the request and frees its blocks."""
+        request_id = request_id or uuid.uuid4().hex
+        seq = self._admit(request_id, prompt_ids, params, adapter)
+        stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
+        if adapter is not None and adapter not in self.lora.cache:
+            await self._start_load(adapter)  # NOT_FOUND surfaces here, before anything is queued
+        self._streams[request_id] = stream
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self._wakeup.set()
+        outcome = "aborted"
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, LorafleetError):
+                    outcome = "error"
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    outcome = item.finish_reason.value
+                    return
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+            self.abort(request_id)
+
+    def abort(self, request_id: str, error: LorafleetError | None = None) -> None:
+        """Ends a request now, freeing its KV blocks and adapter slot."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.seq.finish_reason = stream.seq.finish_reason or FinishReason.ABORTED
+        self.scheduler.finish(stream.seq)
+        if error is not None:
+            stream.queue.put_nowait(error)
+        self._wakeup.set()
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None) -> Sequence:
+        if not self.accepting:
+            raise ShuttingDown("this pod is shutting down; send the request to another pod")
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty; send a prompt or messages")
+        limit = min(self.limits.max_model_len, self.limits.num_kv_blocks * self.limits.block_size)
+        if len(prompt_ids) >= limit:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this pod accepts at most {limit - 1}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        if len(self.scheduler.waiting) >= self.limits.max_waiting:
+            raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later")
+        max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
+        return Sequence(request_id, adapter, list(prompt_ids), params, max_total)
+
+    # ---- adapters ------------------------------------------------------------------------
+    async def _start_load(self, name: str, source: str | None = None, sha256: str = "") -> asyncio.Task:
+        task = self._loading.get(name)
+        if task is None:
+            if source is None:
+                source, sha256 = await self._resolve(name)
+            task = asyncio.get_running_loop().create_task(self._load(name, source, sha256))
+            self._loading[name] = task
+        return task
+
+    async def _load(self, name: str, source: str, sha256: str) -> Residency:
+        start = time.monotonic()
+        try:
+            adapter = await asyncio.to_thread(self.lora.read, name, source, sha256)
+            residency = self.lora.cache.insert(adapter)
+        except LorafleetError as e:
+            self.metrics.load_latency.labels("error").observe(time.monotonic() - start)
+            self.metrics.load_failures.inc()
+            self.lora.cache.stats.loads[(Tier.CPU, "error")] += 1
+            for stream in [s for s in self._streams.values() if s.seq.adapter == name and s.seq.slot < 0]:
+                self.abort(stream.seq.request_id, e)
+            raise
+        finally:
+            self._loading.pop(name, None)
+            self._wakeup.set()
+        self.metrics.load_latency.labels("ok").observe(time.monotonic() - start)
+        log.info("adapter loaded", extra={"adapter": name, "rank": adapter.rank, "seconds": time.monotonic() - start})
+        return residency
+
+    async def load_adapter(self, name: str, source: str, sha256: str = "") -> Residency:
+        """Reads, validates and caches an adapter (admin Load); idempotent for the same weights."""
+        task = self._loading.get(name) or await self._start_load(name, source, sha256)
+        return await asyncio.shield(task)
+
+    async def with_slots(self, fn: Callable[[], object]):
+        """Runs ``fn`` (a cache operation that may copy into slots) between forward passes."""
+        async with self.model_lock:
+            return fn()
+
+    def _kick_evicted_loads(self) -> None:
+        # an adapter evicted from the CPU tier while its requests waited is loaded again
+        for seq in self.scheduler.waiting:
+            if seq.adapter is not None and seq.adapter not in self.lora.cache and seq.adapter not in self._loading:
+                asyncio.get_running_loop().create_task(self._reload(seq.adapter))
+
+    async def _reload(self, name: str) -> None:
+        try:
+            await self._start_load(name)
+        except LorafleetError as e:
+            for stream in [s for s in self._streams.values() if s.seq.adapter == name and s.seq.slot < 0]:
+                self.abort(stream.seq.request_id, e)
+
+    # ---- the step loop ---------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            self._kick_evicted_loads()
+            batch = self.scheduler.schedule() if self.scheduler.has_work() else []
+            if not batch:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
+                continue
+            start = time.monotonic()
+            async with self.model_lock:
+                tokens = await asyncio.to_thread(self.runner.run, batch)
+            self._postprocess(batch, tokens)
+            self.metrics.step_duration.observe(time.monotonic() - start)
+
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None]) -> None:
+        now = time.monotonic()
+        for item, tok in zip(batch, tokens, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed += item.num_new
+            if tok is None:
+                continue
+            seq.output_ids.append(tok.id)
+            self._record_latency(seq, now)
+            stream = self._streams[seq.request_id]
+            text, stopped = stream.text.push(tok.id)
+            reason = None
+            if stopped or (tok.id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos):
+                reason = FinishReason.STOP
+            elif seq.num_tokens >= seq.max_total:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                text += "" if stopped else stream.text.flush()
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.metrics.e2e.observe(now - seq.arrival)
+            stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids), len(seq.output_ids)))
+        self.metrics.generated_tokens.inc(sum(t is not None for t in tokens))
+
+    def _record_latency(self, seq: Sequence, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
+        else:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+
+    def warm_up(self, rank: int = 8) -> None:
+        """Fills every adapter slot with a zero adapter and runs a full decode batch and a full
+        prefill chunk through every slot, so the first real request pays no first-use cost."""
+        cache = self.lora.cache
+        cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
+        n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
+        decodes = []
+        for i in range(n):
+            seq = Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, block_table=[i], slot=i % cache.max_loras)
+            decodes.append(ScheduledSeq(seq, 1))
+        self.runner.run(decodes)
+        chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size)
+        prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1,
+                           block_table=list(range(-(-chunk // self.limits.block_size))), slot=0)
+        self.runner.run([ScheduledSeq(prefill, chunk)])
+        cache.clear_free_slots()
+
+    # ---- state -----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        cache = self.lora.cache
+        return {
+            "slots": cache.slot_usage(), "cpu": cache.cpu_usage(), "adapters": cache.list(),
+            "loads": dict(cache.stats.loads), "evictions": dict(cache.stats.evictions),
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.blocks.usage, "preemptions": self.scheduler.num_preemptions,
+        }
+
+

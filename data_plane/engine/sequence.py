@@ -1,0 +1,95 @@
+"""A request as the engine sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from data_plane.errors import InvalidRequest
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued (or preempted), holds no KV blocks
+    RUNNING = "running"  # holds KV blocks and, with an adapter, a slot
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORTED = "aborted"  # cancelled, deadline passed, or failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 0  # 0 = up to the context limit
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            raise InvalidRequest(f"temperature must be within [0, 100], got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0 or self.top_p != self.top_p:
+            raise InvalidRequest(f"top_p must be within [0, 1] (0 or 1 disables it), got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs must be within [0, 20], got {self.logprobs}")
+        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+            raise InvalidRequest("stop takes at most 16 non-empty strings of at most 256 characters")
+        if self.max_tokens < 0:
+            raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # most likely alternatives, most likely first
+
+
+@dataclass(eq=False)  # identity: a sequence is one request, whatever its fields
+class Sequence:
+    request_id: str
+    adapter: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_total: int  # prompt + completion never exceeds this (max_tokens or context limit)
+    arrival: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    slot: int = -1  # adapter slot while running, -1 = base model
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,78 @@
+"""Every metric the pod exports, defined here and nowhere else.
+
+Histograms and counters are recorded at step and RPC boundaries by the engine and servicers;
+gauges of cache and queue state are read from the engine when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class PodMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              ["adapter_kind"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("lorafleet_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("lorafleet_request_duration_seconds", "Time from arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.load_latency = Histogram("lorafleet_adapter_load_seconds",
+                                      "Time to read and validate an adapter into the CPU cache.",
+                                      ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("lorafleet_requests", "Generate requests by outcome.", ["outcome"], registry=r)
+        self.generated_tokens = Counter("lorafleet_generated_tokens", "Tokens generated.", registry=r)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed validation.",
+                                     registry=r)
+
+    def watch(self, snapshot: Callable[[], dict]) -> None:
+        """Exports the gauges (and cache counters) that ``snapshot()`` reports at scrape time."""
+        self.registry.register(_StateCollector(snapshot))
+
+
+class _StateCollector:
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        s = self._snapshot()
+        gauges = {
+            "lorafleet_gpu_lora_slots_total": ("Adapter slots on the compute device.", s["slots"].capacity),
+            "lorafleet_gpu_lora_slots_used": ("Slots holding an adapter.", s["slots"].used),
+            "lorafleet_gpu_lora_slots_pinned": ("Slots holding a pinned adapter.", s["slots"].pinned),
+            "lorafleet_cpu_lora_cache_capacity": ("Adapters the CPU cache can hold.", s["cpu"].capacity),
+            "lorafleet_cpu_lora_cache_used": ("Adapters in the CPU cache.", s["cpu"].used),
+            "lorafleet_cpu_lora_cache_pinned": ("Pinned adapters in the CPU cache.", s["cpu"].pinned),
+            "lorafleet_requests_running": ("Requests holding KV blocks.", s["running"]),
+            "lorafleet_requests_waiting": ("Requests queued for admission.", s["waiting"]),
+            "lorafleet_kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", s["kv_usage"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        loads = CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads into a tier.", labels=["tier", "outcome"])
+        for (tier, outcome), n in sorted(s["loads"].items(), key=str):
+            loads.add_metric([tier.value, outcome], n)
+        yield loads
+        evictions = CounterMetricFamily("lorafleet_adapter_evictions", "LRU evictions by tier.", labels=["tier"])
+        for tier, n in sorted(s["evictions"].items(), key=str):
+            evictions.add_metric([tier.value], n)
+        yield evictions
+        preemptions = CounterMetricFamily("lorafleet_preemptions", "Sequences preempted for lack of KV blocks.")
+        preemptions.add_metric([], s["preemptions"])
+        yield preemptions
+        # One series per resident adapter: bounded by --max-cpu-loras.
+        resident = GaugeMetricFamily("lorafleet_adapter_resident", "Resident adapters (2 = device slot, 1 = CPU).",
+                                     labels=["adapter", "pinned"])
+        for r in s["adapters"]:
+            resident.add_metric([r.name, str(r.pinned).lower()], 2 if r.slot >= 0 else 1)
+        yield resident

@@ -1,0 +1,90 @@
+"""Assembles a pod's engine from its config: model, LoRA runtime, KV cache, warm-up."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from data_plane.config import DataPlaneConfig
+from data_plane.demo_adapters import demo_adapter_dir
+from data_plane.demo_model import ensure_demo_model
+from data_plane.engine.engine import Engine, EngineLimits, Resolver
+from data_plane.errors import AdapterNotFound, InvalidRequest
+from data_plane.lora.peft_adapter import AdapterLimits
+from data_plane.lora.runtime import LoraRuntime
+from data_plane.metrics import PodMetrics
+from data_plane.model import load_model
+from data_plane.model.attention import KVCache
+from data_plane.model.tokenizer import Tokenizer
+
+log = logging.getLogger("lorafleet.pod")
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# CPU pods get a fixed KV budget in tokens (the demo model needs ~46 KB per token in float32).
+CPU_KV_TOKENS = 16384
+
+
+def default_adapter_roots() -> tuple[Path, ...]:
+    return (demo_adapter_dir("pirate").parent,)
+
+
+def check_adapter_name(name: str) -> None:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise InvalidRequest(f"adapter name {name!r} is invalid: use 1-64 characters of [A-Za-z0-9._-], "
+                             "starting with a letter or digit")
+
+
+def local_resolver(roots: tuple[Path, ...]) -> Resolver:
+    """Resolves an adapter name to the directory of that name under the first root holding it."""
+
+    async def resolve(name: str) -> tuple[str, str]:
+        check_adapter_name(name)
+        for root in roots:
+            if (root / name / "adapter_config.json").is_file():
+                return str(root / name), ""
+        raise AdapterNotFound(f"adapter {name!r} is not loaded and no adapter root holds a directory of that name "
+                              f"({', '.join(str(r) for r in roots)}); load it through DataPlaneAdmin first")
+
+    return resolve
+
+
+def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolver | None = None) -> Engine:
+    """Loads the model, wraps it with LoRA slots, sizes the KV cache, warms up. Call inside the event loop."""
+    model_dir = config.model or ensure_demo_model()
+    device = torch.device(config.device)
+    model = load_model(model_dir, config.dtype, device)
+    tokenizer = Tokenizer(model_dir)
+    roots = config.adapter_roots or default_adapter_roots()
+    lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,
+                       config.max_num_batched_tokens, roots,
+                       AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters))
+    limits = EngineLimits(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting=config.max_waiting, block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks or _auto_kv_blocks(model, config),
+        max_model_len=model.config.max_position_embeddings,
+    )
+    engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics)
+    engine.warm_up()
+    log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
+                                    "max_loras": config.max_loras, "device": config.device})
+    return engine
+
+
+def _auto_kv_blocks(model, config: DataPlaneConfig) -> int:
+    c = model.config
+    per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
+                                        model.embed_tokens.weight.dtype)
+    if config.device != "cuda":
+        return CPU_KV_TOKENS // config.block_size
+    # What is left after weights and slot buffers, keeping headroom for activations of the largest step.
+    free, total = torch.cuda.mem_get_info()
+    budget = free - (1 - config.gpu_memory_utilization) * total
+    blocks = int(budget // per_block)
+    if blocks < 4:
+        raise RuntimeError(f"only {budget / 2**30:.2f} GiB of GPU memory is left for the KV cache; lower "
+                           "--max-loras/--max-lora-rank or raise --gpu-memory-utilization")
+    return blocks

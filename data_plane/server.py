@@ -1,0 +1,136 @@
+"""The data-plane pod process: ``lorafleet data-plane ...``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from lorafleet.v1 import data_plane_admin_pb2, data_plane_admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from prometheus_client import start_http_server
+
+from control_plane.auth import BearerAuthInterceptor, read_token
+from data_plane.config import DataPlaneConfig, add_arguments
+from data_plane.demo_model import demo_model_dir
+from data_plane.membership import FencingGuard, MembershipClient
+from data_plane.metrics import PodMetrics
+from data_plane.pod import build_engine, check_adapter_name
+from data_plane.servicers import EngineHandle
+from data_plane.servicers.admin import DataPlaneAdminServicer, pod_state
+from data_plane.servicers.generation import GenerationServicer
+from data_plane.servicers.status import ErrorStatusInterceptor
+
+log = logging.getLogger("lorafleet.data_plane")
+
+_SERVICES = ("lorafleet.v1.Generation", "lorafleet.v1.DataPlaneAdmin")
+
+
+async def serve(config: DataPlaneConfig) -> None:
+    """Runs the pod until SIGTERM/SIGINT, then drains in-flight requests and exits."""
+    interceptors = [ErrorStatusInterceptor()]
+    if config.admin_token_file:
+        interceptors.insert(0, BearerAuthInterceptor(read_token(config.admin_token_file),
+                                                     protected=("/lorafleet.v1.DataPlaneAdmin/",)))
+    server = grpc.aio.server(interceptors=interceptors)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *_SERVICES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+         data_plane_admin_pb2.DESCRIPTOR.services_by_name["DataPlaneAdmin"].full_name,
+         health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {config.host}:{config.port}")
+    handle = EngineHandle()
+    guard = FencingGuard()
+    model_id = (config.model or demo_model_dir()).name  # the base-model id adapters are registered against
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(handle), server)
+    data_plane_admin_pb2_grpc.add_DataPlaneAdminServicer_to_server(
+        DataPlaneAdminServicer(handle, guard, config.resolved_pod_id, model_id), server)
+    await server.start()  # health answers NOT_SERVING (and RPCs UNAVAILABLE) while the model loads
+
+    metrics = PodMetrics()
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    membership = None
+    token = read_token(config.admin_token_file) if config.admin_token_file else ""
+    engine = None
+    if config.control_plane:
+        membership = MembershipClient(
+            config.control_plane, token, config.resolved_pod_id, config.resolved_endpoint, model_id,
+            lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
+            is_ready=lambda: engine is not None and engine.accepting)
+
+        async def resolve(name: str) -> tuple[str, str]:
+            check_adapter_name(name)
+            return await membership.resolve(name)
+
+    engine = await asyncio.to_thread(build_engine, config, metrics, resolve if membership else None)
+    metrics.watch(engine.snapshot)
+    engine.start()
+    handle.engine = engine
+    heartbeats = asyncio.get_running_loop().create_task(membership.run()) if membership else None
+    for name in ("", *_SERVICES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving", extra={"address": f"{config.host}:{config.port}", "pod_id": config.resolved_pod_id})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining", extra={"grace_s": config.drain_grace_s})
+    await health_servicer.enter_graceful_shutdown()
+    await engine.drain(config.drain_grace_s)
+    if heartbeats:
+        heartbeats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeats
+    await server.stop(grace=1.0)
+    await engine.stop()
+    log.info("stopped")
+
+
+class _JsonFormatter(logging.Formatter):
+    _STD = set(vars(logging.makeLogRecord({})))
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in self._STD and not k.startswith("_")})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lorafleet data-plane", description="Run a data-plane pod.")
+    add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    try:
+        config = DataPlaneConfig.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    configure_logging(args.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``DataPlaneAdmin``: the control plane's commands to this pod's adapter caches."""
+
+from __future__ import annotations
+
+from lorafleet.v1 import data_plane_admin_pb2 as pb
+from lorafleet.v1 import data_plane_admin_pb2_grpc
+
+from data_plane.engine.engine import Engine
+from data_plane.lora.adapter_cache import Residency, Tier
+from data_plane.membership import FencingGuard
+from data_plane.servicers import EngineHandle
+
+_TIER = {Tier.CPU: pb.CPU, Tier.GPU: pb.GPU}
+
+
+class DataPlaneAdminServicer(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
+    def __init__(self, handle: EngineHandle, guard: FencingGuard, pod_id: str, base_model: str) -> None:
+        self._handle = handle
+        self._guard = guard
+        self._pod_id = pod_id
+        self._base_model = base_model
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterResidency:
+        engine = self._handle.get()
+        self._guard.check(request.fencing_token)
+        return residency_pb(await engine.load_adapter(request.name, request.source, request.sha256))
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        engine = self._handle.get()
+        self._guard.check(request.fencing_token)
+        return pb.UnloadAdapterResponse(was_resident=await engine.with_slots(
+            lambda: engine.lora.cache.unload(request.name)))
+
+    async def PinAdapter(self, request: pb.PodPinAdapterRequest, context) -> pb.AdapterResidency:
+        engine = self._handle.get()
+        self._guard.check(request.fencing_token)
+        return residency_pb(await engine.with_slots(lambda: engine.lora.cache.pin(request.name)))
+
+    async def UnpinAdapter(self, request: pb.PodUnpinAdapterRequest, context) -> pb.AdapterResidency:
+        engine = self._handle.get()
+        self._guard.check(request.fencing_token)
+        return residency_pb(await engine.with_slots(lambda: engine.lora.cache.unpin(request.name)))
+
+    async def GetState(self, request: pb.GetStateRequest, context) -> pb.PodState:
+        return pod_state(self._handle.get(), self._pod_id, self._base_model)
+
+
+def residency_pb(r: Residency) -> pb.AdapterResidency:
+    return pb.AdapterResidency(name=r.name, tier=_TIER[r.tier], pinned=r.pinned, rank=r.rank, sha256=r.sha256,
+                               slot=r.slot)
+
+
+def pod_state(engine: Engine, pod_id: str, base_model: str) -> pb.PodState:
+    s = engine.snapshot()
+    return pb.PodState(
+        slots=pb.TierUsage(capacity=s["slots"].capacity, used=s["slots"].used, pinned=s["slots"].pinned),
+        cpu_cache=pb.TierUsage(capacity=s["cpu"].capacity, used=s["cpu"].used, pinned=s["cpu"].pinned),
+        adapters=[residency_pb(r) for r in s["adapters"]],
+        running_requests=s["running"], waiting_requests=s["waiting"], kv_cache_usage=s["kv_usage"],
+        pod_id=pod_id, base_model=base_model,
+    )

@@ -1,0 +1,61 @@
+"""``Generation.Generate``: proto <-> engine."""
+
+from __future__ import annotations
+
+from lorafleet.v1 import generation_pb2, generation_pb2_grpc
+
+from data_plane.engine.engine import Engine, StepOutput
+from data_plane.engine.sequence import FinishReason, SamplingParams
+from data_plane.errors import InvalidRequest
+from data_plane.servicers import EngineHandle
+
+_FINISH = {FinishReason.STOP: generation_pb2.STOP, FinishReason.LENGTH: generation_pb2.LENGTH}
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, handle: EngineHandle) -> None:
+        self._handle = handle
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        engine = self._handle.get()
+        prompt_ids = _prompt_ids(engine, request)
+        params = sampling_params(request.sampling)
+        async for out in engine.generate(prompt_ids, params, request.adapter or None, request.request_id or None):
+            yield _response(out, request.request_id)
+
+
+def _prompt_ids(engine: Engine, request: generation_pb2.GenerateRequest) -> list[int]:
+    tokenizer = engine.tokenizer
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return tokenizer.encode(request.prompt)
+    if kind == "messages":
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise InvalidRequest("messages is empty; send at least one chat message")
+        bad = [m["role"] for m in messages if m["role"] not in _ROLES]
+        if bad:
+            raise InvalidRequest(f"unknown chat role {bad[0]!r}; use one of {', '.join(_ROLES)}")
+        return tokenizer.encode(tokenizer.render_chat(messages))
+    raise InvalidRequest("the request has neither prompt nor messages; send one of them")
+
+
+def sampling_params(p: generation_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+        logprobs=p.logprobs, ignore_eos=p.ignore_eos,
+    )
+
+
+def _response(out: StepOutput, request_id: str) -> generation_pb2.GenerateResponse:
+    tokens = [generation_pb2.Token(id=t.id, logprob=t.logprob,
+                                   top_logprobs=[generation_pb2.TopLogprob(id=i, logprob=lp) for i, lp in t.top])
+              for t in out.tokens]
+    response = generation_pb2.GenerateResponse(text=out.text, tokens=tokens, request_id=request_id)
+    if out.finish_reason is not None:
+        response.finish_reason = _FINISH.get(out.finish_reason, generation_pb2.STOP)
+        response.usage.prompt_tokens = out.prompt_tokens
+        response.usage.completion_tokens = out.completion_tokens
+    return response
