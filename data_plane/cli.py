@@ -1,11 +1,15 @@
-"""The ``lorafleet`` command line."""
+"""The ``lorafleet`` command line. Imports stay inside the commands, so that ``--help`` and the
+control plane never load torch."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
+from pathlib import Path
 
-from data_plane.errors import LorafleetError
+DEFAULT_ENDPOINT = "127.0.0.1:50052"
 
 
 def _cmd_model_demo(args: argparse.Namespace) -> int:
@@ -15,23 +19,55 @@ def _cmd_model_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        print("lorafleet generate: only --local generation is available in this build", file=sys.stderr)
-        return 2
-    from data_plane.demo_model import ensure_demo_model
-    from data_plane.local import greedy_stream
-    from data_plane.model import load_model
-    from data_plane.model.tokenizer import Tokenizer
+def _sampling(args: argparse.Namespace):
+    from data_plane.engine.sequence import SamplingParams
 
-    model_dir = args.model or ensure_demo_model()
-    model = load_model(model_dir, args.dtype, args.device)
-    tokenizer = Tokenizer(model_dir)
-    prompt = args.prompt
-    if not args.raw and tokenizer.has_chat_template:
-        prompt = tokenizer.render_chat([{"role": "user", "content": prompt}])
-    for text in greedy_stream(model, tokenizer, tokenizer.encode(prompt), args.max_tokens):
-        print(text, end="", flush=True)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return asyncio.run(_generate_local(args))
+    return _generate_remote(args)
+
+
+async def _generate_local(args: argparse.Namespace) -> int:
+    from data_plane.local import generate_local
+
+    adapter = Path(args.adapter) if args.adapter else None
+    if adapter is not None and not adapter.is_dir():
+        raise SystemExit(f"lorafleet: with --local, --adapter takes a PEFT adapter directory; {adapter} is not one")
+    async for out in generate_local(args.prompt, _sampling(args), Path(args.model) if args.model else None,
+                                    adapter, chat=not args.raw, device=args.device, dtype=args.dtype):
+        print(out.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+    from lorafleet.v1 import generation_pb2 as g
+    from lorafleet.v1 import generation_pb2_grpc
+
+    p = _sampling(args)
+    sampling = g.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                stop=list(p.stop))
+    if p.seed is not None:
+        sampling.seed = p.seed
+    request = g.GenerateRequest(adapter=args.adapter or "", sampling=sampling)
+    if args.raw:
+        request.prompt = args.prompt
+    else:
+        request.messages.messages.append(g.ChatMessage(role="user", content=args.prompt))
+    with grpc.insecure_channel(args.endpoint) as channel:
+        try:
+            for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
+                print(response.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(file=sys.stderr)
+            print(f"lorafleet: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     print()
     return 0
 
@@ -39,6 +75,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="Serve many LoRA adapters on one base LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, target in (("data-plane", "run a data-plane pod (see lorafleet data-plane --help)"),
+                         ("control-plane", "run a control-plane replica (see lorafleet control-plane --help)")):
+        p = sub.add_parser(name, help=target, add_help=False)
+        p.add_argument("argv", nargs=argparse.REMAINDER)
 
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -48,19 +89,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for a prompt, streamed as it is produced")
     gen.add_argument("prompt", help="the user's message (rendered with the chat template unless --raw)")
+    gen.add_argument("--adapter", help="adapter name (server) or PEFT directory (--local); default: base model")
+    gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", DEFAULT_ENDPOINT),
+                     help="data-plane pod host:port (env LORAFLEET_ENDPOINT)")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device for --local")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                      help="weights dtype for --local")
     gen.add_argument("--max-tokens", type=int, default=128, help="maximum tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "data-plane":
+        from data_plane.server import main as data_plane_main
+
+        return data_plane_main(argv[1:])
+    if argv and argv[0] == "control-plane":
+        from control_plane.server import main as control_plane_main
+
+        return control_plane_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from data_plane.errors import LorafleetError
+
     try:
         return args.func(args)
     except LorafleetError as e:

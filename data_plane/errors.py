@@ -54,3 +54,7 @@ class ControlPlaneUnavailable(LorafleetError):
 
 class NotReady(LorafleetError):
     """The pod is still loading its model; retry shortly."""
+
+
+class StepFailed(LorafleetError):
+    """A forward pass failed; the requests in that step end, the pod keeps serving."""

@@ -1,37 +1,49 @@
-"""Generation in this process, without any server: ``lorafleet generate --local``."""
+"""Generation in this process, without any server: ``lorafleet generate --local``.
+
+The same engine a pod runs, with one sequence slot and one adapter slot.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
-import torch
-
-from data_plane.detokenizer import IncrementalDetokenizer
-from data_plane.model.attention import SeqSlice, build_attention_metadata
-from data_plane.model.llama import ForwardBatch, LlamaForCausalLM
-from data_plane.model.tokenizer import Tokenizer
-
-_BLOCK_SIZE = 16
+from data_plane.config import DataPlaneConfig
+from data_plane.engine.engine import Engine, StepOutput
+from data_plane.engine.sequence import SamplingParams
+from data_plane.metrics import PodMetrics
+from data_plane.pod import build_engine
 
 
-@torch.inference_mode()
-def greedy_stream(model: LlamaForCausalLM, tokenizer: Tokenizer, prompt_ids: list[int],
-                  max_tokens: int) -> Iterator[str]:
-    """Yields the text of a greedy continuation of ``prompt_ids`` as it is produced."""
-    total = min(len(prompt_ids) + max_tokens, model.config.max_position_embeddings)
-    num_blocks = -(-total // _BLOCK_SIZE)
-    cache = model.new_kv_cache(num_blocks, _BLOCK_SIZE)
-    blocks = list(range(num_blocks))
-    detok = IncrementalDetokenizer(tokenizer)
-    device = model.embed_tokens.weight.device
-    cached, new = 0, list(prompt_ids)
-    while cached + len(new) < total:
-        attn = build_attention_metadata([SeqSlice(blocks, cached, len(new))], _BLOCK_SIZE, model.windows, device)
-        batch = ForwardBatch(torch.tensor(new, device=device),
-                             torch.arange(cached, cached + len(new), device=device), attn, cache)
-        token = int(model.logits(model(batch)[-1:]).argmax())
-        if token in tokenizer.eos_token_ids:
-            break
-        cached, new = cached + len(new), [token]
-        yield detok.add(token)
-    yield detok.flush()
+@asynccontextmanager
+async def local_engine(model: Path | None = None, adapter_roots: tuple[Path, ...] = (), device: str = "cpu",
+                       dtype: str = "float32", max_num_seqs: int = 1) -> AsyncIterator[Engine]:
+    """A started engine on ``model`` (default: the demo model) resolving adapters under ``adapter_roots``."""
+    config = DataPlaneConfig(model=model, device=device, dtype=dtype, max_loras=1, max_cpu_loras=1,
+                             max_lora_rank=64, adapter_roots=adapter_roots, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=512, num_kv_blocks=0)
+    engine = build_engine(config, PodMetrics())
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def prompt_ids(engine: Engine, prompt: str, chat: bool = True) -> list[int]:
+    """``prompt`` as token ids, rendered as a user message when ``chat`` and the model has a template."""
+    if chat and engine.tokenizer.has_chat_template:
+        prompt = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
+    return engine.tokenizer.encode(prompt)
+
+
+async def generate_local(prompt: str, params: SamplingParams, model: Path | None = None,
+                         adapter_dir: Path | None = None, chat: bool = True, device: str = "cpu",
+                         dtype: str = "float32") -> AsyncIterator[StepOutput]:
+    """Streams the completion of ``prompt`` with the PEFT adapter in ``adapter_dir`` applied if given."""
+    roots = (adapter_dir.resolve().parent,) if adapter_dir else ()
+    async with local_engine(model, roots, device, dtype) as engine:
+        adapter = adapter_dir.resolve().name if adapter_dir else None
+        async for out in engine.generate(prompt_ids(engine, prompt, chat), params, adapter):
+            yield out

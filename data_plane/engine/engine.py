@@ -20,7 +20,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
 from data_plane.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
-from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown
+from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown, StepFailed
 from data_plane.lora.adapter_cache import Residency, Tier
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
@@ -219,13 +219,21 @@ class Engine:
             if not batch:
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=0.5)
+                    async with asyncio.timeout(0.5):
+                        await self._wakeup.wait()
                 except TimeoutError:
                     pass
                 continue
             start = time.monotonic()
-            async with self.model_lock:
-                tokens = await asyncio.to_thread(self.runner.run, batch)
+            try:
+                async with self.model_lock:
+                    tokens = await asyncio.to_thread(self.runner.run, batch)
+            except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
+                log.exception("forward pass failed; ending the %d requests in the step", len(batch))
+                for item in batch:
+                    self.abort(item.seq.request_id, StepFailed(f"the forward pass failed ({type(e).__name__}: {e}); "
+                                                               "retry the request"))
+                continue
             self._postprocess(batch, tokens)
             self.metrics.step_duration.observe(time.monotonic() - start)
 

@@ -7,8 +7,7 @@ import asyncio
 import pytest
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
-from data_plane.errors import StaleCommand
-from data_plane.errors import ControlPlaneUnavailable
+from data_plane.errors import ControlPlaneUnavailable, StaleCommand
 from data_plane.membership import FencingGuard, MembershipClient
 from tests.control_plane.conftest import TOKEN, free_port
 

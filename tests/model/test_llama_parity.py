@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -44,9 +46,14 @@ def test_chunked_prefill_and_decode_equal_one_prefill(demo_model, demo_tokenizer
     assert (whole - pieces).abs().max().item() < 1e-4
 
 
-def test_greedy_answer_is_coherent(demo_model, demo_tokenizer):
-    from data_plane.local import greedy_stream
+def test_greedy_answer_is_coherent(demo_model_dir):
+    from data_plane.engine.sequence import SamplingParams
+    from data_plane.local import generate_local
 
-    prompt = demo_tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
-    text = "".join(greedy_stream(demo_model, demo_tokenizer, demo_tokenizer.encode(prompt), 24))
-    assert "Paris" in text
+    async def answer() -> str:
+        outs = [o async for o in generate_local("What is the capital of France?", SamplingParams(max_tokens=24),
+                                                demo_model_dir)]
+        assert outs[-1].finish_reason is not None
+        return "".join(o.text for o in outs)
+
+    assert "Paris" in asyncio.run(answer())
