@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,50 +20,12 @@ from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from control_plane.store import Store
 from data_plane.errors import AdapterNotFound
 from data_plane.membership import MembershipClient
-from tests.control_plane.conftest import TOKEN, auth, free_port, wait_for_port
+from tests.control_plane.conftest import TOKEN, auth
+from tests.processes import BASE_MODEL, REPO, ControlPlaneProcess
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-BASE_MODEL = "smollm2-135m"
 SHA = "0123456789abcdef" * 4
 LEASE_S, GRACE_S = 1.0, 1.0
-
-
-class ControlPlaneProcess:
-    """``python -m control_plane.server`` as a child process."""
-
-    def __init__(self, redis_url: str, token_file: Path, log_dir: Path, replica: str, port: int | None = None):
-        self.port, self.metrics_port = port or free_port(), free_port()
-        self.args = [sys.executable, "-m", "control_plane.server", "--redis-url", redis_url, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                     "--admin-token-file", str(token_file), "--key-prefix", "it", "--base-model", BASE_MODEL,
-                     "--replica-id", replica, "--pod-lease-ttl", str(LEASE_S), "--pod-grace", str(GRACE_S),
-                     "--leader-lease-ttl", "1.5", "--reconcile-interval", "0.3"]
-        self.log = log_dir / f"{replica}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> ControlPlaneProcess:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_port(self.port, timeout_s=30)
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            return self.proc.wait(timeout=20)
-        return self.proc.returncode if self.proc else 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def metric(self, name: str) -> float | None:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return None
 
 
 @pytest.fixture
