@@ -26,6 +26,8 @@ class DataPlaneConfig:
     admin_token_file: Path | None = None
     allow_pickle_adapters: bool = False
     max_adapter_bytes: int = 2 << 30
+    adapter_cache_dir: Path | None = None  # None = $LORAFLEET_HOME/adapter-cache (see pod.build_engine)
+    adapter_download_timeout_s: float = 30.0
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
@@ -48,6 +50,8 @@ class DataPlaneConfig:
             raise ValueError("--control-plane needs --admin-token-file (the control plane's bearer token)")
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1 or self.num_kv_blocks < 0:
             raise ValueError("engine limits must be positive")
+        if self.max_adapter_bytes < 1 or self.adapter_download_timeout_s <= 0:
+            raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
 
@@ -69,6 +73,8 @@ class DataPlaneConfig:
             adapter_roots=tuple(Path(p) for p in args.adapter_root or ()),
             admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
             allow_pickle_adapters=args.allow_pickle_adapters, max_adapter_bytes=args.max_adapter_bytes,
+            adapter_cache_dir=Path(args.adapter_cache_dir) if args.adapter_cache_dir else None,
+            adapter_download_timeout_s=args.adapter_download_timeout,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
@@ -97,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle-adapters", action="store_true",
                    help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")
     p.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes, help="largest adapter file")
+    p.add_argument("--adapter-cache-dir",
+                   help="where http(s) adapter sources are downloaded (default: $LORAFLEET_HOME/adapter-cache)")
+    p.add_argument("--adapter-download-timeout", type=float, default=d.adapter_download_timeout_s,
+                   help="seconds an adapter download may wait on the server before it fails")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="most tokens in one step (bounds prefill chunks)")

@@ -10,7 +10,7 @@ import torch
 
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import demo_adapter_dir
-from data_plane.demo_model import ensure_demo_model
+from data_plane.demo_model import ensure_demo_model, lorafleet_home
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
 from data_plane.errors import AdapterNotFound, InvalidRequest
 from data_plane.lora.peft_adapter import AdapterLimits
@@ -58,9 +58,11 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     model = load_model(model_dir, config.dtype, device)
     tokenizer = Tokenizer(model_dir)
     roots = config.adapter_roots or default_adapter_roots()
+    download_dir = config.adapter_cache_dir or lorafleet_home() / "adapter-cache"
     lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,
                        config.max_num_batched_tokens, roots,
-                       AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters))
+                       AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),
+                       download_dir, config.adapter_download_timeout_s)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,

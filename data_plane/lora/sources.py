@@ -1,4 +1,7 @@
-"""Where adapter files may come from: only directories under the configured adapter roots."""
+"""Where local adapter files may come from: only directories under the configured adapter roots.
+
+(http(s) sources are downloaded by ``http_source`` into a cache directory, then read from there.)
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
         raw = source
     else:
         raise InvalidAdapter(
-            f"adapter {name!r}: source scheme {parsed.scheme!r} is not supported here; use a path or file:// URL "
-            "under the pod's adapter roots"
+            f"adapter {name!r}: source scheme {parsed.scheme!r} is not supported; use a path or file:// URL "
+            "under the pod's adapter roots, or an http(s):// URL"
         )
     if not roots:
         raise InvalidAdapter(f"adapter {name!r}: this pod has no adapter roots configured (--adapter-root)")
