@@ -11,6 +11,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from data_plane.lora.adapter_cache import Tier
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -60,12 +62,13 @@ class _StateCollector:
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         loads = CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads into a tier.", labels=["tier", "outcome"])
-        for (tier, outcome), n in sorted(s["loads"].items(), key=str):
-            loads.add_metric([tier.value, outcome], n)
+        for tier in Tier:  # every series exists from the start, so rates work from the first scrape
+            for outcome in ("ok", "error"):
+                loads.add_metric([tier.value, outcome], s["loads"].get((tier, outcome), 0))
         yield loads
         evictions = CounterMetricFamily("lorafleet_adapter_evictions", "LRU evictions by tier.", labels=["tier"])
-        for tier, n in sorted(s["evictions"].items(), key=str):
-            evictions.add_metric([tier.value], n)
+        for tier in Tier:
+            evictions.add_metric([tier.value], s["evictions"].get(tier, 0))
         yield evictions
         preemptions = CounterMetricFamily("lorafleet_preemptions", "Sequences preempted for lack of KV blocks.")
         preemptions.add_metric([], s["preemptions"])

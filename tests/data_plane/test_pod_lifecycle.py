@@ -1,0 +1,85 @@
+"""A one-sequence pod with a one-request queue: queue full, stale fencing tokens, and a SIGTERM drain."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lorafleet.v1 import data_plane_admin_pb2 as dpa
+
+from tests.data_plane.test_pod_process import collect, request, wait_until
+from tests.processes import PodProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def small_pod(demo_model_dir, tmp_path_factory):
+    process = PodProcess(tmp_path_factory.mktemp("small-pod"), "--max-num-seqs", "1", "--max-waiting", "1",
+                         "--max-loras", "1", "--max-cpu-loras", "2", "--num-kv-blocks", "64", name="small")
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+class Stream(threading.Thread):
+    """Consumes one Generate stream in the background."""
+
+    def __init__(self, pod, req) -> None:
+        super().__init__(daemon=True)
+        self.pod, self.req = pod, req
+        self.result = self.error = None
+
+    def run(self) -> None:
+        try:
+            self.result = collect(self.pod, self.req)
+        except grpc.RpcError as e:
+            self.error = e
+
+
+def test_a_full_queue_answers_resource_exhausted(small_pod):
+    running = Stream(small_pod, request("Tell me a story.", max_tokens=40, ignore_eos=True))
+    running.start()
+    wait_until(lambda: small_pod.state().running_requests == 1, what="first request running")
+    waiting = Stream(small_pod, request("Tell me a story.", max_tokens=4, ignore_eos=True))
+    waiting.start()
+    wait_until(lambda: small_pod.state().waiting_requests == 1, what="second request waiting")
+    with pytest.raises(grpc.RpcError) as e:
+        collect(small_pod, request("One more?", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry" in e.value.details()
+    running.join(60), waiting.join(60)
+    assert running.result[2].usage.completion_tokens == 40
+    assert waiting.result[2].usage.completion_tokens == 4
+
+
+def test_a_command_from_a_deposed_leader_is_refused(small_pod):
+    admin, auth = small_pod.admin(), small_pod.auth()
+    before = small_pod.state()
+    admin.UnloadAdapter(dpa.UnloadAdapterRequest(name="absent", fencing_token=7), metadata=auth)
+    with pytest.raises(grpc.RpcError) as e:
+        admin.UnloadAdapter(dpa.UnloadAdapterRequest(name="absent", fencing_token=6), metadata=auth)
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    assert "fencing token 6" in e.value.details()
+    assert small_pod.state() == before
+
+
+def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits(small_pod):
+    running = Stream(small_pod, request("Tell me a story.", max_tokens=60, ignore_eos=True))
+    running.start()
+    wait_until(lambda: small_pod.state().running_requests == 1, what="request running")
+    small_pod.signal()
+    health = health_pb2_grpc.HealthStub(small_pod.channel)
+    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+               == health_pb2.HealthCheckResponse.NOT_SERVING, what="health NOT_SERVING while draining")
+    with pytest.raises(grpc.RpcError) as e:
+        collect(small_pod, request("Too late?", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    running.join(60)
+    assert running.error is None
+    assert running.result[2].usage.completion_tokens == 60
+    assert small_pod.proc.wait(timeout=30) == 0
+    assert '"message": "stopped"' in small_pod.log_path.read_text()
