@@ -1,0 +1,201 @@
+"""Triton LoRA expand: add every token's ``buf @ B.T`` to its output row, at its adapter's rank.
+
+One launch serves a whole batch of mixed adapters, prefill and decode alike, and all output
+slices of a packed layer (q/k/v of unequal widths, gate/up). Program ``(tile, p)`` owns
+``BLOCK_N`` output columns (``tile``) of the ``p``-th block of up to ``BLOCK_M`` tokens of one
+adapter slot (see ``kernels.lora_launch``). For every slice overlapping its columns it loops
+over the slot's real rank of that slice in ``BLOCK_K`` steps (slices of rank 0 are skipped),
+then reads, adds and writes its ``y`` tile once, masked to the columns some slice touched: rows
+of base-model tokens and columns of rank-0 slices are never read or written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import lora_launch
+from kernels.lora_launch import Tiles, segment_block
+from kernels.lora_meta import LoraMeta
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr,  # [num_tokens, out_features], rows stride_ym apart
+    buf_ptr,  # [NUM_SLICES, num_tokens, MAX_RANK] float32, strides (stride_bs, stride_bm, 1)
+    lora_b_ptr,  # [num_slots, out_features, MAX_RANK] contiguous
+    ranks_ptr,  # [NUM_SLICES, num_slots] int32
+    slice_offsets_ptr,  # [NUM_SLICES + 1] int32
+    sorted_tokens_ptr,  # [num_tokens] int32
+    seg_slots_ptr,  # [num_segments] int32
+    seg_starts_ptr,  # [num_segments + 1] int32
+    stride_ym,
+    stride_bs,
+    stride_bm,
+    out_features,
+    num_slots,
+    num_segments,
+    SEG_BLOCK: tl.constexpr,  # a power of two >= num_segments
+    NUM_SLICES: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,  # a power of two <= 8 dividing MAX_RANK
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in float32 (the interpreter misreads bf16 operands)
+):
+    slot, first, end = segment_block(seg_slots_ptr, seg_starts_ptr, num_segments, tl.program_id(1), SEG_BLOCK, BLOCK_M)
+    if slot < 0:
+        return
+
+    offs_m = first + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tokens = tl.load(sorted_tokens_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_rows = lora_b_ptr + (slot.to(tl.int64) * out_features + offs_n[None, :]) * MAX_RANK  # [1, BLOCK_N]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    touched = offs_n < 0  # [BLOCK_N] columns of a slice with rank > 0; none yet
+    for s in tl.static_range(NUM_SLICES):
+        lo = tl.load(slice_offsets_ptr + s)
+        hi = tl.load(slice_offsets_ptr + s + 1)
+        # Clamped so that a rank larger than the buffers (a caller bug) cannot read out of bounds.
+        rank = tl.minimum(tl.load(ranks_ptr + s * num_slots + slot), MAX_RANK)
+        if (rank > 0) & (lo < n0 + BLOCK_N) & (hi > n0):
+            n_mask = (offs_n >= lo) & (offs_n < hi) & (offs_n < out_features)
+            touched = touched | n_mask
+            # buf and B rows are dense along the rank: loading whole RANK_ALIGN groups (still
+            # inside the padded row) lets loads vectorise, and tl.where drops the columns past
+            # the rank, whatever they hold (NaN included).
+            rank_loaded = tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
+            buf_rows = buf_ptr + s * stride_bs + tokens[:, None] * stride_bm  # [BLOCK_M, 1]
+            for k0 in range(0, rank, BLOCK_K):
+                k = k0 + offs_k
+                k_mask = k < rank
+                k_load = k < rank_loaded
+                h = tl.load(buf_rows + k[None, :], mask=m_mask[:, None] & k_load[None, :], other=0.0)
+                b = tl.load(b_rows + k[:, None], mask=k_load[:, None] & n_mask[None, :], other=0.0)
+                h = tl.where(k_mask[None, :], h, 0.0)  # [BLOCK_M, BLOCK_K]
+                b = tl.where(k_mask[:, None], b, 0.0)  # [BLOCK_K, BLOCK_N]
+                if lora_b_ptr.dtype.element_ty == tl.float32:
+                    acc = tl.dot(h, b, acc, input_precision="ieee")
+                else:
+                    # fp32 buf as hi + lo in B's dtype: two tensor-core products keep ~16 of its
+                    # mantissa bits, where rounding it to bf16 once would keep 8.
+                    h_hi = h.to(lora_b_ptr.dtype.element_ty)
+                    h_lo = (h - h_hi.to(tl.float32)).to(lora_b_ptr.dtype.element_ty)
+                    if UPCAST:
+                        b = b.to(tl.float32)
+                        acc = tl.dot(h_hi.to(tl.float32), b, acc, input_precision="ieee")
+                        acc = tl.dot(h_lo.to(tl.float32), b, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(h_hi, b, acc)
+                        acc = tl.dot(h_lo, b, acc)
+
+    y_tile = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+    # Two copies of the read-add-write: a mask that varies along a row stops the common case, a
+    # tile inside adapted slices, from using vector loads and stores.
+    if tl.sum(touched.to(tl.int32), axis=0) == BLOCK_N:
+        y = tl.load(y_tile, mask=m_mask[:, None], other=0.0)
+        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=m_mask[:, None])
+    else:
+        mask = m_mask[:, None] & touched[None, :]
+        y = tl.load(y_tile, mask=mask, other=0.0)
+        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def default_tiles(num_tokens: int, max_rank: int) -> Tiles:
+    """Tiles (tokens x output columns, rank step) for a GPU; chosen by reasoning, not yet tuned
+    on hardware."""
+    rank_step = min(64, max(16, triton.next_power_of_2(max_rank)))
+    if num_tokens < 512:
+        # Decode: the work is reading B; narrow column tiles spread it over more programs.
+        return Tiles(m=16, n=64, k=rank_step)
+    # Prefill: the work is reading and writing y; 64 x 64 tiles keep the accumulator and the
+    # y tile in registers at 4 warps.
+    return Tiles(m=64, n=64, k=rank_step)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [num_tokens, out_features], updated in place
+    buf: torch.Tensor,  # [S, num_tokens, max_rank] float32
+    lora_b: torch.Tensor,  # [max_loras, out_features, max_rank]
+    ranks: torch.Tensor,  # [S, max_loras] int32
+    slice_offsets: torch.Tensor,  # [S + 1] int32, slice s owns rows offsets[s]:offsets[s+1] of B
+    meta: LoraMeta,
+    *,
+    tiles: Tiles | None = None,
+) -> None:
+    """Multi-adapter LoRA expand, in PyTorch terms::
+
+        for t in range(num_tokens):
+            slot = meta.token_slots[t]
+            if slot >= 0:
+                for s in range(S):
+                    r, lo, hi = ranks[s, slot], slice_offsets[s], slice_offsets[s + 1]
+                    if r > 0:
+                        delta = buf[s, t, :r] @ lora_b[slot, lo:hi, :r].float().T
+                        y[t, lo:hi] = (y[t, lo:hi].float() + delta).to(y.dtype)
+
+    Products are accumulated in float32; for fp16/bf16 ``lora_b``, ``buf`` is split into a high
+    and a low part in that dtype so the products run on tensor cores without rounding ``buf`` to
+    8 (bf16) or 11 (fp16) bits. Rows of tokens with slot -1 and columns of slices with rank 0
+    are neither read nor written, and rank columns past ``r`` of ``buf`` and ``lora_b`` do not
+    contribute (they may hold anything, NaN included). ``slice_offsets`` must start at 0, be
+    non-decreasing and end at ``out_features`` (it lives on the device and is not checked).
+    ``y`` and ``lora_b`` may each be fp16, bf16 or fp32; ``y`` and ``buf`` may be strided views,
+    dense along their last axis. Nothing is allocated and nothing waits on the device, so the
+    call can be captured in a CUDA graph; the grid depends only on tensor shapes. ``tiles``
+    overrides ``default_tiles``, e.g. to launch fewer programs under the interpreter.
+    """
+    # Check.
+    if lora_b.dim() != 3 or not lora_b.is_contiguous():
+        raise ValueError(f"lora_b must be contiguous [max_loras, out_features, max_rank], got {tuple(lora_b.shape)}")
+    num_slots, out_features, max_rank = lora_b.shape
+    if buf.dim() != 3:
+        raise ValueError(f"buf must be [S, num_tokens, {max_rank}], got {tuple(buf.shape)}")
+    num_slices, num_tokens = buf.shape[0], buf.shape[1]
+    if y.shape != (num_tokens, out_features):
+        raise ValueError(f"y must be [{num_tokens}, {out_features}] to match buf and lora_b, got {tuple(y.shape)}")
+    lora_launch.check_rows("y", y)
+    if lora_b.dtype not in lora_launch.DTYPES or lora_b.device != y.device:
+        raise ValueError(
+            f"lora_b must be one of {lora_launch.DTYPES} on {y.device}, got {lora_b.dtype} on {lora_b.device}"
+        )
+    lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, y.device)
+    lora_launch.check_ranks(ranks, num_slices, num_slots, y.device)
+    if (
+        not isinstance(slice_offsets, torch.Tensor)
+        or slice_offsets.shape != (num_slices + 1,)
+        or slice_offsets.dtype != torch.int32
+        or slice_offsets.device != y.device
+    ):
+        got = slice_offsets
+        if isinstance(slice_offsets, torch.Tensor):
+            got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
+        raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {y.device}, got {got}")
+    lora_launch.check_meta(meta, num_tokens, y.device)
+    tiles = tiles or default_tiles(num_tokens, max_rank)
+    num_segments = meta.seg_slots.shape[0]
+    if num_tokens == 0 or out_features == 0 or max_rank == 0 or num_segments == 0:
+        return
+
+    # Grid: (column tile over all slices, token block of some segment). Tiling the packed output
+    # rather than each slice keeps the grid independent of the (device-side) slice widths.
+    grid = (triton.cdiv(out_features, tiles.n), lora_launch.segment_block_count(num_tokens, num_segments, tiles.m))
+
+    # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
+    _lora_expand_kernel[grid](
+        y, buf, lora_b, ranks, slice_offsets, meta.sorted_tokens, meta.seg_slots, meta.seg_starts,
+        y.stride(0), buf.stride(0), buf.stride(1), out_features, num_slots, num_segments,
+        SEG_BLOCK=triton.next_power_of_2(num_segments),
+        NUM_SLICES=num_slices, MAX_RANK=max_rank, RANK_ALIGN=math.gcd(max_rank, 8),
+        BLOCK_M=tiles.m, BLOCK_N=tiles.n, BLOCK_K=tiles.k,
+        UPCAST=not y.is_cuda,
+        num_warps=tiles.num_warps,
+    )  # fmt: skip

@@ -1,0 +1,74 @@
+"""One LoRA layer code, two data planes: the Triton kernels (what CUDA runs; here under the
+interpreter) and the torch reference (what CPU runs) give the same layer output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.lora_expand
+import kernels.lora_shrink
+from data_plane.lora.layer import LoRAProjection
+from data_plane.lora.peft_adapter import SliceDelta
+from data_plane.model.llama import ForwardBatch, Projection
+from kernels import lora_ops
+from kernels.lora_meta import LoraMetaBuilder
+
+MAX_LORAS, MAX_RANK = 4, 16
+# slot -> slice -> rank: mixed ranks in one batch, a slot that adapts only q and v, an empty slot.
+SLOT_RANKS = {0: {"q": 8, "k": 8, "v": 8}, 1: {"q": 16, "v": 16}, 2: {"q": 1, "k": 4, "v": 2}}
+TOKEN_SLOTS = [0, -1, 1, 1, 2, 0, -1, 3, 1]
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+
+
+def _qkv_layer(dtype: torch.dtype) -> LoRAProjection:
+    gen = torch.Generator().manual_seed(0)
+    base = Projection(96, {"q": 80, "k": 24, "v": 24}, bias=False)
+    base.weight.data = torch.randn(base.out_features, base.in_features, generator=gen).to(dtype)
+    layer = LoRAProjection(base, MAX_LORAS, MAX_RANK)
+    for slot, ranks in SLOT_RANKS.items():
+        deltas = {
+            name: SliceDelta(
+                a=torch.randn(r, base.in_features, generator=gen).to(dtype),  # [r, in_features]
+                b=torch.randn(base.slices[name], r, generator=gen).to(dtype),  # [slice_out, r]
+            )
+            for name, r in ranks.items()
+        }
+        layer.set_slot(slot, deltas)
+    return layer
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    launcher = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypatch, dtype):
+    layer = _qkv_layer(dtype)
+    meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
+    batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
+    x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    base = layer.base(x)
+    on_reference = layer(x, batch)
+
+    # The CUDA branch of the dispatch, on CPU tensors: the kernels run under the interpreter.
+    monkeypatch.setattr(lora_ops, "_runs_triton", lambda t: True)
+    shrinks = _counting(monkeypatch, kernels.lora_shrink, "lora_shrink")
+    expands = _counting(monkeypatch, kernels.lora_expand, "lora_expand")
+    on_triton = layer(x, batch)
+
+    assert (len(shrinks), len(expands)) == (1, 1)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(on_triton, on_reference, rtol=rtol, atol=atol)
+    base_rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot not in SLOT_RANKS]
+    lora_rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot in SLOT_RANKS]
+    assert torch.equal(on_triton[base_rows], base[base_rows]), "rows without an adapter changed"
+    assert (on_triton[lora_rows].float() - base[lora_rows].float()).abs().max() > 1.0, "adapters did nothing"
