@@ -42,11 +42,7 @@ def is_http_source(source: str) -> bool:
 def redact(url: str) -> str:
     """``url`` without credentials, query or fragment: what messages and logs may show."""
     p = urlparse(url)
-    host = p.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{p.port}" if p.port else ""
-    return f"{p.scheme}://{host}{port}{p.path}"
+    return f"{p.scheme}://{p.netloc.rpartition('@')[2]}{p.path}"
 
 
 class _RedirectRefused(urllib.error.URLError):
@@ -157,7 +153,7 @@ class HttpAdapterCache:
         except http.client.IncompleteRead:
             raise InvalidAdapter(f"adapter {name!r}: {shown} closed the connection mid-body after {received} "
                                  "bytes; the download is incomplete") from None
-        except (http.client.HTTPException, OSError) as e:
+        except (http.client.HTTPException, OSError, ValueError) as e:
             raise InvalidAdapter(f"adapter {name!r}: downloading {shown} failed: {e}") from None
         if declared is not None and received != declared:
             raise InvalidAdapter(f"adapter {name!r}: {shown} closed the connection after {received} of "
@@ -167,8 +163,12 @@ class HttpAdapterCache:
 
 def _base_url(name: str, url: str) -> str:
     p = urlparse(url)
-    if p.scheme not in HTTP_SCHEMES or not p.hostname:
-        raise InvalidAdapter(f"adapter {name!r}: {redact(url)} is not an http(s)://host/path URL")
+    try:
+        valid = p.scheme in HTTP_SCHEMES and bool(p.hostname) and (p.port or 0) > -1
+    except ValueError:  # a port that is not a number in 0..65535
+        valid = False
+    if not valid:
+        raise InvalidAdapter(f"adapter {name!r}: {redact(url)} is not an http(s)://host[:port]/path URL")
     if p.username or p.password:
         raise InvalidAdapter(f"adapter {name!r}: the source URL for {redact(url)} carries credentials, which "
                              "would be stored and shown; serve the adapter from a URL that needs none")
