@@ -4,7 +4,9 @@ Every run poisons what the kernels must leave alone: ``buf`` starts as NaN, so a
 kernel writes but the reference does not (or the reverse) fails the comparison; rows of
 base-model tokens and columns of rank-0 slices start as -0.0, which any read-add-write (even of
 a zero) turns into +0.0, and must come back bit-identical; rank padding of B and ``buf`` is NaN,
-so reading past an adapter's rank spreads NaN into the output.
+so reading past an adapter's rank spreads NaN into the output. As in the layers, ``buf`` is a
+view of the step metadata's larger scratch buffer (NaN outside the view, which must stay so),
+and ``x`` and ``y`` are views into wider rows (the columns past ``y`` must stay -0.0).
 
 On CPU the kernels run under Triton's interpreter (see conftest.py), whose cost grows with the
 number of programs: shapes are small, and each case picks one of three tilings.
