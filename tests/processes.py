@@ -7,16 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
-from tests.control_plane.conftest import free_port, wait_for_port
+from data_plane.child_process import spawn, stop_process, tail, wait_listening, wait_serving
+from tests.control_plane.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 POD_TOKEN = "pod-admin-token-for-tests"
@@ -57,32 +56,20 @@ class PodProcess:
 
     def launch(self) -> PodProcess:
         """Starts the process without waiting for it to serve."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "data_plane.server", *self.args], cwd=REPO,
-                                         env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = spawn([sys.executable, "-m", "data_plane.server", *self.args], self.log_path, cwd=REPO,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.channel = grpc.insecure_channel(self.address)
         return self
 
     def wait_serving(self, timeout_s: float) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the pod exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0).status
-            except grpc.RpcError:
-                status = None
-            if status is not None and (not self.health_seen or self.health_seen[-1] != status):
-                self.health_seen.append(status)
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"the pod is not SERVING after {timeout_s} s:\n{self.log_tail()}")
+        wait_serving(self.channel, self.proc, timeout_s, what="pod", log_tail=self.log_tail, observe=self._observe)
+
+    def _observe(self, status: int) -> None:
+        if not self.health_seen or self.health_seen[-1] != status:
+            self.health_seen.append(status)
 
     def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return tail(self.log_path, n)
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)
@@ -105,13 +92,8 @@ class PodProcess:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s=30)
 
 
 class ControlPlaneProcess:
@@ -129,16 +111,12 @@ class ControlPlaneProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ControlPlaneProcess:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_port(self.port, timeout_s=30)
+        self.proc = spawn(self.args, self.log, cwd=REPO)
+        wait_listening("127.0.0.1", self.port, self.proc, 30, what="control plane", log_tail=lambda: tail(self.log))
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            return self.proc.wait(timeout=20)
-        return self.proc.returncode if self.proc else 0
+        return stop_process(self.proc, timeout_s=20, sig=sig) if self.proc else 0
 
     @property
     def target(self) -> str:

