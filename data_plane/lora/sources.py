@@ -35,8 +35,8 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
         raise InvalidAdapter(f"adapter {name!r}: this pod has no adapter roots configured (--adapter-root)")
     real_roots = tuple(Path(os.path.realpath(r)) for r in roots)
     candidate = Path(raw)
-    if not candidate.is_absolute():
-        candidate = real_roots[0] / candidate
+    if not candidate.is_absolute():  # relative: under the first root that holds it
+        candidate = next((r / candidate for r in real_roots if (r / candidate).exists()), real_roots[0] / candidate)
     real = Path(os.path.realpath(candidate))
     if not any(real == root or root in real.parents for root in real_roots):
         raise InvalidAdapter(
@@ -44,6 +44,9 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
             f"({', '.join(str(r) for r in real_roots)}); put the adapter under a root"
         )
     if not real.is_dir():
+        if not Path(raw).is_absolute():
+            raise InvalidAdapter(f"adapter {name!r}: no adapter root holds a directory {source!r} "
+                                 f"({', '.join(str(r) for r in real_roots)}); expected a PEFT adapter directory")
         raise InvalidAdapter(f"adapter {name!r}: {real} is not a directory (expected a PEFT adapter directory)")
     return real
 
