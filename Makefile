@@ -36,8 +36,9 @@ helm-lint: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The whole stack in the foreground: Redis, the control plane, one CPU pod with the demo adapters; Ctrl-C stops it.
 run: setup
-	$(VENV)/bin/lorafleet generate --local "What is the capital of France?"
+	$(VENV)/bin/lorafleet up
 
 bench: setup
 	$(PY) benchmarks/model_cpu.py

@@ -61,15 +61,21 @@ def sha256_of(adapter_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def local_adapter_dir(source: str) -> Path | None:
-    """The local directory a path or ``file://`` source names, or None for http(s) sources."""
+def registration_source(source: str, sha256: str | None) -> tuple[str, str]:
+    """The ``(source, sha256)`` to register. A local directory (a path or ``file://`` URL) becomes an
+    absolute ``file://`` URL, and its digest is computed unless given. A ``file://`` path that exists only
+    on the pods, or an http(s) URL, is sent as is and needs ``sha256``."""
     url = urlparse(source)
-    if url.scheme in ("http", "https"):
-        return None
-    path = Path(unquote(url.path)) if url.scheme == "file" else Path(source).expanduser()
-    if not path.is_dir():
-        raise AdminClientError(f"{source} is not a directory; give a PEFT adapter directory or an http(s):// URL")
-    return path.resolve()
+    local = None
+    if url.scheme in ("", "file"):
+        path = Path(unquote(url.path)) if url.scheme == "file" else Path(source).expanduser()
+        local = path.resolve() if path.is_dir() else None
+    if local is not None:
+        return f"file://{local}", sha256 or sha256_of(local)
+    if url.scheme in ("file", "http", "https") and sha256:
+        return source, sha256
+    raise AdminClientError(f"{source} is not a local adapter directory; for a file:// path on the pods or an "
+                           "http(s):// URL, give --sha256 (the SHA-256 of its adapter_model.safetensors)")
 
 
 class AdminClient:

@@ -23,9 +23,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
     reg = asub.add_parser("register", parents=[conn], help="register an adapter under a name")
     reg.add_argument("name", help="unique name: 1-64 characters of [A-Za-z0-9._-]")
-    reg.add_argument("source", help="PEFT adapter directory (or file:// URL) under the pods' adapter roots, "
-                                    "or an http(s):// URL")
-    reg.add_argument("--sha256", help="SHA-256 of adapter_model.safetensors (computed for a local directory)")
+    reg.add_argument("source", help="PEFT adapter directory under the pods' adapter roots (a path, or a file:// "
+                                    "URL), or an http(s):// URL")
+    reg.add_argument("--sha256", help="SHA-256 of adapter_model.safetensors (computed for a local directory; "
+                                      "required otherwise)")
     reg.add_argument("--base-model", help="base model id (default: the one the pods serve)")
     reg.add_argument("--pin", action="store_true", help="pin it as well, on --replicas pods")
     reg.add_argument("--replicas", type=int, default=0, help="pods to pin it on with --pin (0 = every pod)")
@@ -53,13 +54,9 @@ def _client(args: argparse.Namespace):
 
 
 def _register(args: argparse.Namespace) -> int:
-    from data_plane.admin_client import AdminClientError, local_adapter_dir, sha256_of
+    from data_plane.admin_client import registration_source
 
-    directory = local_adapter_dir(args.source)
-    if directory is None and not args.sha256:
-        raise AdminClientError("an http(s) source needs --sha256 (the SHA-256 of adapter_model.safetensors)")
-    source = f"file://{directory}" if directory else args.source
-    sha256 = args.sha256 or sha256_of(directory)
+    source, sha256 = registration_source(args.source, args.sha256)
     with _client(args) as admin:
         adapter = admin.register(args.name, source, sha256, args.base_model or admin.fleet_base_model())
         if args.pin:

@@ -342,11 +342,23 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
         env.append(f"LORAFLEET_ENDPOINT={c.pod}")
     if token_file != up_dir() / "admin-token":
         env.append(f"LORAFLEET_TOKEN_FILE={token_file}")
+    cli = _cli_command()
     stack.say("try, from another terminal:")
     if env:
         stack.say(f"  export {' '.join(env)}")
-    stack.say("  lorafleet generate --adapter pirate \"Where is the treasure?\"")
-    stack.say("  lorafleet adapters list")
+    stack.say(f"  {cli} generate \"What is the capital of France?\"")
+    stack.say(f"  {cli} generate --adapter pirate \"Where is the treasure?\"")
+    stack.say(f"  {cli} adapters list")
+
+
+def _cli_command() -> str:
+    """How to call ``lorafleet`` from the current directory: plainly when PATH finds this installation."""
+    beside = Path(sys.executable).parent / "lorafleet"
+    if not beside.exists() or shutil.which("lorafleet") == str(beside):
+        return "lorafleet"
+    with contextlib.suppress(ValueError):
+        return str(beside.relative_to(Path.cwd()))
+    return str(beside)
 
 
 def _watch(stack: Stack, admin: AdminClient, names: list[str]) -> None:

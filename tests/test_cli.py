@@ -101,6 +101,12 @@ def test_without_a_token_the_error_says_where_to_give_one(tmp_path, monkeypatch,
     assert err.count("\n") == 1 and "no admin token" in err and str(tmp_path / "up" / "admin-token") in err
 
 
+def test_registering_a_path_that_exists_only_on_the_pods_needs_its_sha256(capsys):
+    assert main(["adapters", "register", "x", "file:///data/adapters/shared/x", "--token", "t"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give --sha256" in err, err
+
+
 def test_the_generated_token_file_is_private_and_kept_across_starts(tmp_path):
     path = ensure_token_file(tmp_path / "up" / "admin-token")
     token = path.read_text()
