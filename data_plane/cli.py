@@ -75,7 +75,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from data_plane.stack import config_from_args, run
+    from data_plane.stack import run
+    from data_plane.stack_config import config_from_args
 
     return run(config_from_args(args))
 
@@ -124,11 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     form.add_argument("--raw", dest="chat", action="store_false", help="send the prompt as is, without the template")
     gen.set_defaults(func=_cmd_generate)
 
-    from data_plane import admin_commands, stack
+    from data_plane import admin_commands, stack_config
 
     admin_commands.add_parsers(sub)
     up = sub.add_parser("up", help="run Redis, a control plane and a CPU pod with the demo adapters; Ctrl-C stops")
-    stack.add_arguments(up)
+    stack_config.add_arguments(up)
     up.set_defaults(func=_cmd_up)
     return parser
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_plane.admin_client import AdminClientError
     from data_plane.child_process import ChildExited
     from data_plane.errors import LorafleetError
-    from data_plane.stack import StackError
+    from data_plane.stack_config import StackError
 
     try:
         return args.func(args)

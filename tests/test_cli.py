@@ -20,7 +20,8 @@ import pytest
 from data_plane.child_process import spawn, stop_process
 from data_plane.cli import build_parser, main
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.stack import StackError, ensure_token_file, pid_file
+from data_plane.stack import ensure_token_file, pid_file
+from data_plane.stack_config import StackError
 from tests.control_plane.conftest import TOKEN, RedisServer, free_port
 from tests.processes import ControlPlaneProcess
 
@@ -64,7 +65,7 @@ def gone(pid: int, timeout_s: float = 5.0) -> bool:
 def test_help_up_and_the_admin_commands_never_import_torch():
     code = ("import sys\n"
             "from data_plane.cli import build_parser\n"
-            "import data_plane.stack, data_plane.admin_commands, data_plane.admin_client\n"
+            "import data_plane.stack, data_plane.stack_config, data_plane.admin_commands\n"
             "build_parser().parse_args(['adapters', 'list'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,104 @@
+"""The configuration of ``lorafleet up``: one frozen object, validated on construction, and the flags
+that build it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_plane.home import up_dir
+
+
+class StackError(Exception):
+    """The stack cannot start; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What ``lorafleet up`` runs; built from its flags."""
+
+    data_dir: Path = field(default_factory=up_dir)
+    host: str = "127.0.0.1"
+    redis_port: int = 6379
+    control_plane_port: int = 50051
+    control_plane_metrics_port: int = 9100
+    pod_port: int = 50052
+    pod_metrics_port: int = 9101
+    model: Path | None = None  # None: the demo model, fetched by the pod on first start
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8
+    adapter_roots: tuple[Path, ...] = ()
+    token_file: Path | None = None  # None: data_dir/admin-token, generated when missing
+    redis_server: str | None = None
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        ports = self.ports()
+        for flag, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise StackError(f"{flag} {port} is not a TCP port; use 1-65535")
+        if len(set(ports.values())) != len(ports):
+            raise StackError(f"the ports must all differ: {', '.join(f'{k} {v}' for k, v in ports.items())}")
+        if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise StackError("--start-timeout and --stop-timeout must be positive")
+        if self.token_file is not None and not self.token_file.is_file():
+            raise StackError(f"--token-file {self.token_file} is not a file")
+
+    def ports(self) -> dict[str, int]:
+        return {"--redis-port": self.redis_port, "--control-plane-port": self.control_plane_port,
+                "--control-plane-metrics-port": self.control_plane_metrics_port, "--pod-port": self.pod_port,
+                "--pod-metrics-port": self.pod_metrics_port}
+
+    @property
+    def resolved_token_file(self) -> Path:
+        return self.token_file or self.data_dir / "admin-token"
+
+    @property
+    def control_plane(self) -> str:
+        return f"{self.host}:{self.control_plane_port}"
+
+    @property
+    def pod(self) -> str:
+        return f"{self.host}:{self.pod_port}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = StackConfig(data_dir=Path("."))
+    p.add_argument("--data-dir", type=Path, help="Redis's append-only file, logs, pid file and admin token "
+                                                 "(default: $LORAFLEET_HOME/up)")
+    p.add_argument("--host", default=d.host, help=f"address every server listens on (default {d.host})")
+    p.add_argument("--redis-port", type=int, default=d.redis_port, help=f"Redis port (default {d.redis_port})")
+    p.add_argument("--control-plane-port", type=int, default=d.control_plane_port,
+                   help=f"control plane gRPC port (default {d.control_plane_port})")
+    p.add_argument("--control-plane-metrics-port", type=int, default=d.control_plane_metrics_port,
+                   help=f"control plane /metrics port (default {d.control_plane_metrics_port})")
+    p.add_argument("--pod-port", type=int, default=d.pod_port, help=f"data-plane pod gRPC port (default {d.pod_port})")
+    p.add_argument("--pod-metrics-port", type=int, default=d.pod_metrics_port,
+                   help=f"data-plane pod /metrics port (default {d.pod_metrics_port})")
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: the demo model)")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="the pod's compute device")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
+    p.add_argument("--adapter-root", type=Path, action="append", default=[],
+                   help="another directory the pod may load adapters from (repeatable)")
+    p.add_argument("--token-file", type=Path,
+                   help="admin token file to use (default: DATA_DIR/admin-token, generated when missing)")
+    p.add_argument("--redis-server", help="redis-server binary (default: the one beside Python, then PATH)")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
+                   help="seconds the pod may take to serve (the first start fetches the demo model)")
+    p.add_argument("--stop-timeout", type=float, default=d.stop_timeout_s,
+                   help="seconds each process gets after SIGTERM before it is killed")
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        data_dir=(args.data_dir or up_dir()).resolve(), host=args.host, redis_port=args.redis_port,
+        control_plane_port=args.control_plane_port, control_plane_metrics_port=args.control_plane_metrics_port,
+        pod_port=args.pod_port, pod_metrics_port=args.pod_metrics_port,
+        model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
+        max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root),
+        token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,
+        start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
