@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
+from data_plane.lora.runtime import LoraRuntime
 from data_plane.model.attention import SeqSlice, build_attention_metadata
 from data_plane.model.llama import ForwardBatch
 
@@ -72,3 +74,35 @@ def forward_rows(model, runtime, rows: list[tuple[str | None, list[int]]]) -> li
     with torch.inference_mode():
         logits = model.logits(model(batch))
     return list(logits.split([len(r) for _, r in rows]))
+
+
+def runtime_with_adapters(model, root: Path, names, max_loras: int, max_rank: int = 64) -> LoraRuntime:
+    """Wraps ``model`` (in place) with LoRA slots and puts each adapter ``root/<name>`` in a slot."""
+    runtime = LoraRuntime(model, max_loras=max_loras, max_cpu_loras=max_loras, max_rank=max_rank, max_tokens=512,
+                          adapter_roots=(root,))
+    for name in names:
+        runtime.load(name, name)
+        runtime.cache.acquire(name)
+    return runtime
+
+
+def peft_row_logits(hf_model, root: Path, names):
+    """``logits(adapter or None, ids)``: peft's logits for one row, on a copy of ``hf_model`` holding
+    every adapter ``root/<name>`` (None runs with the adapters disabled)."""
+    from peft import PeftModel
+
+    names = list(names)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf_model), root / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.load_adapter(root / name, adapter_name=name)
+    peft_model.eval()
+
+    def logits(adapter: str | None, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    return peft_model(torch.tensor([ids])).logits[0]
+            peft_model.set_adapter(adapter)
+            return peft_model(torch.tensor([ids])).logits[0]
+
+    return logits

@@ -7,43 +7,18 @@ import torch
 
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
-from tests.lora.conftest import ADAPTERS, forward_rows
+from tests.lora.conftest import ADAPTERS, forward_rows, peft_row_logits, runtime_with_adapters
 
 
 @pytest.fixture(scope="module")
 def peft_reference(tiny_base, tiny_adapters):
-    import copy
-
-    from peft import PeftModel
-
-    _, model = tiny_base
-    names = list(ADAPTERS)
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), tiny_adapters / names[0], adapter_name=names[0])
-    for name in names[1:]:
-        peft_model.load_adapter(tiny_adapters / name, adapter_name=name)
-    peft_model.eval()
-
-    def logits(adapter: str | None, ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            if adapter is None:
-                with peft_model.disable_adapter():
-                    return peft_model(torch.tensor([ids])).logits[0]
-            peft_model.set_adapter(adapter)
-            return peft_model(torch.tensor([ids])).logits[0]
-
-    return logits
+    return peft_row_logits(tiny_base[1], tiny_adapters, ADAPTERS)
 
 
 @pytest.fixture(scope="module")
 def ours(tiny_base, tiny_adapters):
-    path, _ = tiny_base
-    model = load_model(path, "float32")
-    runtime = LoraRuntime(model, max_loras=4, max_cpu_loras=6, max_rank=64, max_tokens=512,
-                          adapter_roots=(tiny_adapters,))
-    for name in ADAPTERS:
-        runtime.load(name, name)
-        runtime.cache.acquire(name)
-    return model, runtime
+    model = load_model(tiny_base[0], "float32")
+    return model, runtime_with_adapters(model, tiny_adapters, ADAPTERS, max_loras=4)
 
 
 def _rows(adapters):
