@@ -1,7 +1,7 @@
 """Trains the demo adapters on the demo model: ``python -m data_plane.demo_adapters.train``.
 
-Each adapter is a PEFT LoRA trained with transformers + peft in float32 on the CPU (about a
-minute each on two cores) from the hand-written question/answer pairs in ``data/<name>.jsonl``.
+Each adapter is a PEFT LoRA trained with transformers + peft in float32 on the CPU (40 steps, about a
+minute each on two idle cores) from the hand-written question/answer pairs in ``data/<name>.jsonl``.
 Prompts are rendered and tokenised by the serving tokenizer, so training sees exactly the ids a
 request sees; the loss covers only the answer and its closing ``<|im_end|>``. Everything random
 (LoRA init, dropout, example order) is seeded, so a rerun with the same thread count gives the
