@@ -38,6 +38,7 @@ class Reconciler:
         self._metrics = metrics
         # pod id -> (consecutive failed passes, monotonic time before which it is left alone)
         self._pod_retry: dict[str, tuple[int, float]] = {}
+        self._unsatisfied_logged: dict[str, str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -78,7 +79,9 @@ class Reconciler:
         assignment = place(pins, slots, failed)
         await self._store.set_pin_status(assignment.unsatisfied)
         for name, why in assignment.unsatisfied.items():
-            log.warning("pin not satisfied", extra={"adapter": name, "reason": why})
+            if self._unsatisfied_logged.get(name) != why:  # once per change, not once per pass
+                log.warning("pin not satisfied", extra={"adapter": name, "reason": why})
+        self._unsatisfied_logged = dict(assignment.unsatisfied)
 
         ready = [v.pod for v in views if v.ready]
         actions = plan_actions(adapters, ready, assignment.pods, placements, self._store.now(),
@@ -101,9 +104,10 @@ class Reconciler:
         return actions
 
     async def _drive(self, actions: list[Action], attempts: dict[tuple[str, str], int]) -> None:
-        """Sends one pod's actions in order, recording each load's outcome; stops on the first
-        failure (a later pass retries, after a per-pod backoff that doubles with each failed
-        pass) and steps down on a stale fencing token."""
+        """Sends one pod's actions in order, recording each load's outcome. A load the pod refuses
+        fails only that adapter; an unreachable pod or a refused unpin/unload stops the pod's
+        list (a later pass retries, after a per-pod backoff that doubles with each failed pass).
+        Steps down on a stale fencing token."""
         for action in actions:
             token = self._lease.token
             if not token:
@@ -133,6 +137,8 @@ class Reconciler:
                                        failures)
             elif action.command is Command.UNLOAD and result.ok:
                 await self._store.delete_placement(action.adapter, action.pod)
+            if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
+                continue  # the adapter's own fault, recorded above: the pod's other commands still go out
             if not result.ok:
                 failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
                 delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))

@@ -23,15 +23,17 @@ SHA = "ab" * 32
 
 
 class ScriptedPods:
-    """Answers every command OK unless ``refuse`` names its (pod, command); records each call."""
+    """Answers every command OK unless ``refuse`` names its (pod, command) or its (pod, adapter);
+    records each call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Command, str, int]] = []
-        self.refuse: dict[tuple[str, Command], CommandResult] = {}
+        self.refuse: dict[tuple[str, Command | str], CommandResult] = {}
 
     async def execute(self, action: Action, token: int) -> CommandResult:
         self.calls.append((action.pod, action.command, action.adapter, token))
-        return self.refuse.get((action.pod, action.command), CommandResult(True))
+        return self.refuse.get((action.pod, action.command),
+                               self.refuse.get((action.pod, action.adapter), CommandResult(True)))
 
     async def forget(self, keep: set[str]) -> None:
         pass
@@ -142,6 +144,22 @@ def test_a_failed_load_is_recorded_with_its_reason_retried_then_placed_elsewhere
     assert second == [("p0", Command.LOAD_AND_PIN, "a")]  # second and last attempt on p0
     assert third == [("p1", Command.LOAD_AND_PIN, "a")]  # given up on p0: placed on p1
     assert status == ""
+
+
+def test_a_load_the_pod_refuses_does_not_hold_up_its_other_loads(config, redis_server):
+    async def body(h):
+        await h.adapter("bad", replicas=1)
+        await h.adapter("good", replicas=1)
+        await h.pod("p0", slots=4)
+        h.pods.refuse[("p0", "bad")] = CommandResult(False, grpc.StatusCode.INVALID_ARGUMENT, "corrupt weights")
+        await h.lease.renew()
+        h.clock.t += 1  # the records written now are newer than the pod's heartbeat
+        first = await h.sent()
+        return first, {p.pod: p.state for p in (await h.registry.get("good")).placements}
+
+    first, good = run(config, redis_server, body)
+    assert first == [("p0", Command.LOAD_AND_PIN, "bad"), ("p0", Command.LOAD_AND_PIN, "good")]
+    assert good == {"p0": PlacementState.READY}
 
 
 def test_an_unplaceable_pin_is_reported_in_the_adapters_pin_status(config, redis_server):
