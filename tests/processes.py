@@ -3,6 +3,7 @@ waited on through the gRPC health service) and control-plane replicas (``python 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -11,15 +12,19 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from lorafleet.v1 import adapter_admin_pb2 as pb
+from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
 from data_plane.child_process import spawn, stop_process, tail, wait_listening, wait_serving
-from tests.control_plane.conftest import free_port
+from tests.control_plane.conftest import TOKEN, RedisServer, auth, free_port
+from tests.grpc_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 POD_TOKEN = "pod-admin-token-for-tests"
 BASE_MODEL = "smollm2-135m"
+FLEET_BASE_MODEL = "SmolLM2-135M-Instruct"  # the demo model's directory name, which pods report as their base model
 
 
 def scrape(port: int) -> str:
@@ -127,3 +132,77 @@ class ControlPlaneProcess:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         return None
+
+
+def sha256_of(adapter_dir: Path) -> str:
+    return hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
+class Fleet:
+    """A redis-server, a control plane and two CPU pods on the demo model that heartbeat to it.
+    ``pod_args`` are added to every pod's command line; a subclass may route a pod's control-plane
+    traffic elsewhere by overriding ``control_plane_for``."""
+
+    def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str) -> None:
+        self.workdir, self.adapter_root, self.pod_args = workdir, adapter_root, pod_args
+        self.redis = RedisServer(workdir)
+        self.token_file = workdir / "token"
+        self.token_file.write_text(TOKEN + "\n")
+        self.cp: ControlPlaneProcess | None = None
+        self.pods: dict[str, PodProcess] = {}
+
+    def start(self) -> Fleet:
+        self.redis.start()
+        self.start_control_plane()
+        for name in ("pod-a", "pod-b"):
+            self.pods[name] = PodProcess(
+                self.workdir, "--control-plane", self.control_plane_for(name), "--heartbeat-interval", "0.3",
+                "--max-loras", "4", "--max-cpu-loras", "6", "--max-num-seqs", "4", "--num-kv-blocks", "64",
+                "--adapter-root", str(self.adapter_root), *self.pod_args, name=name, token=TOKEN).launch()
+        for pod in self.pods.values():
+            pod.wait_serving(180)
+        wait_until(lambda: len(self.pod_ids()) == 2, timeout_s=20, what="both pods registered")
+        return self
+
+    def control_plane_for(self, pod_name: str) -> str:
+        """The host:port pod ``pod_name`` heartbeats to."""
+        return self.cp.target
+
+    def start_control_plane(self, port: int | None = None) -> None:
+        self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, "cp", port,
+                                      base_model=FLEET_BASE_MODEL, lease_s=2.0, grace_s=2.0).start()
+        self.channel = grpc.insecure_channel(self.cp.target)
+
+    def admin(self) -> pb_grpc.AdapterAdminStub:
+        return pb_grpc.AdapterAdminStub(self.channel)
+
+    def pod_ids(self) -> list[str]:
+        """The pods the control plane lists."""
+        return [p.id for p in self.admin().ListPods(pb.ListPodsRequest(), metadata=auth(), timeout=5).pods]
+
+    def adapter(self, name: str) -> pb.Adapter:
+        return self.admin().GetAdapter(pb.GetAdapterRequest(name=name), metadata=auth(), timeout=5)
+
+    def register(self, name: str, directory: Path | None = None, sha256: str | None = None) -> pb.Adapter:
+        directory = directory or self.adapter_root / name
+        return self.admin().RegisterAdapter(pb.RegisterAdapterRequest(
+            name=name, source=f"file://{directory}", sha256=sha256 or sha256_of(directory),
+            base_model=FLEET_BASE_MODEL), metadata=auth(), timeout=5)
+
+    def pin(self, name: str, replicas: int) -> pb.Adapter:
+        return self.admin().PinAdapter(pb.PinAdapterRequest(name=name, replicas=replicas), metadata=auth(), timeout=5)
+
+    def placements(self, name: str, state: int = pb.READY) -> set[str]:
+        return {p.pod for p in self.adapter(name).placements if p.state == state}
+
+    def pinned_on(self, name: str) -> set[str]:
+        """Pods whose own GetState reports ``name`` pinned."""
+        return {pod_id for pod_id, pod in self.pods.items() if pod.proc.poll() is None
+                and any(a.name == name and a.pinned for a in pod.state().adapters)}
+
+    def stop(self) -> None:
+        for pod in self.pods.values():
+            pod.stop()
+        if self.cp:
+            self.cp.stop(signal.SIGKILL)
+        self.redis.kill()

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
-from tests.data_plane.test_pod_process import collect, request, wait_until
+from tests.grpc_helpers import collect, request, wait_until
 from tests.processes import PodProcess
 
 pytestmark = pytest.mark.slow

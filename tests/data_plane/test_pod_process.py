@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -11,39 +10,13 @@ from grpc_health.v1 import health_pb2
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import generation_pb2 as g
 
+from tests.grpc_helpers import collect, request, wait_until
+
 pytestmark = pytest.mark.slow
 
 ADAPTERS = [None, "pirate", "shouty", "signoff", "rand16"]
 QUESTIONS = ["What is the capital of Italy?", "Name a colour of the sky.", "How many legs does a cat have?",
              "What do bees make?"]
-
-
-def request(prompt: str, adapter: str | None = None, max_tokens: int = 12, chat: bool = True,
-            **sampling) -> g.GenerateRequest:
-    req = g.GenerateRequest(adapter=adapter or "", sampling=g.SamplingParams(max_tokens=max_tokens, **sampling))
-    if chat:
-        req.messages.messages.append(g.ChatMessage(role="user", content=prompt))
-    else:
-        req.prompt = prompt
-    return req
-
-
-def collect(pod, req: g.GenerateRequest, timeout: float = 120) -> tuple[str, list[g.Token], g.GenerateResponse]:
-    text, tokens, last = "", [], None
-    for last in pod.generation().Generate(req, timeout=timeout):
-        text += last.text
-        tokens.extend(last.tokens)
-    return text, tokens, last
-
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
 
 
 def idle(pod) -> bool:

@@ -3,7 +3,6 @@ on the demo model that register themselves, load what the control plane places, 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import signal
 import time
@@ -12,79 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from lorafleet.v1 import adapter_admin_pb2 as pb
-from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from tests.control_plane.conftest import TOKEN, RedisServer, auth
-from tests.data_plane.test_pod_process import collect, request, wait_until
-from tests.processes import ControlPlaneProcess, PodProcess
+from tests.control_plane.conftest import auth
+from tests.grpc_helpers import collect, request, wait_until
+from tests.processes import Fleet
 
 pytestmark = pytest.mark.slow
-BASE_MODEL = "SmolLM2-135M-Instruct"  # the demo model's directory name, which pods report as their base model
 READY_WITHIN_S = 60
-
-
-def sha256_of(adapter_dir) -> str:
-    return hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
-
-
-class Fleet:
-    def __init__(self, workdir, adapter_root) -> None:
-        self.workdir, self.adapter_root = workdir, adapter_root
-        self.redis = RedisServer(workdir)
-        self.token_file = workdir / "token"
-        self.token_file.write_text(TOKEN + "\n")
-        self.cp: ControlPlaneProcess | None = None
-        self.pods: dict[str, PodProcess] = {}
-
-    def start(self) -> Fleet:
-        self.redis.start()
-        self.start_control_plane()
-        for name in ("pod-a", "pod-b"):
-            self.pods[name] = PodProcess(
-                self.workdir, "--control-plane", self.cp.target, "--heartbeat-interval", "0.3", "--max-loras", "4",
-                "--max-cpu-loras", "6", "--max-num-seqs", "4", "--num-kv-blocks", "64",
-                "--adapter-root", str(self.adapter_root), name=name, token=TOKEN).launch()
-        for pod in self.pods.values():
-            pod.wait_serving(180)
-        wait_until(lambda: len(self.admin().ListPods(pb.ListPodsRequest(), metadata=auth(), timeout=5).pods) == 2,
-                   timeout_s=20, what="both pods registered")
-        return self
-
-    def start_control_plane(self, port: int | None = None) -> None:
-        self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, "cp", port,
-                                      base_model=BASE_MODEL, lease_s=2.0, grace_s=2.0).start()
-        self.channel = grpc.insecure_channel(self.cp.target)
-
-    def admin(self) -> pb_grpc.AdapterAdminStub:
-        return pb_grpc.AdapterAdminStub(self.channel)
-
-    def adapter(self, name: str) -> pb.Adapter:
-        return self.admin().GetAdapter(pb.GetAdapterRequest(name=name), metadata=auth(), timeout=5)
-
-    def register(self, name: str, directory=None, sha256: str | None = None) -> pb.Adapter:
-        directory = directory or self.adapter_root / name
-        return self.admin().RegisterAdapter(pb.RegisterAdapterRequest(
-            name=name, source=f"file://{directory}", sha256=sha256 or sha256_of(directory), base_model=BASE_MODEL),
-            metadata=auth(), timeout=5)
-
-    def pin(self, name: str, replicas: int) -> pb.Adapter:
-        return self.admin().PinAdapter(pb.PinAdapterRequest(name=name, replicas=replicas), metadata=auth(), timeout=5)
-
-    def placements(self, name: str, state: int = pb.READY) -> set[str]:
-        return {p.pod for p in self.adapter(name).placements if p.state == state}
-
-    def pinned_on(self, name: str) -> set[str]:
-        """Pods whose own GetState reports ``name`` pinned."""
-        return {pod_id for pod_id, pod in self.pods.items() if pod.proc.poll() is None
-                and any(a.name == name and a.pinned for a in pod.state().adapters)}
-
-    def stop(self) -> None:
-        for pod in self.pods.values():
-            pod.stop()
-        if self.cp:
-            self.cp.stop(signal.SIGKILL)
-        self.redis.kill()
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +99,7 @@ def test_a_control_plane_restart_loses_nothing_and_repeats_no_work(fleet):
     port = fleet.cp.port
     assert fleet.cp.stop(signal.SIGKILL) != 0
     fleet.start_control_plane(port)
-    wait_until(lambda: len(fleet.admin().ListPods(pb.ListPodsRequest(), metadata=auth(), timeout=5).pods) == 2,
-               timeout_s=20, what="pods heartbeating to the new control plane")
+    wait_until(lambda: len(fleet.pod_ids()) == 2, timeout_s=20, what="pods heartbeating to the new control plane")
     time.sleep(2.0)  # several reconcile rounds
     after_adapters = {a.name: (a.version, a.pinned) for a in fleet.admin().ListAdapters(
         pb.ListAdaptersRequest(page_size=100), metadata=auth(), timeout=5).adapters}
@@ -187,8 +120,7 @@ def test_pins_of_a_killed_pod_become_ready_elsewhere(fleet):
     wait_until(lambda: fleet.pinned_on("signoff") == {survivor}, READY_WITHIN_S, "signoff pinned on the survivor")
     wait_until(lambda: fleet.placements("signoff") == {survivor}, 10, "registry shows it READY on the survivor")
     assert time.monotonic() - killed_at < READY_WITHIN_S
-    wait_until(lambda: [p.id for p in fleet.admin().ListPods(pb.ListPodsRequest(), metadata=auth(), timeout=5).pods]
-               == [survivor], 10, "the killed pod removed after its lease and grace")
+    wait_until(lambda: fleet.pod_ids() == [survivor], 10, "the killed pod removed after its lease and grace")
     with ThreadPoolExecutor(2) as pool:  # the survivor serves both adapters it now pins
         outs = list(pool.map(lambda a: collect(fleet.pods[survivor], request("Hello!", a, max_tokens=8)),
                              ["signoff", "pirate"]))
