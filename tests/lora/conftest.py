@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model.attention import SeqSlice, build_attention_metadata
@@ -15,6 +18,7 @@ from data_plane.model.llama import ForwardBatch
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
+WEIGHTS = "adapter_model.safetensors"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # name -> LoraConfig kwargs: ranks 1/8/16/64, alpha != r, rsLoRA, rank_pattern, partial targets.
@@ -106,3 +110,27 @@ def peft_row_logits(hf_model, root: Path, names):
             return peft_model(torch.tensor([ids])).logits[0]
 
     return logits
+
+
+# Breaking a valid PEFT directory in place: the malformed-adapter tests build their corpus with these.
+def edit_config(path: Path, **changes) -> None:
+    """Rewrites ``adapter_config.json`` with ``changes``."""
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(path: Path, fn) -> None:
+    """Rewrites the weights after ``fn(tensors)`` changed the dict of tensors in place."""
+    tensors = load_file(path / WEIGHTS)
+    fn(tensors)
+    save_file(tensors, path / WEIGHTS)
+
+
+class RunsCode:
+    """Pickled, runs a shell command when unpickled by an unsafe loader (it creates a marker file)."""
+
+    MARKER = "/tmp/lorafleet-pickle-ran"
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.MARKER}",))

@@ -3,20 +3,18 @@ cache changes."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from data_plane.errors import InvalidAdapter
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
-
-WEIGHTS = "adapter_model.safetensors"
+from tests.lora.conftest import WEIGHTS, RunsCode, edit_config, edit_tensors
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +38,6 @@ def adapter(runtime, tiny_adapters, request):
     shutil.copytree(tiny_adapters / "r8", path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _edit_config(path, **changes):
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    cfg.update(changes)
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(path, fn):
-    tensors = load_file(path / WEIGHTS)
-    fn(tensors)
-    save_file(tensors, path / WEIGHTS)
 
 
 def _refused(runtime, source, match, name="bad"):
@@ -96,7 +82,7 @@ def test_rank_above_the_pod_limit(runtime, tiny_adapters):
 
 
 def test_target_module_the_model_lacks(runtime, adapter):
-    _edit_config(adapter, target_modules=["q_proj", "embed_tokens"])
+    edit_config(adapter, target_modules=["q_proj", "embed_tokens"])
     _refused(runtime, adapter, r"target modules \['embed_tokens'\] are not projections")
 
 
@@ -104,7 +90,7 @@ def test_shapes_of_another_base_model(runtime, adapter):
     def widen(t):
         key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
         t[key] = torch.zeros(8, 128)
-    _edit_tensors(adapter, widen)
+    edit_tensors(adapter, widen)
     _refused(runtime, adapter, "trained for another base model")
 
 
@@ -112,7 +98,7 @@ def test_more_layers_than_the_base_model(runtime, adapter):
     def extra_layer(t):
         for key in [k for k in t if ".layers.1." in k]:
             t[key.replace(".layers.1.", ".layers.7.")] = t[key].clone()
-    _edit_tensors(adapter, extra_layer)
+    edit_tensors(adapter, extra_layer)
     _refused(runtime, adapter, "base model has only 2 layers")
 
 
@@ -120,44 +106,44 @@ def test_more_layers_than_the_base_model(runtime, adapter):
 def test_nan_or_inf_weights(runtime, adapter, value):
     def poison(t):
         t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"][3, 2] = value
-    _edit_tensors(adapter, poison)
+    edit_tensors(adapter, poison)
     _refused(runtime, adapter, "down_proj.lora_B contains NaN or Inf")
 
 
 def test_dora(runtime, adapter):
-    _edit_config(adapter, use_dora=True)
+    edit_config(adapter, use_dora=True)
     _refused(runtime, adapter, "DoRA")
 
 
 def test_modules_to_save(runtime, adapter):
-    _edit_config(adapter, modules_to_save=["lm_head"])
+    edit_config(adapter, modules_to_save=["lm_head"])
     _refused(runtime, adapter, "modules_to_save")
 
 
 def test_bias_other_than_none(runtime, adapter):
-    _edit_config(adapter, bias="lora_only")
+    edit_config(adapter, bias="lora_only")
     _refused(runtime, adapter, "bias='lora_only' is not supported")
 
 
 def test_unknown_tensor_name(runtime, adapter):
-    _edit_tensors(adapter, lambda t: t.__setitem__("base_model.model.lm_head.weight", torch.zeros(4, 4)))
+    edit_tensors(adapter, lambda t: t.__setitem__("base_model.model.lm_head.weight", torch.zeros(4, 4)))
     _refused(runtime, adapter, "unknown tensor 'base_model.model.lm_head.weight'")
 
 
 def test_integer_tensor(runtime, adapter):
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
-    _edit_tensors(adapter, lambda t: t.__setitem__(key, torch.zeros(8, 64, dtype=torch.int32)))
+    edit_tensors(adapter, lambda t: t.__setitem__(key, torch.zeros(8, 64, dtype=torch.int32)))
     _refused(runtime, adapter, "must be a 2-D floating-point tensor")
 
 
 def test_missing_lora_b(runtime, adapter):
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-    _edit_tensors(adapter, lambda t: t.pop(key))
+    edit_tensors(adapter, lambda t: t.pop(key))
     _refused(runtime, adapter, "q_proj has lora_B missing")
 
 
 def test_rank_disagreeing_with_config(runtime, adapter):
-    _edit_config(adapter, r=4)
+    edit_config(adapter, r=4)
     _refused(runtime, adapter, "has rank 8, but its config says 4")
 
 
@@ -208,19 +194,14 @@ def test_pickle_is_refused_without_opt_in(runtime, adapter):
     _refused(runtime, adapter, "pickles can run code")
 
 
-class _RunsCode:
-    def __reduce__(self):
-        return (os.system, ("touch /tmp/lorafleet-pickle-ran",))
-
-
 def test_malicious_pickle_is_refused_even_with_opt_in(tiny_base, adapter, runtime):
     (adapter / WEIGHTS).unlink()
-    torch.save({"x": _RunsCode()}, adapter / "adapter_model.bin")
+    torch.save({"x": RunsCode()}, adapter / "adapter_model.bin")
     model = load_model(tiny_base[0], "float32")
     opted_in = LoraRuntime(model, 2, 2, 16, 64, (runtime.root,), AdapterLimits(max_rank=16, allow_pickle=True))
     with pytest.raises(InvalidAdapter, match="refused by the safe loader"):
         opted_in.load("evil", adapter.name)
-    assert not os.path.exists("/tmp/lorafleet-pickle-ran")
+    assert not os.path.exists(RunsCode.MARKER)
 
 
 def test_tensor_pickle_loads_with_opt_in(tiny_base, adapter, runtime):
