@@ -25,6 +25,9 @@ class LoraMeta:
     num_tokens: int
     # Host copies for the CPU path, which loops over segments in Python.
     host_segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of each used segment
+    # Per segment: the first token when its tokens are one contiguous run (an engine that orders its
+    # batch by adapter gets these), else -1; the CPU path then slices instead of gathering.
+    host_runs: tuple[int, ...] = ()
 
     @property
     def has_lora(self) -> bool:
@@ -59,9 +62,11 @@ class LoraMetaBuilder:
         seg_slots = [-1] * self.max_loras
         seg_starts = [0] * (self.max_loras + 1)
         segments = []
+        runs = []
         for i, (slot, tokens) in enumerate(sorted(by_slot.items())):
             seg_slots[i] = slot
             segments.append((slot, len(order), len(order) + len(tokens)))
+            runs.append(tokens[0] if tokens[-1] - tokens[0] == len(tokens) - 1 else -1)
             order.extend(tokens)
         for i in range(len(by_slot), self.max_loras + 1):
             seg_starts[i] = len(order)
@@ -81,4 +86,5 @@ class LoraMetaBuilder:
             buffer=self._buffer,
             num_tokens=n,
             host_segments=tuple(segments),
+            host_runs=tuple(runs),
         )

@@ -18,6 +18,13 @@ import torch
 from kernels.lora_meta import LoraMeta
 
 
+def _rows(meta: LoraMeta, k: int) -> slice | torch.Tensor:
+    """The tokens of segment ``k``: a slice when they are one contiguous run, else their indices."""
+    slot, start, end = meta.host_segments[k]
+    run = meta.host_runs[k] if meta.host_runs else -1
+    return slice(run, run + end - start) if run >= 0 else meta.sorted_tokens[start:end].long()
+
+
 def lora_shrink(
     x: torch.Tensor,  # [num_tokens, in_features]
     lora_a: torch.Tensor,  # [S, max_loras, max_rank, in_features]
@@ -29,13 +36,20 @@ def lora_shrink(
     """``buf[s, t, :r] = x[t] @ lora_a[s, slot[t], :r].T`` with ``r = ranks[s, slot[t]]``,
     for every token with ``slot[t] >= 0``, accumulated in float32."""
     host_ranks = host_ranks if host_ranks is not None else ranks.tolist()
-    for slot, start, end in meta.host_segments:
-        idx = meta.sorted_tokens[start:end].long()
-        xs = x[idx].float()  # [n, in]
-        for s in range(lora_a.shape[0]):
-            r = host_ranks[s][slot]
+    num_slices = lora_a.shape[0]
+    for k, (slot, _, _) in enumerate(meta.host_segments):
+        slot_ranks = [host_ranks[s][slot] for s in range(num_slices)]
+        if not any(slot_ranks):
+            continue
+        rows = _rows(meta, k)
+        xs = x[rows].float()  # [n, in]
+        if len(set(slot_ranks)) == 1:  # one rank for every slice: all slices in one batched matmul
+            r = slot_ranks[0]
+            buf[:, rows, :r] = torch.matmul(xs, lora_a[:, slot, :r].float().transpose(1, 2))  # [S, n, r]
+            continue
+        for s, r in enumerate(slot_ranks):
             if r:
-                buf[s, idx, :r] = xs @ lora_a[s, slot, :r].float().T
+                buf[s, rows, :r] = xs @ lora_a[s, slot, :r].float().T
 
 
 def lora_expand(
@@ -51,12 +65,16 @@ def lora_expand(
     accumulated in float32, added to ``y`` in float32 and rounded once to ``y``'s dtype;
     rows with slot -1 untouched."""
     host_ranks = host_ranks if host_ranks is not None else ranks.tolist()
-    for slot, start, end in meta.host_segments:
-        idx = meta.sorted_tokens[start:end].long()
-        for s in range(len(slice_offsets) - 1):
-            r = host_ranks[s][slot]
-            if not r:
-                continue
-            lo, hi = slice_offsets[s], slice_offsets[s + 1]
-            delta = buf[s, idx, :r] @ lora_b[slot, lo:hi, :r].float().T  # [n, n_s]
-            y[idx, lo:hi] = (y[idx, lo:hi].float() + delta).to(y.dtype)
+    for k, (slot, _, _) in enumerate(meta.host_segments):
+        slot_ranks = [host_ranks[s][slot] for s in range(len(slice_offsets) - 1)]
+        if not any(slot_ranks):
+            continue
+        rows = _rows(meta, k)
+        in_place = isinstance(rows, slice) and y.dtype == torch.float32  # y[rows] is then a view of y
+        acc = y[rows].float()  # [n, out]
+        for s, r in enumerate(slot_ranks):
+            if r:
+                lo, hi = slice_offsets[s], slice_offsets[s + 1]
+                acc[:, lo:hi].addmm_(buf[s, rows, :r], lora_b[slot, lo:hi, :r].float().T)
+        if not in_place:
+            y[rows] = acc.to(y.dtype)

@@ -23,8 +23,12 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> list[TokenOut | None]:
         """One forward over every scheduled chunk; a next token for each sequence whose known
         tokens are now all computed (None for a prefill chunk that is not the last)."""
+        # Sequences of one adapter run side by side: each adapter's tokens are then one contiguous
+        # run, which the CPU LoRA path slices instead of gathering. Outputs return in batch order.
+        order = sorted(range(len(batch)), key=lambda k: batch[k].seq.slot)
+        items = [batch[k] for k in order]
         ids, positions, slots, seqs = [], [], [], []
-        for item in batch:
+        for item in items:
             s = item.seq
             start = s.num_computed
             ids += s.all_ids[start : start + item.num_new]
@@ -40,13 +44,13 @@ class ModelRunner:
             lora=self.lora.step_metadata(slots),
         )
         hidden = self.model(fb)
-        ends = torch.tensor([i.num_new for i in batch]).cumsum(0) - 1
-        sampling = [k for k, item in enumerate(batch) if item.samples]
-        if not sampling:
-            return [None] * len(batch)
-        logits = self.model.logits(hidden[ends[sampling].to(self.device)]).cpu()
-        tokens = sample(logits, [batch[k].seq for k in sampling])
+        ends = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
+        sampling = [j for j, item in enumerate(items) if item.samples]
         out: list[TokenOut | None] = [None] * len(batch)
-        for k, tok in zip(sampling, tokens, strict=True):
-            out[k] = tok
+        if not sampling:
+            return out
+        logits = self.model.logits(hidden[ends[sampling].to(self.device)]).cpu()
+        tokens = sample(logits, [items[j].seq for j in sampling])
+        for j, tok in zip(sampling, tokens, strict=True):
+            out[order[j]] = tok
         return out

@@ -1,0 +1,196 @@
+"""Serving throughput and latency of a real pod over gRPC, next to transformers + peft, in one run.
+
+Three runs on the same prompts, each submitting every request at once:
+- ``lorafleet`` with adapters: a pod process on loopback, requests spread round-robin over the
+  base model and the adapters;
+- ``lorafleet`` base only: the same pod, the same prompts, no adapter;
+- ``peft``: transformers + peft, one ``generate(adapter_names=...)`` call over the whole batch with
+  the same per-row adapters (left padding, greedy, same number of new tokens).
+
+Every request generates exactly ``--new-tokens`` tokens (EOS ignored on every side). Throughput is
+output tokens over wall time; TTFT and inter-token latency are measured on the client from
+stream arrival times (peft has no stream: its TTFT/ITL columns are empty). Prints markdown rows
+for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.demo_model import ensure_demo_model
+
+PROMPTS = [
+    "Explain why the sky is blue.", "Write a short poem about autumn.", "How do vaccines work?",
+    "Give me three tips for learning to cook.", "What is a black hole?", "Describe a day at the beach.",
+    "Why do cats purr?", "How does a bicycle stay upright?",
+]
+EXTRA_ADAPTER = "bench-r16"  # a random rank-16 adapter on all seven projections, beside the demo adapters
+
+
+@dataclass
+class Run:
+    label: str
+    wall_s: float
+    tokens: int
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def _pct(values: list[float], q: float) -> str:
+    if not values:
+        return "–"
+    values = sorted(values)
+    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.0f}"
+
+
+def make_extra_adapter(model_dir: Path, root: Path, rank: int) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(base, config)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(root / EXTRA_ADAPTER)
+
+
+def drive_pod(pod, label: str, adapters: list[str | None], prompts: list[str], new_tokens: int) -> Run:
+    from lorafleet.v1 import generation_pb2 as g
+
+    stub = pod.generation()
+    run = Run(label, 0.0, 0)
+    lock = threading.Lock()
+
+    def one(prompt: str, adapter: str | None) -> None:
+        req = g.GenerateRequest(adapter=adapter or "", sampling=g.SamplingParams(max_tokens=new_tokens,
+                                                                                  ignore_eos=True))
+        req.messages.messages.append(g.ChatMessage(role="user", content=prompt))
+        start = last = time.perf_counter()
+        ttft, gaps, n = None, [], 0
+        for response in stub.Generate(req, timeout=1800):
+            now = time.perf_counter()
+            if response.tokens:
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    gaps.append((now - last) / len(response.tokens))
+                last = now
+                n += len(response.tokens)
+        with lock:
+            run.tokens += n
+            run.ttft.append(ttft)
+            run.itl.extend(gaps)
+
+    threads = [threading.Thread(target=one, args=(p, a)) for p, a in zip(prompts, adapters, strict=True)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def drive_peft(model_dir: Path, roots: dict[str, Path], adapters: list[str | None], prompts: list[str],
+               new_tokens: int) -> Run:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    names = sorted({a for a in adapters if a})
+    model = PeftModel.from_pretrained(base, roots[names[0]] / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(roots[name] / name, adapter_name=name)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    row_adapters = [a or "__base__" for a in adapters]
+    with torch.inference_mode():
+        model.generate(**{k: v[:2] for k, v in batch.items()}, adapter_names=row_adapters[:2], max_new_tokens=2,
+                       do_sample=False, pad_token_id=tokenizer.pad_token_id)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(**batch, adapter_names=row_adapters, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        wall = time.perf_counter() - start
+    generated = out.shape[1] - batch["input_ids"].shape[1]
+    assert generated == new_tokens, f"peft generated {generated} tokens, asked for {new_tokens}"
+    return Run("transformers + peft", wall, generated * len(prompts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the pod and of peft")
+    parser.add_argument("--skip-peft", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
+    from tests.processes import PodProcess
+
+    model_dir = ensure_demo_model(quiet=True)
+    demo_root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        extra_root = Path(tmp) / "adapters"
+        make_extra_adapter(model_dir, extra_root, 16)
+        roots = {**{n: demo_root for n in DEMO_ADAPTERS}, EXTRA_ADAPTER: extra_root}
+        cycle = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
+        adapters = [cycle[i % len(cycle)] for i in range(args.requests)]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+        pod = PodProcess(Path(tmp), "--max-num-seqs", str(args.requests), "--max-loras", str(len(cycle) - 1),
+                         "--adapter-root", str(demo_root), "--adapter-root", str(extra_root), name="bench")
+        pod.start()
+        try:
+            drive_pod(pod, "warm-up", adapters[:len(cycle)], prompts[:len(cycle)], 4)  # loads every adapter
+            runs = [drive_pod(pod, "lorafleet, base + 4 adapters", adapters, prompts, args.new_tokens),
+                    drive_pod(pod, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
+        finally:
+            pod.stop()
+        if not args.skip_peft:
+            runs.append(drive_peft(model_dir, roots, adapters, prompts, args.new_tokens))
+
+    import transformers
+
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {args.threads} threads, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}; demo model float32, "
+          f"{args.requests} requests, "
+          f"{args.new_tokens} new tokens each\n")
+    print("| run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r.label} | {r.throughput:.1f} | {_pct(r.ttft, 0.5)} | {_pct(r.ttft, 0.99)} | {_pct(r.itl, 0.5)} "
+              f"| {_pct(r.itl, 0.99)} | {r.wall_s:.1f} |")
+    lora, base = runs[0], runs[1]
+    print(f"\nLoRA / base-only throughput: {lora.throughput / base.throughput:.2f}")
+    if not args.skip_peft:
+        print(f"lorafleet (LoRA) / peft throughput: {lora.throughput / runs[2].throughput:.2f}")
+    print(f"median TTFT LoRA {statistics.median(lora.ttft) * 1000:.0f} ms, "
+          f"base {statistics.median(base.ttft) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
