@@ -7,7 +7,7 @@ PROTO_SRC := $(wildcard protos/lorafleet/v1/*.proto)
 PROTO_STAMP := protos/lorafleet/v1/.generated
 SETUP_STAMP := $(VENV)/.installed
 
-.PHONY: setup proto test lint helm-lint run bench clean
+.PHONY: setup proto test lint helm-lint run bench clean reliability
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP)
 
@@ -42,6 +42,15 @@ run: setup
 
 bench: setup
 	$(PY) benchmarks/model_cpu.py
+
+# The reliability suite at full size (60 s of load, 2,000 load/unload cycles, ...); its measured figures
+# become docs/RELIABILITY.md. `make test` runs the same tests at reduced sizes.
+RELIABILITY_RESULTS := build/reliability
+reliability: setup
+	rm -rf $(RELIABILITY_RESULTS)
+	LORAFLEET_RELIABILITY=full LORAFLEET_RELIABILITY_RESULTS=$(CURDIR)/$(RELIABILITY_RESULTS) \
+		$(PY) -m pytest -q -p no:cacheprovider tests/reliability
+	$(PY) -m tests.reliability.report $(RELIABILITY_RESULTS) docs/RELIABILITY.md
 
 clean:
 	rm -rf $(VENV) protos/lorafleet/v1/*_pb2*.py protos/lorafleet/v1/*_pb2*.pyi $(PROTO_STAMP)

@@ -168,8 +168,9 @@ class Fleet:
         """The host:port pod ``pod_name`` heartbeats to."""
         return self.cp.target
 
-    def start_control_plane(self, port: int | None = None) -> None:
-        self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, "cp", port,
+    def start_control_plane(self, port: int | None = None, replica: str = "cp") -> None:
+        """Starts the control plane; a ``replica`` name other than the last one's is a new leader."""
+        self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, replica, port,
                                       base_model=FLEET_BASE_MODEL, lease_s=2.0, grace_s=2.0).start()
         self.channel = grpc.insecure_channel(self.cp.target)
 
