@@ -28,7 +28,8 @@ from lorafleet.v1 import adapter_admin_pb2 as pb  # noqa: E402
 
 from data_plane.demo_adapters import demo_adapter_dir  # noqa: E402
 from tests.control_plane.conftest import auth  # noqa: E402
-from tests.fleet.test_fleet import BASE_MODEL, Fleet  # noqa: E402
+from tests.processes import FLEET_BASE_MODEL as BASE_MODEL  # noqa: E402
+from tests.processes import Fleet  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float:
