@@ -37,9 +37,10 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
     should hold it pinned), in per-pod order: unpins first, so that pins never exceed a pod's
     capacity in passing, then unloads, then loads and pins.
 
-    Promises: empty when the pods already agree (so reconciling is idempotent); an adapter that
-    is not registered, or is resident with other weights than registered, is unpinned and
-    unloaded; a failed load is retried only after its backoff and at most ``max_attempts`` times.
+    Promises: empty when the pods already agree (so reconciling is idempotent), and for a pin
+    the pod accepted after its last heartbeat (no repeated loads while its report catches up);
+    an adapter that is not registered, or is resident with other weights than registered, is
+    unpinned and unloaded; a failed load is retried only after its backoff and at most ``max_attempts`` times.
     """
     registered = {a.name: a for a in adapters}
     wanted_on: dict[str, set[str]] = {}
@@ -48,6 +49,8 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
             wanted_on.setdefault(pod_id, set()).add(adapter)
     failures = {(r.adapter, r.pod): r for recs in placements.values() for r in recs
                 if r.state is PlacementState.FAILED}
+    done = {(r.adapter, r.pod): r for recs in placements.values() for r in recs
+            if r.state is PlacementState.READY}
 
     actions: list[Action] = []
     for pod in sorted(pods, key=lambda p: p.id):
@@ -64,6 +67,9 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
             rec, res = registered.get(name), pod.resident(name)
             if rec is None:
                 continue
+            loaded = done.get((name, pod.id))
+            if loaded is not None and loaded.updated_at >= pod.last_heartbeat:
+                continue  # loaded and pinned since the pod's last report: not sent again before it reports
             if res is not None and res.sha256 in ("", rec.sha256):
                 if not res.pinned:
                     loads.append(Action(pod.id, pod.endpoint, Command.PIN, name))

@@ -53,6 +53,15 @@ def test_unpins_come_before_pins_on_a_pod_so_capacity_is_never_exceeded_in_passi
     assert actions == [("p0", Command.UNPIN, "a"), ("p0", Command.PIN, "b")]
 
 
+def test_a_pin_the_pod_accepted_after_its_last_heartbeat_is_not_sent_again():
+    loaded = {"a": [PlacementRecord("a", "p0", PlacementState.READY, "", 0, 50.0)]}
+    reported_before = PodRecord("p0", "127.0.0.1:1", last_heartbeat=49.0)
+    assert plan(registered("a"), [reported_before], {"a": ("p0",)}, loaded) == []
+    # a heartbeat after the load that lacks the adapter (the pod restarted): it is loaded again
+    reported_after = PodRecord("p0", "127.0.0.1:1", last_heartbeat=51.0)
+    assert plan(registered("a"), [reported_after], {"a": ("p0",)}, loaded) == [("p0", Command.LOAD_AND_PIN, "a")]
+
+
 def test_a_failed_load_waits_for_its_backoff_which_doubles_with_each_failure():
     failed = lambda attempts: {"a": [PlacementRecord("a", "p0", PlacementState.FAILED, "x", attempts, 100.0)]}
     assert plan(registered("a"), [pod()], {"a": ("p0",)}, failed(1), now=100.5) == []
