@@ -34,21 +34,34 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
     if not roots:
         raise InvalidAdapter(f"adapter {name!r}: this pod has no adapter roots configured (--adapter-root)")
     real_roots = tuple(Path(os.path.realpath(r)) for r in roots)
-    candidate = Path(raw)
-    if not candidate.is_absolute():  # relative: under the first root that holds it
-        candidate = next((r / candidate for r in real_roots if (r / candidate).exists()), real_roots[0] / candidate)
-    real = Path(os.path.realpath(candidate))
+    try:
+        real = _real_path(Path(raw), real_roots)
+    except OSError as e:  # a name too long for the file system, a permission denied
+        raise InvalidAdapter(f"adapter {name!r}: cannot read {source!r}: {e.strerror}") from e
     if not any(real == root or root in real.parents for root in real_roots):
         raise InvalidAdapter(
             f"adapter {name!r}: {source!r} resolves to {real}, outside the adapter roots "
             f"({', '.join(str(r) for r in real_roots)}); put the adapter under a root"
         )
-    if not real.is_dir():
+    if not _is_dir(real):
         if not Path(raw).is_absolute():
             raise InvalidAdapter(f"adapter {name!r}: no adapter root holds a directory {source!r} "
                                  f"({', '.join(str(r) for r in real_roots)}); expected a PEFT adapter directory")
         raise InvalidAdapter(f"adapter {name!r}: {real} is not a directory (expected a PEFT adapter directory)")
     return real
+
+
+def _real_path(candidate: Path, real_roots: tuple[Path, ...]) -> Path:
+    if not candidate.is_absolute():  # relative: under the first root that holds it
+        candidate = next((r / candidate for r in real_roots if (r / candidate).exists()), real_roots[0] / candidate)
+    return Path(os.path.realpath(candidate))
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def contained_file(name: str, adapter_dir: Path, filename: str, roots: tuple[Path, ...]) -> Path:

@@ -162,6 +162,10 @@ def test_parent_traversal(runtime, adapter):
     _refused(runtime, f"{adapter.name}/../../outside", "outside the adapter roots")
 
 
+def test_source_name_too_long_for_the_file_system(runtime):
+    _refused(runtime, "a" * 300, "File name too long")
+
+
 def test_absolute_path_elsewhere(runtime, tiny_adapters):
     _refused(runtime, str(tiny_adapters / "r8"), "outside the adapter roots")
 
