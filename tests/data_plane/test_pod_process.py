@@ -114,11 +114,13 @@ def test_admin_calls_need_the_bearer_token(pod):
      grpc.StatusCode.INVALID_ARGUMENT, "outside"),
     (lambda a, m: a.LoadAdapter(dpa.LoadAdapterRequest(name="ghost", source="ghost"), metadata=m),
      grpc.StatusCode.INVALID_ARGUMENT, "ghost"),
+    (lambda a, m: a.LoadAdapter(dpa.LoadAdapterRequest(name="", source="pirate"), metadata=m),
+     grpc.StatusCode.INVALID_ARGUMENT, "adapter name"),
     (lambda a, m: a.PinAdapter(dpa.PodPinAdapterRequest(name="never-loaded"), metadata=m),
      grpc.StatusCode.NOT_FOUND, "never-loaded"),
     (lambda a, m: a.UnpinAdapter(dpa.PodUnpinAdapterRequest(name="never-loaded"), metadata=m),
      grpc.StatusCode.NOT_FOUND, "never-loaded"),
-], ids=["source-outside-roots", "missing-source", "pin-unknown", "unpin-unknown"])
+], ids=["source-outside-roots", "missing-source", "empty-name", "pin-unknown", "unpin-unknown"])
 def test_bad_admin_calls_get_their_status_and_change_nothing(pod, call, code, words):
     before = pod.state()
     with pytest.raises(grpc.RpcError) as e:

@@ -84,7 +84,7 @@ def request_strategy(cls: type, depth: int = 0, fixed: dict | None = None) -> st
     for f in cls.DESCRIPTOR.fields:
         if f.type == FD.TYPE_MESSAGE and depth >= MAX_DEPTH:
             continue
-        value = (fixed or {}).get(f.name) or _value(f, depth)
+        value = fixed[f.name] if fixed and f.name in fixed else _value(f, depth)
         fields[f.name] = st.lists(value, max_size=4) if f.is_repeated else value
     return st.fixed_dictionaries({}, optional=fields).map(lambda values: _build(cls, values))
 
