@@ -8,6 +8,8 @@ import logging
 import time
 from collections import defaultdict
 
+import grpc
+
 from control_plane.config import ControlPlaneConfig
 from control_plane.errors import StoreUnavailable
 from control_plane.fleet import Fleet
@@ -139,6 +141,8 @@ class Reconciler:
                 await self._store.delete_placement(action.adapter, action.pod)
             if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
                 continue  # the adapter's own fault, recorded above: the pod's other commands still go out
+            if result.code == grpc.StatusCode.NOT_FOUND and action.command in (Command.UNPIN, Command.UNLOAD):
+                continue  # already gone from the pod (its report was behind): the command's goal holds
             if not result.ok:
                 failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
                 delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))

@@ -162,6 +162,30 @@ def test_a_load_the_pod_refuses_does_not_hold_up_its_other_loads(config, redis_s
     assert good == {"p0": PlacementState.READY}
 
 
+def test_pins_of_unregistered_adapters_do_not_block_a_new_pin_in_the_same_pass(config, redis_server):
+    async def body(h):
+        await h.pod("p0", Residency("old", pinned=True, sha256=SHA), slots=2)  # room for one pin
+        await h.adapter("new", replicas=1)
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old"),
+                                               ("p0", Command.LOAD_AND_PIN, "new")]
+
+
+def test_an_unpin_of_an_adapter_already_gone_does_not_hold_up_the_pods_loads(config, redis_server):
+    async def body(h):
+        await h.pod("p0", Residency("old", pinned=True, sha256=SHA), slots=4)  # the pod's report is behind
+        await h.adapter("new", replicas=1)
+        h.pods.refuse[("p0", Command.UNPIN)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
+        h.pods.refuse[("p0", Command.UNLOAD)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old"),
+                                               ("p0", Command.LOAD_AND_PIN, "new")]
+
+
 def test_an_unplaceable_pin_is_reported_in_the_adapters_pin_status(config, redis_server):
     async def body(h):
         await h.adapter("a", replicas=3)
