@@ -1,0 +1,77 @@
+"""The engine in this process on the demo model: preemption under KV pressure, and the bound on
+how long a request waits for an adapter slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from data_plane.config import DataPlaneConfig
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.engine.sequence import SamplingParams
+from data_plane.metrics import PodMetrics
+from data_plane.pod import build_engine
+
+pytestmark = pytest.mark.slow
+
+
+def engine_for(demo_model_dir, **limits):
+    config = DataPlaneConfig(model=demo_model_dir, adapter_roots=(demo_adapter_dir(DEMO_ADAPTERS[0]).parent,),
+                             max_lora_rank=16, **limits)
+    engine = build_engine(config, PodMetrics())
+    engine.start()
+    return engine
+
+
+async def tokens_of(engine, ids, max_tokens, adapter=None, events=None, label=None) -> list[int]:
+    out = []
+    async for step in engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), adapter):
+        if events is not None and not out:
+            events.append(("first", label))
+        out += [t.id for t in step.tokens]
+    if events is not None:
+        events.append(("done", label))
+    return out
+
+
+def test_requests_preempted_for_kv_blocks_finish_with_the_tokens_they_get_alone(demo_model_dir):
+    async def go():
+        # 8 blocks of 16 tokens: four requests of ~30 prompt + 40 new tokens cannot all hold their KV at once
+        engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=4, num_kv_blocks=8)
+        try:
+            prompts = [engine.tokenizer.encode(f"Request {i}: list some facts about the number {i * 7}, please.")
+                       for i in range(4)]
+            alone = [await tokens_of(engine, p, 40) for p in prompts]
+            assert engine.scheduler.num_preemptions == 0
+            together = await asyncio.gather(*(tokens_of(engine, p, 40) for p in prompts))
+            return alone, together, engine.scheduler.num_preemptions, engine.blocks.usage
+        finally:
+            await engine.stop()
+
+    alone, together, preemptions, usage = asyncio.run(go())
+    assert preemptions > 0
+    assert together == alone
+    assert usage == 0.0
+
+
+def test_a_request_waiting_for_the_only_slot_is_not_overtaken_by_later_requests(demo_model_dir):
+    async def go():
+        engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=2, max_num_seqs=4, num_kv_blocks=64)
+        try:
+            ids = engine.tokenizer.encode("Tell me about ships.")
+            events: list[tuple[str, str]] = []
+            first = asyncio.create_task(tokens_of(engine, ids, 30, "pirate", events, "pirate-1"))
+            while not events:  # pirate-1 holds the only slot
+                await asyncio.sleep(0.01)
+            other = asyncio.create_task(tokens_of(engine, ids, 4, "shouty", events, "shouty"))
+            await asyncio.sleep(0.05)
+            later = asyncio.create_task(tokens_of(engine, ids, 4, "pirate", events, "pirate-2"))
+            await asyncio.gather(first, other, later)
+            return events
+        finally:
+            await engine.stop()
+
+    events = asyncio.run(go())
+    # pirate-2 could share pirate-1's slot at once, but shouty asked first: it is served first
+    assert events.index(("done", "shouty")) < events.index(("first", "pirate-2")), events
