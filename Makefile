@@ -40,8 +40,12 @@ lint: setup
 run: setup
 	$(VENV)/bin/lorafleet up
 
+# The CPU benchmarks whose figures are in benchmarks/RESULTS.md (benchmarks/lora_kernels.py needs a GPU).
 bench: setup
 	$(PY) benchmarks/model_cpu.py
+	$(PY) benchmarks/adapter_load.py
+	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/control_plane.py
 
 # The reliability suite at full size (60 s of load, 2,000 load/unload cycles, ...); its measured figures
 # become docs/RELIABILITY.md. `make test` runs the same tests at reduced sizes.
