@@ -47,10 +47,8 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
     for adapter, pod_ids in assigned.items():
         for pod_id in pod_ids:
             wanted_on.setdefault(pod_id, set()).add(adapter)
-    failures = {(r.adapter, r.pod): r for recs in placements.values() for r in recs
-                if r.state is PlacementState.FAILED}
-    done = {(r.adapter, r.pod): r for recs in placements.values() for r in recs
-            if r.state is PlacementState.READY}
+    records = {(r.adapter, r.pod): r for recs in placements.values() for r in recs}
+    failures = {key: r for key, r in records.items() if r.state is PlacementState.FAILED}
 
     actions: list[Action] = []
     for pod in sorted(pods, key=lambda p: p.id):
@@ -67,8 +65,8 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
             rec, res = registered.get(name), pod.resident(name)
             if rec is None:
                 continue
-            loaded = done.get((name, pod.id))
-            if loaded is not None and loaded.updated_at >= pod.last_heartbeat:
+            asked = records.get((name, pod.id))
+            if asked is not None and asked.ready_since(pod):
                 continue  # loaded and pinned since the pod's last report: not sent again before it reports
             if res is not None and res.sha256 in ("", rec.sha256):
                 if not res.pinned:

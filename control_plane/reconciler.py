@@ -17,7 +17,7 @@ from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions
-from control_plane.pod_client import PodClients
+from control_plane.pod_client import CommandResult, PodClients
 from control_plane.records import PlacementRecord, PlacementState
 from control_plane.store import Store
 
@@ -118,6 +118,8 @@ class Reconciler:
             if action.command is Command.LOAD_AND_PIN:
                 await self._record(action, PlacementState.LOADING, "", attempts.get(key, 0))
             result = await self._pods.execute(action, token)
+            if result.code == grpc.StatusCode.NOT_FOUND and action.command in (Command.UNPIN, Command.UNLOAD):
+                result = CommandResult(True)  # already gone from the pod (its report was behind): done
             outcome = "ok" if result.ok else result.code.name.lower()
             self._metrics.pod_commands.labels(action.command.value, outcome).inc()
             log.info("pod command", extra={"pod": action.pod, "command": action.command.value,
@@ -141,8 +143,6 @@ class Reconciler:
                 await self._store.delete_placement(action.adapter, action.pod)
             if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
                 continue  # the adapter's own fault, recorded above: the pod's other commands still go out
-            if result.code == grpc.StatusCode.NOT_FOUND and action.command in (Command.UNPIN, Command.UNLOAD):
-                continue  # already gone from the pod (its report was behind): the command's goal holds
             if not result.ok:
                 failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
                 delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))

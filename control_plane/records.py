@@ -104,6 +104,10 @@ class PlacementRecord:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self) | {"state": self.state.name})
 
+    def ready_since(self, pod: PodRecord) -> bool:
+        """READY, recorded after ``pod``'s last heartbeat: the pod has it, though its report does not show it yet."""
+        return self.state is PlacementState.READY and self.updated_at > pod.last_heartbeat
+
     @classmethod
     def from_json(cls, raw: str) -> PlacementRecord:
         d = json.loads(raw)

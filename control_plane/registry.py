@@ -152,7 +152,7 @@ def _join(rec: AdapterRecord, pods: list[PodView], records: list[PlacementRecord
             rank = max(rank, res.rank)
             out.append(PlacementView(v.pod.id, v.pod.endpoint, PlacementState.READY, res.pinned, load=_load(v)))
         elif (p := asked.get(v.pod.id)) is not None and (p.state is not PlacementState.READY
-                                                        or p.updated_at > v.pod.last_heartbeat):
+                                                        or p.ready_since(v.pod)):
             # A READY record the pod has not reported yet shows until its next heartbeat.
             out.append(PlacementView(v.pod.id, v.pod.endpoint, p.state, p.state is PlacementState.READY and
                                      rec.pinned, p.error, load=_load(v)))

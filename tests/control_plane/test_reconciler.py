@@ -15,7 +15,7 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.plan import Action, Command
 from control_plane.pod_client import CommandResult
 from control_plane.reconciler import Reconciler
-from control_plane.records import AdapterRecord, PlacementState, PodRecord, Residency
+from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
 from control_plane.registry import Registry
 from control_plane.store import Store
 
@@ -179,11 +179,13 @@ def test_an_unpin_of_an_adapter_already_gone_does_not_hold_up_the_pods_loads(con
         await h.adapter("new", replicas=1)
         h.pods.refuse[("p0", Command.UNPIN)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
         h.pods.refuse[("p0", Command.UNLOAD)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
+        await h.store.put_placement(PlacementRecord("old", "p0", PlacementState.READY, "", 0, 1.0))
         await h.lease.renew()
-        return await h.sent()
+        return await h.sent(), await h.store.placements(["old"])
 
-    assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old"),
-                                               ("p0", Command.LOAD_AND_PIN, "new")]
+    sent, placements = run(config, redis_server, body)
+    assert sent == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old"), ("p0", Command.LOAD_AND_PIN, "new")]
+    assert not placements.get("old")  # the unload is done: its record goes
 
 
 def test_an_unplaceable_pin_is_reported_in_the_adapters_pin_status(config, redis_server):
