@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")
     p.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes, help="largest adapter file")
     p.add_argument("--adapter-cache-dir",
-                   help="where http(s) adapter sources are downloaded (default: $LORAFLEET_HOME/adapter-cache)")
+                   help="where http(s) adapter sources are downloaded; one directory per pod "
+                        "(default: $LORAFLEET_HOME/adapter-cache/POD_ID)")
     p.add_argument("--adapter-download-timeout", type=float, default=d.adapter_download_timeout_s,
                    help="seconds an adapter download may wait on the server before it fails")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")

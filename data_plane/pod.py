@@ -10,9 +10,10 @@ import torch
 
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import demo_adapter_dir
-from data_plane.demo_model import ensure_demo_model, lorafleet_home
+from data_plane.demo_model import ensure_demo_model
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
 from data_plane.errors import AdapterNotFound, InvalidRequest
+from data_plane.home import lorafleet_home
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
@@ -58,7 +59,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     model = load_model(model_dir, config.dtype, device)
     tokenizer = Tokenizer(model_dir)
     roots = config.adapter_roots or default_adapter_roots()
-    download_dir = config.adapter_cache_dir or lorafleet_home() / "adapter-cache"
+    # One cache directory per pod: a pod clears unfinished downloads in its directory at start-up.
+    download_dir = config.adapter_cache_dir or lorafleet_home() / "adapter-cache" / config.resolved_pod_id
     lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,
                        config.max_num_batched_tokens, roots,
                        AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),

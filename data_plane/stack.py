@@ -183,7 +183,7 @@ def run(config: StackConfig, out=sys.stdout) -> int:
                 signal.signal(sig, handler)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 
 
 def _raise_stop(signum, frame) -> None:
