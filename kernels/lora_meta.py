@@ -24,10 +24,10 @@ class LoraMeta:
     buffer: torch.Tensor  # [max_slices, max_tokens, max_rank] float32 scratch between shrink and expand
     num_tokens: int
     # Host copies for the CPU path, which loops over segments in Python.
-    host_segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of each used segment
-    # Per segment: the first token when its tokens are one contiguous run (an engine that orders its
-    # batch by adapter gets these), else -1; the CPU path then slices instead of gathering.
-    host_runs: tuple[int, ...] = ()
+    # (slot, start, end, run) of each used segment; run is the segment's first token when its tokens
+    # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
+    # path then slices instead of gathering.
+    host_segments: tuple[tuple[int, int, int, int], ...]
 
     @property
     def has_lora(self) -> bool:
@@ -62,15 +62,14 @@ class LoraMetaBuilder:
         seg_slots = [-1] * self.max_loras
         seg_starts = [0] * (self.max_loras + 1)
         segments = []
-        runs = []
         for i, (slot, tokens) in enumerate(sorted(by_slot.items())):
             seg_slots[i] = slot
-            segments.append((slot, len(order), len(order) + len(tokens)))
-            runs.append(tokens[0] if tokens[-1] - tokens[0] == len(tokens) - 1 else -1)
+            run = tokens[0] if tokens[-1] - tokens[0] == len(tokens) - 1 else -1
+            segments.append((slot, len(order), len(order) + len(tokens), run))
             order.extend(tokens)
         for i in range(len(by_slot), self.max_loras + 1):
             seg_starts[i] = len(order)
-        for i, (_, start, _) in enumerate(segments):
+        for i, (_, start, _, _) in enumerate(segments):
             seg_starts[i] = start
         order.extend(t for t, slot in enumerate(token_slots) if slot < 0)
         # One host->device copy per buffer; non_blocking needs pinned memory to overlap on CUDA.
@@ -86,5 +85,4 @@ class LoraMetaBuilder:
             buffer=self._buffer,
             num_tokens=n,
             host_segments=tuple(segments),
-            host_runs=tuple(runs),
         )

@@ -18,10 +18,8 @@ import torch
 from kernels.lora_meta import LoraMeta
 
 
-def _rows(meta: LoraMeta, k: int) -> slice | torch.Tensor:
-    """The tokens of segment ``k``: a slice when they are one contiguous run, else their indices."""
-    slot, start, end = meta.host_segments[k]
-    run = meta.host_runs[k] if meta.host_runs else -1
+def _rows(meta: LoraMeta, start: int, end: int, run: int) -> slice | torch.Tensor:
+    """The tokens of a segment: a slice when they are one contiguous run, else their indices."""
     return slice(run, run + end - start) if run >= 0 else meta.sorted_tokens[start:end].long()
 
 
@@ -37,11 +35,11 @@ def lora_shrink(
     for every token with ``slot[t] >= 0``, accumulated in float32."""
     host_ranks = host_ranks if host_ranks is not None else ranks.tolist()
     num_slices = lora_a.shape[0]
-    for k, (slot, _, _) in enumerate(meta.host_segments):
+    for slot, start, end, run in meta.host_segments:
         slot_ranks = [host_ranks[s][slot] for s in range(num_slices)]
         if not any(slot_ranks):
             continue
-        rows = _rows(meta, k)
+        rows = _rows(meta, start, end, run)
         xs = x[rows].float()  # [n, in]
         if len(set(slot_ranks)) == 1:  # one rank for every slice: all slices in one batched matmul
             r = slot_ranks[0]
@@ -65,11 +63,11 @@ def lora_expand(
     accumulated in float32, added to ``y`` in float32 and rounded once to ``y``'s dtype;
     rows with slot -1 untouched."""
     host_ranks = host_ranks if host_ranks is not None else ranks.tolist()
-    for k, (slot, _, _) in enumerate(meta.host_segments):
+    for slot, start, end, run in meta.host_segments:
         slot_ranks = [host_ranks[s][slot] for s in range(len(slice_offsets) - 1)]
         if not any(slot_ranks):
             continue
-        rows = _rows(meta, k)
+        rows = _rows(meta, start, end, run)
         in_place = isinstance(rows, slice) and y.dtype == torch.float32  # y[rows] is then a view of y
         acc = y[rows].float()  # [n, out]
         for s, r in enumerate(slot_ranks):
