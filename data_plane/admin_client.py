@@ -15,6 +15,8 @@ import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc
 
+from control_plane.auth import bearer_metadata, read_token
+from control_plane.errors import ConfigError
 from data_plane.home import default_token_file
 
 DEFAULT_CONTROL_PLANE = "127.0.0.1:50051"
@@ -37,14 +39,11 @@ def resolve_token(token: str | None = None, token_file: str | None = None) -> st
         return token.strip()
     path = Path(token_file or os.environ.get("LORAFLEET_TOKEN_FILE") or default_token_file())
     try:
-        value = path.read_text().strip()
-    except OSError as e:
+        return read_token(path)
+    except ConfigError as e:
         raise AdminClientError(
-            f"no admin token: cannot read {path} ({e.strerror}); pass --token or --token-file, set "
-            "LORAFLEET_TOKEN or LORAFLEET_TOKEN_FILE, or start the stack with `lorafleet up`") from e
-    if not value:
-        raise AdminClientError(f"the admin token file {path} is empty")
-    return value
+            f"no admin token: {e}; pass --token or --token-file, set LORAFLEET_TOKEN or LORAFLEET_TOKEN_FILE, "
+            "or start the stack with `lorafleet up`") from e
 
 
 def sha256_of(adapter_dir: Path) -> str:
@@ -84,7 +83,7 @@ class AdminClient:
 
     def __init__(self, target: str, token: str, timeout_s: float = 10.0) -> None:
         self.target = target
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = bearer_metadata(token)
         self._timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target)
         self._stub = adapter_admin_pb2_grpc.AdapterAdminStub(self._channel)

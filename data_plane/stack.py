@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
+from control_plane.auth import read_token
 from data_plane.admin_client import AdminClient, sha256_of
 from data_plane.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
@@ -198,7 +199,7 @@ def _serve(stack: Stack, token_file: Path) -> None:
     stack.start_redis()
     stack.start_control_plane()
     stack.start_pod()
-    with AdminClient(c.control_plane, token_file.read_text().strip()) as admin:
+    with AdminClient(c.control_plane, read_token(token_file)) as admin:
         base_model = _wait_for_pod(stack, admin)
         names = _register_demo_adapters(stack, admin, base_model)
         _print_endpoints(stack, token_file, base_model)
