@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import demo_adapter_dir
 from data_plane.demo_model import ensure_demo_model
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
-from data_plane.errors import AdapterNotFound, InvalidRequest
+from data_plane.errors import AdapterNotFound
 from data_plane.home import lorafleet_home
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
@@ -23,7 +22,6 @@ from data_plane.model.tokenizer import Tokenizer
 
 log = logging.getLogger("lorafleet.pod")
 
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # CPU pods get a fixed KV budget in tokens (the demo model needs ~46 KB per token in float32).
 CPU_KV_TOKENS = 16384
 
@@ -32,17 +30,10 @@ def default_adapter_roots() -> tuple[Path, ...]:
     return (demo_adapter_dir("pirate").parent,)
 
 
-def check_adapter_name(name: str) -> None:
-    if not ADAPTER_NAME.fullmatch(name):
-        raise InvalidRequest(f"adapter name {name!r} is invalid: use 1-64 characters of [A-Za-z0-9._-], "
-                             "starting with a letter or digit")
-
-
 def local_resolver(roots: tuple[Path, ...]) -> Resolver:
     """Resolves an adapter name to the directory of that name under the first root holding it."""
 
     async def resolve(name: str) -> tuple[str, str]:
-        check_adapter_name(name)
         for root in roots:
             if (root / name / "adapter_config.json").is_file():
                 return str(root / name), ""

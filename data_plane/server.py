@@ -21,7 +21,7 @@ from data_plane.config import DataPlaneConfig, add_arguments
 from data_plane.demo_model import demo_model_dir
 from data_plane.membership import FencingGuard, MembershipClient
 from data_plane.metrics import PodMetrics
-from data_plane.pod import build_engine, check_adapter_name
+from data_plane.pod import build_engine
 from data_plane.servicers import EngineHandle
 from data_plane.servicers.admin import DataPlaneAdminServicer, pod_state
 from data_plane.servicers.generation import GenerationServicer
@@ -70,11 +70,7 @@ async def serve(config: DataPlaneConfig) -> None:
             lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
             is_ready=lambda: engine is not None and engine.accepting)
 
-        async def resolve(name: str) -> tuple[str, str]:
-            check_adapter_name(name)
-            return await membership.resolve(name)
-
-    engine = await asyncio.to_thread(build_engine, config, metrics, resolve if membership else None)
+    engine = await asyncio.to_thread(build_engine, config, metrics, membership.resolve if membership else None)
     metrics.watch(engine.snapshot)
     engine.start()
     handle.engine = engine

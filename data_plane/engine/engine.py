@@ -23,6 +23,7 @@ from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, T
 from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown, StepFailed
 from data_plane.lora.adapter_cache import Residency, Tier
 from data_plane.lora.runtime import LoraRuntime
+from data_plane.lora.sources import check_adapter_name
 from data_plane.metrics import PodMetrics
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
@@ -161,6 +162,7 @@ class Engine:
 
     # ---- adapters ------------------------------------------------------------------------
     async def _start_load(self, name: str, source: str | None = None, sha256: str = "") -> asyncio.Task:
+        check_adapter_name(name)  # a name no request could use must not reach a resolver or take a cache entry
         task = self._loading.get(name)
         if task is None:
             if source is None:

@@ -8,7 +8,6 @@ from lorafleet.v1 import data_plane_admin_pb2_grpc
 from data_plane.engine.engine import Engine
 from data_plane.lora.adapter_cache import Residency, Tier
 from data_plane.membership import FencingGuard
-from data_plane.pod import check_adapter_name
 from data_plane.servicers import EngineHandle
 
 _TIER = {Tier.CPU: pb.CPU, Tier.GPU: pb.GPU}
@@ -24,7 +23,6 @@ class DataPlaneAdminServicer(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterResidency:
         engine = self._handle.get()
         self._guard.check(request.fencing_token)
-        check_adapter_name(request.name)  # a name requests could never use must not take a cache entry
         return residency_pb(await engine.load_adapter(request.name, request.source, request.sha256))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
