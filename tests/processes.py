@@ -3,8 +3,8 @@ waited on through the gRPC health service) and control-plane replicas (``python 
 
 from __future__ import annotations
 
-import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +17,9 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
+from data_plane.admin_client import sha256_of
 from data_plane.child_process import spawn, stop_process, tail, wait_listening, wait_serving
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from tests.control_plane.conftest import TOKEN, RedisServer, auth, free_port
 from tests.grpc_helpers import wait_until
 
@@ -134,8 +136,11 @@ class ControlPlaneProcess:
         return None
 
 
-def sha256_of(adapter_dir: Path) -> str:
-    return hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
+def copy_demo_adapters(root: Path) -> Path:
+    """``root`` holding a copy of every demo adapter (tests may add broken ones beside them)."""
+    for name in DEMO_ADAPTERS:
+        shutil.copytree(demo_adapter_dir(name), root / name)
+    return root
 
 
 class Fleet:

@@ -12,10 +12,9 @@ import grpc
 import pytest
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
-from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from tests.control_plane.conftest import auth
 from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import Fleet
+from tests.processes import Fleet, copy_demo_adapters
 
 pytestmark = pytest.mark.slow
 READY_WITHIN_S = 60
@@ -23,9 +22,7 @@ READY_WITHIN_S = 60
 
 @pytest.fixture(scope="module")
 def fleet(demo_model_dir, tmp_path_factory):
-    adapter_root = tmp_path_factory.mktemp("fleet-adapters")
-    for name in DEMO_ADAPTERS:
-        shutil.copytree(demo_adapter_dir(name), adapter_root / name)
+    adapter_root = copy_demo_adapters(tmp_path_factory.mktemp("fleet-adapters"))
     fleet = Fleet(tmp_path_factory.mktemp("fleet"), adapter_root)
     try:
         yield fleet.start()

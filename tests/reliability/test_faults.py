@@ -3,7 +3,6 @@ burst of writes, Redis killed during writes, and a pod cut off from the control 
 
 from __future__ import annotations
 
-import shutil
 import signal
 import threading
 import time
@@ -15,10 +14,10 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
-from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.demo_adapters import DEMO_ADAPTERS
 from tests.control_plane.conftest import TOKEN, RedisServer, auth
 from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import FLEET_BASE_MODEL, ControlPlaneProcess, Fleet
+from tests.processes import FLEET_BASE_MODEL, ControlPlaneProcess, Fleet, copy_demo_adapters
 from tests.reliability.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -206,9 +205,7 @@ class PartitionableFleet(Fleet):
 
 @pytest.fixture(scope="module")
 def fleet(demo_model_dir, tmp_path_factory):
-    adapter_root = tmp_path_factory.mktemp("faults-adapters")
-    for name in DEMO_ADAPTERS:
-        shutil.copytree(demo_adapter_dir(name), adapter_root / name)
+    adapter_root = copy_demo_adapters(tmp_path_factory.mktemp("faults-adapters"))
     fleet = PartitionableFleet(tmp_path_factory.mktemp("faults-fleet"), adapter_root)
     try:
         yield fleet.start()
