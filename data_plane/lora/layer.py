@@ -7,7 +7,9 @@ from torch import nn
 
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM, Projection
-from kernels.lora_ops import lora_expand, lora_shrink
+from kernels.dense import DensePack, dense_pays, lora_dense, pack
+from kernels.lora_meta import LoraMeta
+from kernels.lora_ops import lora_expand, lora_shrink, runs_triton
 
 
 class LoRAProjection(nn.Module):
@@ -15,7 +17,9 @@ class LoRAProjection(nn.Module):
     the step's LoRA metadata (-1 = base only).
 
     Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
-    copies into a slot and never allocates.
+    copies into a slot and never allocates. On CPU, small steps take the dense path of
+    ``kernels.dense`` over a packed copy of the resident slots, rebuilt on the first step after
+    the slots change.
     """
 
     def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
@@ -39,6 +43,7 @@ class LoRAProjection(nn.Module):
         )
         self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
         self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
+        self._pack: DensePack | None = None  # None: slots changed since the last pack
 
     def set_slot(self, slot: int, deltas: dict[str, SliceDelta]) -> None:
         """Writes an adapter's deltas for this projection into ``slot`` (slices it lacks are zero)."""
@@ -53,6 +58,7 @@ class LoRAProjection(nn.Module):
             self.lora_b[slot, lo:hi, :r].copy_(delta.b, non_blocking=True)
             self.ranks[s, slot] = r
             self.host_ranks[s][slot] = r
+        self._pack = None
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
@@ -60,16 +66,28 @@ class LoRAProjection(nn.Module):
         self.ranks[:, slot] = 0
         for ranks in self.host_ranks:
             ranks[slot] = 0
+        self._pack = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base(x)
         meta = batch.lora if batch is not None else None
         if meta is None or not meta.has_lora:
             return y
+        if not runs_triton(y) and self._dense_pays(meta):
+            lora_dense(y, x, self._pack, meta.token_slots)
+            return y
         buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
         lora_expand(y, buf, self.lora_b, self.ranks, self.slice_offsets, self.host_offsets, meta, self.host_ranks)
         return y
+
+    def _dense_pays(self, meta: LoraMeta) -> bool:
+        if self._pack is None:
+            self._pack = pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
+        segments = [(end - start, sum(ranks[slot] for ranks in self.host_ranks))
+                    for slot, start, end, _ in meta.host_segments]
+        return dense_pays(self._pack, meta.num_tokens, segments, self.base.in_features, self.base.out_features,
+                          len(self.slice_names))
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import data_plane.lora.layer
 import kernels.lora_expand
 import kernels.lora_shrink
 from data_plane.lora.layer import LoRAProjection
@@ -57,10 +58,12 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
+    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)  # the segment loop
     on_reference = layer(x, batch)
 
     # The CUDA branch of the dispatch, on CPU tensors: the kernels run under the interpreter.
-    monkeypatch.setattr(lora_ops, "_runs_triton", lambda t: True)
+    monkeypatch.setattr(lora_ops, "runs_triton", lambda t: True)
+    monkeypatch.setattr(data_plane.lora.layer, "runs_triton", lambda t: True)
     shrinks = _counting(monkeypatch, kernels.lora_shrink, "lora_shrink")
     expands = _counting(monkeypatch, kernels.lora_expand, "lora_expand")
     on_triton = layer(x, batch)
@@ -72,3 +75,26 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     lora_rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot in SLOT_RANKS]
     assert torch.equal(on_triton[base_rows], base[base_rows]), "rows without an adapter changed"
     assert (on_triton[lora_rows].float() - base[lora_rows].float()).abs().max() > 1.0, "adapters did nothing"
+
+
+def test_cpu_layer_takes_the_dense_path_for_a_small_step_and_follows_slot_changes(monkeypatch):
+    layer = _qkv_layer(torch.float32)
+    meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
+    batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
+    x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
+    dense_calls = _counting(monkeypatch, data_plane.lora.layer, "lora_dense")
+    on_dense = layer(x, batch)
+    assert len(dense_calls) == 1, "a 9-token step over three adapters should take the dense path"
+
+    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)
+    torch.testing.assert_close(on_dense, layer(x, batch), rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+
+    # Replacing slot 1's adapter must show on the next dense step (its packed copy is rebuilt).
+    gen = torch.Generator().manual_seed(2)
+    layer.set_slot(1, {"k": SliceDelta(a=torch.randn(4, 96, generator=gen), b=torch.randn(24, 4, generator=gen))})
+    after = layer(x, batch)
+    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)
+    torch.testing.assert_close(after, layer(x, batch), rtol=1e-5, atol=1e-5)
+    rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot == 1]
+    assert not torch.allclose(after[rows], on_dense[rows]), "slot 1 changed but its rows did not"

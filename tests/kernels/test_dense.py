@@ -1,0 +1,81 @@
+"""The dense CPU LoRA path agrees with the reference's shrink + expand, and is chosen only where it pays."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.dense import DensePack, dense_pays, lora_dense, pack
+from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, _mix, _problem
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _pack(p) -> DensePack:
+    return pack(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
+
+
+def _reference(p, y: torch.Tensor) -> torch.Tensor:
+    buf = p.meta.buffer[: len(p.layer.widths), : len(p.token_slots)]
+    reference.lora_shrink(p.x, p.lora_a, p.ranks, p.meta, buf)
+    out = y.clone()
+    reference.lora_expand(out, buf, p.lora_b, p.ranks, p.layer.offsets, p.meta)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("mix", MIXES)
+def test_dense_matches_the_reference_for_every_mix(mix, layer, dtype):
+    seed = zlib.crc32(f"dense-{mix}-{layer}".encode())
+    p = _problem(LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
+    y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
+    expected = _reference(p, y)
+
+    lora_dense(y, p.x, _pack(p), p.meta.token_slots)
+
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
+    base_rows = [t for t, slot in enumerate(p.token_slots) if slot < 0]
+    assert torch.equal(y[base_rows], expected[base_rows]), "rows without an adapter changed"
+
+
+def test_packed_columns_hold_only_real_ranks_and_their_slots():
+    p = _problem(QKV, [0, 1], torch.float32, seed=2)
+    packed = _pack(p)
+    real = sum(sum(ranks) for ranks in QKV.ranks)
+    assert packed.rank == real
+    assert packed.packed_a.shape == (QKV.in_features, real)
+    assert packed.packed_b.shape == (real, QKV.offsets[-1])
+    assert not packed.packed_b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
+    expected_slots = [slot for slot in range(5) for s in range(3) for _ in range(QKV.ranks[s][slot])]
+    assert packed.col_slots.tolist() == expected_slots
+
+
+def test_an_overflowing_adapter_does_not_reach_other_rows():
+    # Slot 3's A is so large that x @ A is inf for every token, including those of other slots:
+    # those products must be dropped, not multiplied by zero (inf * 0 = NaN).
+    token_slots = [3, 0, -1, 1, 3]
+    p = _problem(QKV, token_slots, torch.float32, seed=9)
+    p.lora_a[:, 3] *= 1e38
+    y = torch.zeros(len(token_slots), QKV.offsets[-1])
+
+    lora_dense(y, p.x, _pack(p), p.meta.token_slots)
+
+    assert torch.isfinite(y[[1, 2, 3]]).all()
+    expected = _reference(p, torch.zeros_like(y))
+    torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_is_chosen_for_small_mixed_steps_and_not_for_long_single_adapter_prefills():
+    p = _problem(QKV, [0], torch.float32, seed=4)
+    packed = _pack(p)
+    in_f, out_f = QKV.in_features, QKV.offsets[-1]
+    decode = [(8, 24)] * 4  # 32 decode tokens over 4 adapters
+    assert dense_pays(packed, 32, decode, in_f, out_f, 3)
+    prefill = [(4096, 24)]  # one adapter's long prompt: computing every other slot's ranks costs more
+    assert not dense_pays(packed, 4096, prefill, in_f, out_f, 3)
