@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_plane.model import cpu_linear
 from data_plane.model.attention import AttentionMetadata, KVCache, paged_attention
 from data_plane.model.config import ModelConfig
 from data_plane.model.rope import RotaryEmbedding
@@ -39,6 +40,7 @@ class Projection(nn.Module):
         self.out_features = sum(self.slices.values())
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN copy of weight on CPU (see cpu_linear)
 
     def slice_offsets(self) -> dict[str, tuple[int, int]]:
         """Name -> (row offset, row count) of each packed slice."""
@@ -49,7 +51,7 @@ class Projection(nn.Module):
         return offsets
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_parameter("lm_head", None)
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self._packed_head: torch.Tensor | None = None
 
     @property
     def windows(self) -> set[int | None]:
@@ -145,9 +148,22 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, batch)
         return self.norm(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
+
+    def prepack_cpu_weights(self) -> None:
+        """Gives every projection and the output head a oneDNN copy of its weight where that
+        applies (float32 on CPU); call once the weights are final."""
+        if not cpu_linear.can_prepack(self.head_weight):
+            return
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.packed = cpu_linear.prepack(module.weight)
+        self._packed_head = cpu_linear.prepack(self.head_weight)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config

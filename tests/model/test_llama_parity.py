@@ -43,7 +43,9 @@ def test_chunked_prefill_and_decode_equal_one_prefill(demo_model, demo_tokenizer
     assert len(ids) > 18
     whole = run_chunks(demo_model, ids, [len(ids)])
     pieces = run_chunks(demo_model, ids, [5, 11, 1, 1, len(ids) - 18])
-    assert (whole - pieces).abs().max().item() < 1e-4
+    # Steps of different row counts take different CPU matmul kernels (see cpu_linear), whose sums
+    # round differently: ~1e-4 on logits of magnitude ~20. A wrong cache slot or position is ≫ 1e-3.
+    assert (whole - pieces).abs().max().item() < 5e-4
 
 
 def test_greedy_answer_is_coherent(demo_model_dir):

