@@ -11,7 +11,14 @@ from data_plane.engine.sequence import Sequence, TokenOut
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOut]:
     """``logits``: [len(seqs), vocab] float32, one row per sequence that needs a next token."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
-    chosen = [_choose(logits[i], seq) for i, seq in enumerate(seqs)]
+    greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+    chosen = [0] * len(seqs)
+    if greedy:  # one argmax over every greedy row
+        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            chosen[i] = tok
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            chosen[i] = _choose(logits[i], seq)
     max_top = max((s.params.logprobs for s in seqs), default=0)
     top_vals = top_ids = None
     if max_top:
@@ -28,8 +35,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOut]:
 
 def _choose(row: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
-    if p.greedy:
-        return int(row.argmax())
     scaled = row / p.temperature
     if p.top_k:
         kth = scaled.topk(min(p.top_k, scaled.numel())).values[-1]

@@ -6,7 +6,7 @@ layers see them as one layer with several output slices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ class ForwardBatch:
     attn: AttentionMetadata
     kv_cache: KVCache
     lora: Any = None  # per-step LoRA metadata read by LoRA-wrapped projections; None = base only
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary tables at positions; the model fills it
 
 
 class Projection(nn.Module):
@@ -62,9 +63,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the weights' dtype, as the checkpoints were trained.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -82,12 +83,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch)
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim],
+                          dim=-1)
+        qk = self.rotary(batch.rope, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
         cache = batch.kv_cache
         out = paged_attention(q, k, v, cache.k[self.layer], cache.v[self.layer], batch.attn, self.window, self.scale)
         return self.o_proj(out, batch)
@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
+        if batch.rope is None:
+            batch = replace(batch, rope=self.rotary.tables(batch.positions, x.dtype))
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)

@@ -44,15 +44,14 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(self.rope, self.head_dim).to(device)
         freqs = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # sin with the first half negated: rotate_half(x) * sin == x.roll(head_dim // 2) * signed_sin
+        self.cos, self.sin = emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at ``positions``: [tokens, 1, head_dim] each, once per step for every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x``: [tokens, heads, head_dim] (queries and keys side by side: one call rotates both)."""
+        cos, sin = tables
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
