@@ -6,12 +6,13 @@ its size, so a decode step with a few adapters pays more for the calls than for 
 arithmetic. Here the ranks of every resident adapter are packed side by side once, when the
 slots change:
 
-    packed_a:  [in_features, R]   A of every (slot, slice) with a nonzero rank, transposed
-    packed_b:  [R, out_features]  B of the same columns, each on its slice's rows only (zero elsewhere)
+    packed_a:  [in_features, R]   A of every (slice, slot) with a nonzero rank, transposed
+    b (per slice): [R_s, width_s]  B of that slice's columns, on that slice's output rows only
     col_slots: [R]                slot that owns each packed column
 
 A step is then ``s = x @ packed_a``, zeroing every column that is not the token's own
-slot, and ``y += s @ packed_b``: four ops per layer however many adapters the step mixes, at
+slot, and ``y[:, slice] += s[:, slice's columns] @ b`` per slice: 2 + S ops per layer however
+many adapters the step mixes (the mask is built once per step for all layers of one layout), at
 the price of computing each token's product with the other adapters' ranks as well.
 ``dense_pays`` weighs that waste against the per-op cost of the segment loop.
 """
@@ -29,10 +30,23 @@ FLOP_PER_SECOND = 50e9
 
 
 @dataclass(frozen=True)
+class SliceExpand:
+    lo: int  # output rows lo:hi of this slice
+    hi: int
+    start: int  # its packed columns start:end
+    end: int
+    b: torch.Tensor  # [end - start, hi - lo] float32
+
+
+@dataclass(frozen=True)
 class DensePack:
-    packed_a: torch.Tensor  # [in_features, R] float32
-    packed_b: torch.Tensor  # [R, out_features] float32
+    packed_a: torch.Tensor  # [in_features, R] float32, columns grouped by slice, then by slot
+    expands: tuple[SliceExpand, ...]  # one per slice with a nonzero rank
     col_slots: torch.Tensor  # [R] int32
+    layout: tuple[tuple[int, int], ...]  # (slot, rank) of each packed group: equal layouts share a mask
+    slot_ranks: tuple[int, ...]  # [max_loras] total rank of each slot over the slices
+    width: int  # in_features + out_features
+    num_slices: int
 
     @property
     def rank(self) -> int:
@@ -44,30 +58,36 @@ def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]]
     """``lora_a``: [S, max_loras, max_rank, in]; ``lora_b``: [max_loras, out, max_rank];
     ``host_ranks``: [S][max_loras] real ranks; ``slice_offsets``: S + 1 row offsets."""
     num_slices, max_loras, _, in_features = lora_a.shape
-    out_features = lora_b.shape[1]
-    columns = [(slot, s, host_ranks[s][slot]) for slot in range(max_loras) for s in range(num_slices)
+    columns = [(s, slot, host_ranks[s][slot]) for s in range(num_slices) for slot in range(max_loras)
                if host_ranks[s][slot]]
     total = sum(r for _, _, r in columns)
     packed_a = torch.empty(in_features, total, dtype=torch.float32, device=lora_a.device)
-    packed_b = torch.zeros(total, out_features, dtype=torch.float32, device=lora_b.device)
     col_slots = torch.empty(total, dtype=torch.int32, device=lora_a.device)
-    c = 0
-    for slot, s, r in columns:
+    expands, c = [], 0
+    for s in range(num_slices):
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
-        packed_a[:, c : c + r] = lora_a[s, slot, :r].T
-        packed_b[c : c + r, lo:hi] = lora_b[slot, lo:hi, :r].T
-        col_slots[c : c + r] = slot
-        c += r
-    return DensePack(packed_a, packed_b, col_slots)
+        start = c
+        blocks = []
+        for _, slot, r in (col for col in columns if col[0] == s):
+            packed_a[:, c : c + r] = lora_a[s, slot, :r].T
+            blocks.append(lora_b[slot, lo:hi, :r].T.float())
+            col_slots[c : c + r] = slot
+            c += r
+        if blocks:
+            expands.append(SliceExpand(lo, hi, start, c, torch.cat(blocks).contiguous()))
+    slot_ranks = tuple(sum(host_ranks[s][slot] for s in range(num_slices)) for slot in range(max_loras))
+    return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns), slot_ranks,
+                     in_features + lora_b.shape[1], num_slices)
 
 
-def dense_pays(pack: DensePack, num_tokens: int, segments: list[tuple[int, int]], in_features: int,
-               out_features: int, num_slices: int) -> bool:
-    """Whether the dense path is expected to beat the segment loop for a step whose adapter
-    segments are ``segments`` (token count, packed rank of that segment's slot) over ``num_tokens``."""
-    width = in_features + out_features
-    dense = 4 * OP_SECONDS + 2 * num_tokens * pack.rank * width / FLOP_PER_SECOND
-    loop = sum((2 + num_slices) * OP_SECONDS + 2 * n * r * width / FLOP_PER_SECOND for n, r in segments)
+def dense_pays(pack: DensePack, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> bool:
+    """Whether the dense path is expected to beat the segment loop for a step of ``num_tokens``
+    whose adapter segments are ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``)."""
+    dense = (2 + 2 * len(pack.expands)) * OP_SECONDS + 2 * num_tokens * pack.rank * pack.width / FLOP_PER_SECOND
+    loop = 0.0
+    for slot, start, end, _ in segments:
+        flops = 2 * (end - start) * pack.slot_ranks[slot] * pack.width
+        loop += (2 + pack.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
     return dense < loop
 
 
@@ -76,16 +96,22 @@ def lora_dense(
     x: torch.Tensor,  # [num_tokens, in_features]
     pack: DensePack,
     token_slots: torch.Tensor,  # [num_tokens] int32, -1 = base model only
+    masks: dict | None = None,  # the step's masks by layout, shared by the layers of one step
 ) -> None:
     """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, with the semantics of
     ``kernels.reference``'s shrink then expand: accumulated in float32 and rounded once to ``y``'s
     dtype. Rows of slot -1 get exact zeros added."""
     if pack.rank == 0:
         return
-    s = x.float() @ pack.packed_a  # [num_tokens, R]
+    mask = masks.get(pack.layout) if masks is not None else None
+    if mask is None:
+        mask = token_slots[:, None] == pack.col_slots[None, :]  # [num_tokens, R]: the token's own columns
+        if masks is not None:
+            masks[pack.layout] = mask
     # where(), not a multiply: another adapter's product may be inf, and inf * 0 is NaN.
-    s = torch.where(token_slots[:, None] == pack.col_slots[None, :], s, 0.0)
-    if y.dtype == torch.float32:
-        y.addmm_(s, pack.packed_b)
-    else:
-        y.copy_(torch.addmm(y.float(), s, pack.packed_b))
+    s = torch.where(mask, x.float() @ pack.packed_a, 0.0)  # [num_tokens, R]
+    acc = y if y.dtype == torch.float32 else y.float()
+    for e in pack.expands:  # per slice: B is zero outside its slice's rows, so skip those
+        acc[:, e.lo : e.hi].addmm_(s[:, e.start : e.end], e.b)
+    if acc is not y:
+        y.copy_(acc)

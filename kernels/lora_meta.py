@@ -10,7 +10,7 @@ alike without reordering the requests: program ``(segment, block)`` processes th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class LoraMeta:
     # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
     # path then slices instead of gathering.
     host_segments: tuple[tuple[int, int, int, int], ...]
+    # Per-step values the CPU dense path computes once and every layer reuses (see kernels.dense).
+    masks: dict = field(default_factory=dict)
 
     @property
     def has_lora(self) -> bool:

@@ -74,7 +74,7 @@ class LoRAProjection(nn.Module):
         if meta is None or not meta.has_lora:
             return y
         if not runs_triton(y) and self._dense_pays(meta):
-            lora_dense(y, x, self._pack, meta.token_slots)
+            lora_dense(y, x, self._pack, meta.token_slots, meta.masks)
             return y
         buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
@@ -84,10 +84,7 @@ class LoRAProjection(nn.Module):
     def _dense_pays(self, meta: LoraMeta) -> bool:
         if self._pack is None:
             self._pack = pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
-        segments = [(end - start, sum(ranks[slot] for ranks in self.host_ranks))
-                    for slot, start, end, _ in meta.host_segments]
-        return dense_pays(self._pack, meta.num_tokens, segments, self.base.in_features, self.base.out_features,
-                          len(self.slice_names))
+        return dense_pays(self._pack, meta.num_tokens, meta.host_segments)
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:

@@ -50,10 +50,24 @@ def test_packed_columns_hold_only_real_ranks_and_their_slots():
     real = sum(sum(ranks) for ranks in QKV.ranks)
     assert packed.rank == real
     assert packed.packed_a.shape == (QKV.in_features, real)
-    assert packed.packed_b.shape == (real, QKV.offsets[-1])
-    assert not packed.packed_b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
-    expected_slots = [slot for slot in range(5) for s in range(3) for _ in range(QKV.ranks[s][slot])]
+    # columns grouped by slice, then by slot; each slice's B covers that slice's rows only
+    expected_slots = [slot for s in range(3) for slot in range(5) for _ in range(QKV.ranks[s][slot])]
     assert packed.col_slots.tolist() == expected_slots
+    assert [(e.lo, e.hi, e.end - e.start) for e in packed.expands] == [
+        (QKV.offsets[s], QKV.offsets[s + 1], sum(QKV.ranks[s])) for s in range(3)]
+    assert all(e.b.shape == (e.end - e.start, e.hi - e.lo) for e in packed.expands)
+    assert not any(e.b.isnan().any() for e in packed.expands), "rank padding of B (NaN in this problem) was packed"
+
+
+def test_layers_of_one_layout_share_the_step_mask():
+    p = _problem(QKV, [0, 3, -1, 1], torch.float32, seed=6)
+    masks: dict = {}
+    y1, y2 = torch.zeros(4, QKV.offsets[-1]), torch.zeros(4, QKV.offsets[-1])
+    lora_dense(y1, p.x, _pack(p), p.meta.token_slots, masks)
+    assert list(masks) == [_pack(p).layout]
+    lora_dense(y2, p.x, _pack(p), p.meta.token_slots, masks)  # served from the shared mask
+    torch.testing.assert_close(y2, y1)
+    torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=1e-5, atol=1e-5)
 
 
 def test_an_overflowing_adapter_does_not_reach_other_rows():
@@ -74,8 +88,7 @@ def test_an_overflowing_adapter_does_not_reach_other_rows():
 def test_dense_is_chosen_for_small_mixed_steps_and_not_for_long_single_adapter_prefills():
     p = _problem(QKV, [0], torch.float32, seed=4)
     packed = _pack(p)
-    in_f, out_f = QKV.in_features, QKV.offsets[-1]
-    decode = [(8, 24)] * 4  # 32 decode tokens over 4 adapters
-    assert dense_pays(packed, 32, decode, in_f, out_f, 3)
-    prefill = [(4096, 24)]  # one adapter's long prompt: computing every other slot's ranks costs more
-    assert not dense_pays(packed, 4096, prefill, in_f, out_f, 3)
+    decode = tuple((slot, 8 * i, 8 * i + 8, 8 * i) for i, slot in enumerate([0, 1, 2, 3]))  # 32 tokens, 4 adapters
+    assert dense_pays(packed, 32, decode)
+    prefill = ((1, 0, 4096, 0),)  # one adapter's long prompt: every other slot's ranks would cost more
+    assert not dense_pays(packed, 4096, prefill)
