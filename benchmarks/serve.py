@@ -1,6 +1,7 @@
 """Serving throughput and latency of a real pod over gRPC, next to transformers + peft, in one run.
 
-Three runs on the same prompts, each submitting every request at once:
+Three runs on the same prompts, each submitting every request at once, repeated in interleaved
+rounds (``--rounds``) so that drifting load on a shared machine hits all three alike:
 - ``lorafleet`` with adapters: a pod process on loopback, requests spread round-robin over the
   base model and the adapters;
 - ``lorafleet`` base only: the same pod, the same prompts, no adapter;
@@ -110,32 +111,39 @@ def drive_pod(pod, label: str, adapters: list[str | None], prompts: list[str], n
     return run
 
 
-def drive_peft(model_dir: Path, roots: dict[str, Path], adapters: list[str | None], prompts: list[str],
-               new_tokens: int) -> Run:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class PeftRunner:
+    """transformers + peft with every adapter loaded once; ``run`` is one timed mixed-adapter generate."""
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    names = sorted({a for a in adapters if a})
-    model = PeftModel.from_pretrained(base, roots[names[0]] / names[0], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(roots[name] / name, adapter_name=name)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    row_adapters = [a or "__base__" for a in adapters]
-    with torch.inference_mode():
-        model.generate(**{k: v[:2] for k, v in batch.items()}, adapter_names=row_adapters[:2], max_new_tokens=2,
-                       do_sample=False, pad_token_id=tokenizer.pad_token_id)  # warm-up
+    def __init__(self, model_dir: Path, roots: dict[str, Path], adapters: list[str | None], prompts: list[str]) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        names = sorted({a for a in adapters if a})
+        self.model = PeftModel.from_pretrained(base, roots[names[0]] / names[0], adapter_name=names[0])
+        for name in names[1:]:
+            self.model.load_adapter(roots[name] / name, adapter_name=name)
+        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                    add_generation_prompt=True) for p in prompts]
+        self.batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        self.row_adapters = [a or "__base__" for a in adapters]
+        self._generate({k: v[:2] for k, v in self.batch.items()}, self.row_adapters[:2], 2)  # warm-up
+
+    def _generate(self, batch: dict, row_adapters: list[str], new_tokens: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.generate(**batch, adapter_names=row_adapters, max_new_tokens=new_tokens,
+                                       min_new_tokens=new_tokens, do_sample=False,
+                                       pad_token_id=self.tokenizer.pad_token_id)
+
+    def run(self, new_tokens: int) -> Run:
         start = time.perf_counter()
-        out = model.generate(**batch, adapter_names=row_adapters, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = self._generate(self.batch, self.row_adapters, new_tokens)
         wall = time.perf_counter() - start
-    generated = out.shape[1] - batch["input_ids"].shape[1]
-    assert generated == new_tokens, f"peft generated {generated} tokens, asked for {new_tokens}"
-    return Run("transformers + peft", wall, generated * len(prompts))
+        generated = out.shape[1] - self.batch["input_ids"].shape[1]
+        assert generated == new_tokens, f"peft generated {generated} tokens, asked for {new_tokens}"
+        return Run("transformers + peft", wall, generated * len(self.row_adapters))
 
 
 def main() -> None:
@@ -144,6 +152,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the pod and of peft")
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of (LoRA, base only, peft), interleaved so that drifting machine load "
+                             "affects all three alike; medians are reported")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import os
@@ -154,6 +165,7 @@ def main() -> None:
 
     model_dir = ensure_demo_model(quiet=True)
     demo_root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
+    rounds: list[list[Run]] = []
     with tempfile.TemporaryDirectory() as tmp:
         extra_root = Path(tmp) / "adapters"
         make_extra_adapter(model_dir, extra_root, 16)
@@ -161,35 +173,40 @@ def main() -> None:
         cycle = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
         adapters = [cycle[i % len(cycle)] for i in range(args.requests)]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+        peft = None if args.skip_peft else PeftRunner(model_dir, roots, adapters, prompts)
         pod = PodProcess(Path(tmp), "--max-num-seqs", str(args.requests), "--max-loras", str(len(cycle) - 1),
                          "--adapter-root", str(demo_root), "--adapter-root", str(extra_root), name="bench")
         pod.start()
         try:
             drive_pod(pod, "warm-up", adapters[:len(cycle)], prompts[:len(cycle)], 4)  # loads every adapter
-            runs = [drive_pod(pod, "lorafleet, base + 4 adapters", adapters, prompts, args.new_tokens),
-                    drive_pod(pod, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
+            for _ in range(args.rounds):
+                runs = [drive_pod(pod, "lorafleet, base + 4 adapters", adapters, prompts, args.new_tokens),
+                        drive_pod(pod, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
+                if peft is not None:
+                    runs.append(peft.run(args.new_tokens))
+                rounds.append(runs)
+                print("round:", ", ".join(f"{r.label} {r.throughput:.1f} tok/s" for r in runs), flush=True)
         finally:
             pod.stop()
-        if not args.skip_peft:
-            runs.append(drive_peft(model_dir, roots, adapters, prompts, args.new_tokens))
 
     import transformers
 
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {args.threads} threads, "
           f"torch {torch.__version__}, transformers {transformers.__version__}; demo model float32, "
-          f"{args.requests} requests, "
-          f"{args.new_tokens} new tokens each\n")
-    print("| run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in runs:
-        print(f"| {r.label} | {r.throughput:.1f} | {_pct(r.ttft, 0.5)} | {_pct(r.ttft, 0.99)} | {_pct(r.itl, 0.5)} "
-              f"| {_pct(r.itl, 0.99)} | {r.wall_s:.1f} |")
-    lora, base = runs[0], runs[1]
-    print(f"\nLoRA / base-only throughput: {lora.throughput / base.throughput:.2f}")
-    if not args.skip_peft:
-        print(f"lorafleet (LoRA) / peft throughput: {lora.throughput / runs[2].throughput:.2f}")
-    print(f"median TTFT LoRA {statistics.median(lora.ttft) * 1000:.0f} ms, "
-          f"base {statistics.median(base.ttft) * 1000:.0f} ms")
+          f"{args.requests} requests, {args.new_tokens} new tokens each, {args.rounds} interleaved rounds\n")
+    print("| round | run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, runs in enumerate(rounds, 1):
+        for r in runs:
+            print(f"| {i} | {r.label} | {r.throughput:.1f} | {_pct(r.ttft, 0.5)} | {_pct(r.ttft, 0.99)} "
+                  f"| {_pct(r.itl, 0.5)} | {_pct(r.itl, 0.99)} | {r.wall_s:.1f} |")
+    lora_base = [runs[0].throughput / runs[1].throughput for runs in rounds]
+    print(f"\nLoRA / base-only throughput per round: {', '.join(f'{x:.2f}' for x in lora_base)}; "
+          f"median {statistics.median(lora_base):.2f}")
+    if peft is not None:
+        lora_peft = [runs[0].throughput / runs[2].throughput for runs in rounds]
+        print(f"lorafleet (LoRA) / peft throughput per round: {', '.join(f'{x:.2f}' for x in lora_peft)}; "
+              f"median {statistics.median(lora_peft):.2f}")
 
 
 if __name__ == "__main__":
