@@ -7,10 +7,12 @@ children in order, and that stopping a child also ends anything the child starte
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,13 +28,30 @@ class ChildExited(RuntimeError):
 
 
 def spawn(argv: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> subprocess.Popen:
+          cwd: Path | None = None, die_with_parent: bool = False) -> subprocess.Popen:
     """Starts ``argv`` as the leader of a new process group (and session), with stdin closed and
-    stdout and stderr appended to ``log_path``."""
+    stdout and stderr appended to ``log_path``. With ``die_with_parent`` (Linux), the child gets
+    SIGTERM when the thread that spawned it ends, even by SIGKILL, so a parent killed outright
+    leaves no server behind; call it from a thread that lives as long as the child should."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    preexec = _terminate_with(os.getpid()) if die_with_parent and sys.platform.startswith("linux") else None
     with open(log_path, "ab") as log:
         return subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with(parent: int) -> Callable[[], None]:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return in_child
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTERM,

@@ -100,7 +100,8 @@ class Stack:
     def start_child(self, what: str, argv: list[str], log_name: str) -> tuple[subprocess.Popen, Callable[[], str]]:
         """Starts a child; returns it and a function giving its log's tail."""
         log = self.logs / log_name
-        proc = spawn(argv, log, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=REPO)
+        # up runs on one thread: its children end with it, even when it is killed with SIGKILL
+        proc = spawn(argv, log, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=REPO, die_with_parent=True)
         self.children.append((what, proc, log))
         return proc, lambda: tail(log)
 

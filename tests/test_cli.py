@@ -4,6 +4,7 @@ one line with a non-zero exit status."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -310,3 +311,39 @@ def test_ctrl_c_stops_every_process_up_started_and_removes_its_pid_file(up):
     assert not (up.home / "up" / "up.pid").exists()
     redis_dir = up.home / "up" / "redis"
     assert (redis_dir / "appendonly.aof").is_file() or (redis_dir / "appendonlydir").is_dir()  # Redis 6 or 7
+
+
+@pytest.mark.slow
+def test_killing_up_with_sigkill_still_stops_every_child(demo_model_dir, tmp_path):
+    # up cannot clean up after SIGKILL; its children are told by the kernel that their parent died.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(demo_model_dir.parent)
+    stack = Up(home).start()
+    children: list[int] = []
+    try:
+        stack.wait_for("starting the data-plane pod (pid", UP_READY_S)  # redis, control plane and pod spawned
+        children = _children_of(stack.proc.pid)
+        assert len(children) == 3, children
+        stack.proc.kill()
+        stack.proc.wait(timeout=10)
+        assert all(gone(pid, timeout_s=60) for pid in children), [pid for pid in children if survivors(pid)]
+    finally:
+        if stack.proc.poll() is None:
+            stop_process(stack.proc, timeout_s=60)
+        for pid in children:  # orphans now, if the test failed
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``, from /proc."""
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(stat_file.parent.name))
+    return found
