@@ -36,18 +36,22 @@ def lorafleet(*args: str, env: dict[str, str], timeout: float = 60) -> subproces
     return subprocess.run([*CLI, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def survivors(pid: int) -> list[int]:
-    """Live processes (zombies aside) that are ``pid`` or in the process group it led, from /proc."""
+def _live_processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every live process (zombies aside), from /proc."""
     found = []
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat_file.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
         except OSError:  # ended while listing
             continue
-        state, pgrp = fields[0], int(fields[2])
-        if state != "Z" and (pgrp == pid or int(stat_file.parent.name) == pid):
-            found.append(int(stat_file.parent.name))
+        if fields[0] != "Z":
+            found.append((int(stat_file.parent.name), int(fields[1]), int(fields[2])))
     return found
+
+
+def survivors(pid: int) -> list[int]:
+    """Live processes that are ``pid`` or in the process group it led."""
+    return [p for p, _, group in _live_processes() if pid in (p, group)]
 
 
 def gone(pid: int, timeout_s: float = 5.0) -> bool:
@@ -337,13 +341,5 @@ def test_killing_up_with_sigkill_still_stops_every_child(demo_model_dir, tmp_pat
 
 
 def _children_of(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid``, from /proc."""
-    found = []
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(int(stat_file.parent.name))
-    return found
+    """Live processes whose parent is ``pid``."""
+    return [p for p, parent, _ in _live_processes() if parent == pid]
