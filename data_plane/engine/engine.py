@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from data_plane.engine.block_manager import BlockManager
@@ -78,6 +79,9 @@ class Engine:
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, lambda name: name in lora.cache)
         self.model_lock = asyncio.Lock()
+        # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
+        # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
         self._streams: dict[str, _Stream] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._wakeup = asyncio.Event()
@@ -101,6 +105,7 @@ class Engine:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._model_thread.shutdown(wait=False)
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
@@ -229,7 +234,8 @@ class Engine:
             start = time.monotonic()
             try:
                 async with self.model_lock:
-                    tokens = await asyncio.to_thread(self.runner.run, batch)
+                    tokens = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.run,
+                                                                              batch)
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
                 log.exception("forward pass failed; ending the %d requests in the step", len(batch))
                 for item in batch:
