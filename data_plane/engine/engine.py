@@ -234,8 +234,14 @@ class Engine:
             start = time.monotonic()
             try:
                 async with self.model_lock:
-                    tokens = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.run,
-                                                                              batch)
+                    # Requests may have ended while the lock was awaited; what is left is read into the
+                    # step's inputs here, on the loop, so that an end during the forward frees nothing it reads.
+                    batch = [item for item in batch if not item.seq.is_finished]
+                    if not batch:
+                        continue
+                    step = self.runner.prepare(batch)
+                    tokens = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute,
+                                                                              step)
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
                 log.exception("forward pass failed; ending the %d requests in the step", len(batch))
                 for item in batch:

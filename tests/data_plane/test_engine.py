@@ -75,3 +75,30 @@ def test_a_request_waiting_for_the_only_slot_is_not_overtaken_by_later_requests(
     events = asyncio.run(go())
     # pirate-2 could share pirate-1's slot at once, but shouty asked first: it is served first
     assert events.index(("done", "shouty")) < events.index(("first", "pirate-2")), events
+
+
+def test_a_request_that_ends_between_scheduling_and_the_forward_pass_does_not_fail_the_others(demo_model_dir):
+    async def go():
+        engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=4, num_kv_blocks=16)
+        try:
+            ids = engine.tokenizer.encode("Count from one to ten.")
+            alone = await tokens_of(engine, ids, 6)
+            async with engine.model_lock:  # the loop schedules both requests, then waits here for the model
+                kept = asyncio.create_task(tokens_of(engine, ids, 6))
+                ended = engine.generate(ids, SamplingParams(max_tokens=6, ignore_eos=True), None, "ends-early")
+                first = asyncio.create_task(anext(ended))
+                for _ in range(200):
+                    if len(engine.scheduler.running) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(engine.scheduler.running) == 2, "both requests should be in the scheduled step"
+                engine.abort("ends-early")  # frees its KV blocks while the step waits for the lock
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            return alone, await kept, engine.blocks.usage
+        finally:
+            await engine.stop()
+
+    alone, kept, usage = asyncio.run(go())
+    assert kept == alone
+    assert usage == 0.0
