@@ -14,7 +14,8 @@ A step is then ``s = x @ packed_a``, zeroing every column that is not the token'
 slot, and ``y[:, slice] += s[:, slice's columns] @ b`` per slice: 2 + S ops per layer however
 many adapters the step mixes (the mask is built once per step for all layers of one layout), at
 the price of computing each token's product with the other adapters' ranks as well.
-``dense_pays`` weighs that waste against the per-op cost of the segment loop.
+``dense_pays`` weighs that waste against the per-op cost of the segment loop, from a ``DensePlan``
+(ranks only); the packed copy is built only for layers that take the dense path.
 """
 
 from __future__ import annotations
@@ -39,18 +40,33 @@ class SliceExpand:
 
 
 @dataclass(frozen=True)
+class DensePlan:
+    """What the cost estimate needs, without the packed weights (cheap to keep per layer)."""
+
+    rank: int  # R, the total rank of every resident (slot, slice)
+    slot_ranks: tuple[int, ...]  # [max_loras] total rank of each slot over the slices
+    num_expands: int  # slices with a nonzero rank
+    num_slices: int
+    width: int  # in_features + out_features
+
+
+@dataclass(frozen=True)
 class DensePack:
     packed_a: torch.Tensor  # [in_features, R] float32, columns grouped by slice, then by slot
     expands: tuple[SliceExpand, ...]  # one per slice with a nonzero rank
     col_slots: torch.Tensor  # [R] int32
     layout: tuple[tuple[int, int], ...]  # (slot, rank) of each packed group: equal layouts share a mask
-    slot_ranks: tuple[int, ...]  # [max_loras] total rank of each slot over the slices
-    width: int  # in_features + out_features
-    num_slices: int
 
     @property
     def rank(self) -> int:
         return self.col_slots.numel()
+
+
+def plan(host_ranks: list[list[int]], in_features: int, out_features: int) -> DensePlan:
+    """``host_ranks``: [S][max_loras] real ranks."""
+    slot_ranks = tuple(sum(ranks[slot] for ranks in host_ranks) for slot in range(len(host_ranks[0])))
+    return DensePlan(sum(slot_ranks), slot_ranks, sum(1 for ranks in host_ranks if any(ranks)), len(host_ranks),
+                     in_features + out_features)
 
 
 def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -75,19 +91,17 @@ def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]]
             c += r
         if blocks:
             expands.append(SliceExpand(lo, hi, start, c, torch.cat(blocks).contiguous()))
-    slot_ranks = tuple(sum(host_ranks[s][slot] for s in range(num_slices)) for slot in range(max_loras))
-    return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns), slot_ranks,
-                     in_features + lora_b.shape[1], num_slices)
+    return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns))
 
 
-def dense_pays(pack: DensePack, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> bool:
+def dense_pays(plan: DensePlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> bool:
     """Whether the dense path is expected to beat the segment loop for a step of ``num_tokens``
     whose adapter segments are ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``)."""
-    dense = (2 + 2 * len(pack.expands)) * OP_SECONDS + 2 * num_tokens * pack.rank * pack.width / FLOP_PER_SECOND
+    dense = (2 + plan.num_expands) * OP_SECONDS + 2 * num_tokens * plan.rank * plan.width / FLOP_PER_SECOND
     loop = 0.0
     for slot, start, end, _ in segments:
-        flops = 2 * (end - start) * pack.slot_ranks[slot] * pack.width
-        loop += (2 + pack.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
+        flops = 2 * (end - start) * plan.slot_ranks[slot] * plan.width
+        loop += (2 + plan.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
     return dense < loop
 
 

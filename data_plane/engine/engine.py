@@ -1,7 +1,8 @@
 """The engine: one asyncio task that loops schedule() -> run() -> postprocess().
 
-Scheduling and bookkeeping happen on the event loop; the forward pass runs in a worker thread
-under ``model_lock`` so that admin operations that copy into adapter slots never race with it.
+Scheduling and bookkeeping happen on the event loop; the forward pass runs on one model thread
+under ``model_lock``, and every cache operation that may copy into or clear adapter slots takes
+that lock too, so none races with a forward.
 Adapter files are read and validated in worker threads too, off the step loop: a request whose
 adapter is loading waits while the batch keeps running.
 """
@@ -26,6 +27,7 @@ from data_plane.lora.adapter_cache import Residency, Tier
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.lora.sources import check_adapter_name
 from data_plane.metrics import PodMetrics
+from data_plane.model import cpu_linear
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
 
@@ -180,7 +182,8 @@ class Engine:
         start = time.monotonic()
         try:
             adapter = await asyncio.to_thread(self.lora.read, name, source, sha256)
-            residency = self.lora.cache.insert(adapter)
+            # under the model lock: a full CPU tier evicts, and evicting clears the victim's slot
+            residency = await self.with_slots(lambda: self.lora.cache.insert(adapter))
         except LorafleetError as e:
             self.metrics.load_latency.labels("error").observe(time.monotonic() - start)
             self.metrics.load_failures.inc()
@@ -286,8 +289,9 @@ class Engine:
         seq.last_token_time = now
 
     def warm_up(self, rank: int = 8) -> None:
-        """Fills every adapter slot with a zero adapter and runs a full decode batch and a full
-        prefill chunk through every slot, so the first real request pays no first-use cost."""
+        """Fills every adapter slot with a zero adapter and runs, on the model thread, decode batches
+        of every CPU row bucket up to a full batch and a full prefill chunk through every slot, so
+        the first real request pays no first-use cost. Call before ``start``, off the event loop."""
         cache = self.lora.cache
         cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
         n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
@@ -295,11 +299,12 @@ class Engine:
         for i in range(n):
             seq = Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, block_table=[i], slot=i % cache.max_loras)
             decodes.append(ScheduledSeq(seq, 1))
-        self.runner.run(decodes)
+        for size in sorted({b for b in cpu_linear.ROW_BUCKETS if b < n} | {n}):
+            self._model_thread.submit(self.runner.run, decodes[:size]).result()
         chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size)
         prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1,
                            block_table=list(range(-(-chunk // self.limits.block_size))), slot=0)
-        self.runner.run([ScheduledSeq(prefill, chunk)])
+        self._model_thread.submit(self.runner.run, [ScheduledSeq(prefill, chunk)]).result()
         cache.clear_free_slots()
 
     # ---- state -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from torch import nn
 
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM, Projection
-from kernels.dense import DensePack, dense_pays, lora_dense, pack
+from kernels.dense import DensePack, DensePlan, dense_pays, lora_dense, pack, plan
 from kernels.lora_meta import LoraMeta
 from kernels.lora_ops import lora_expand, lora_shrink, runs_triton
 
@@ -43,7 +43,8 @@ class LoRAProjection(nn.Module):
         )
         self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
         self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
-        self._pack: DensePack | None = None  # None: slots changed since the last pack
+        self._plan: DensePlan | None = None  # None: slots changed since the last plan or pack
+        self._pack: DensePack | None = None
 
     def set_slot(self, slot: int, deltas: dict[str, SliceDelta]) -> None:
         """Writes an adapter's deltas for this projection into ``slot`` (slices it lacks are zero)."""
@@ -58,7 +59,7 @@ class LoRAProjection(nn.Module):
             self.lora_b[slot, lo:hi, :r].copy_(delta.b, non_blocking=True)
             self.ranks[s, slot] = r
             self.host_ranks[s][slot] = r
-        self._pack = None
+        self._plan = self._pack = None
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
@@ -66,25 +67,32 @@ class LoRAProjection(nn.Module):
         self.ranks[:, slot] = 0
         for ranks in self.host_ranks:
             ranks[slot] = 0
-        self._pack = None
+        self._plan = self._pack = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base(x)
         meta = batch.lora if batch is not None else None
         if meta is None or not meta.has_lora:
             return y
-        if not runs_triton(y) and self._dense_pays(meta):
-            lora_dense(y, x, self._pack, meta.token_slots, meta.masks)
+        if not runs_triton(y) and (packed := self._dense_pack(meta)) is not None:
+            lora_dense(y, x, packed, meta.token_slots, meta.masks)
             return y
         buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
         lora_expand(y, buf, self.lora_b, self.ranks, self.slice_offsets, self.host_offsets, meta, self.host_ranks)
         return y
 
-    def _dense_pays(self, meta: LoraMeta) -> bool:
-        if self._pack is None:
-            self._pack = pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
-        return dense_pays(self._pack, meta.num_tokens, meta.host_segments)
+    def _dense_pack(self, meta: LoraMeta) -> DensePack | None:
+        """The packed slots when the dense path pays for this step, else None."""
+        dense_plan = self._plan
+        if dense_plan is None:
+            dense_plan = self._plan = plan(self.host_ranks, self.base.in_features, self.base.out_features)
+        if not dense_pays(dense_plan, meta.num_tokens, meta.host_segments):
+            return None
+        packed = self._pack
+        if packed is None:
+            packed = self._pack = pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
+        return packed
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:

@@ -35,7 +35,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias``, through ``packed`` when there is one and ``x`` has few rows."""
     rows = x.shape[0]
-    if packed is None or x.dim() != 2 or rows > PACKED_MAX_ROWS:
+    if packed is None or x.dim() != 2 or rows > PACKED_MAX_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     bucket = next(b for b in ROW_BUCKETS if b >= rows)
     if bucket != rows:

@@ -65,6 +65,8 @@ def test_a_request_waiting_for_the_only_slot_is_not_overtaken_by_later_requests(
             while not events:  # pirate-1 holds the only slot
                 await asyncio.sleep(0.01)
             other = asyncio.create_task(tokens_of(engine, ids, 4, "shouty", events, "shouty"))
+            while "shouty" not in engine.lora.cache:  # loaded: shouty now waits for the slot itself
+                await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
             later = asyncio.create_task(tokens_of(engine, ids, 4, "pirate", events, "pirate-2"))
             await asyncio.gather(first, other, later)
@@ -102,3 +104,28 @@ def test_a_request_that_ends_between_scheduling_and_the_forward_pass_does_not_fa
     alone, kept, usage = asyncio.run(go())
     assert kept == alone
     assert usage == 0.0
+
+
+def test_a_load_that_evicts_a_slot_resident_adapter_waits_for_the_model_lock(demo_model_dir):
+    # The eviction clears the victim's slot, which a forward pass running meanwhile may be reading.
+    async def go():
+        engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=2, num_kv_blocks=16)
+        root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
+        try:
+            await tokens_of(engine, engine.tokenizer.encode("Hello"), 2, adapter="pirate")  # pirate now in a slot
+            assert engine.lora.cache.slot_of("pirate") is not None
+            async with engine.model_lock:  # as a forward pass does
+                load = asyncio.create_task(engine.load_adapter("shouty", str(root / "shouty")))
+                for _ in range(150):
+                    if load.done() or "pirate" not in engine.lora.cache:
+                        break
+                    await asyncio.sleep(0.01)
+                during = ("pirate" in engine.lora.cache, engine.lora.cache.slot_of("pirate"), load.done())
+            await load
+            return during, "pirate" in engine.lora.cache, "shouty" in engine.lora.cache
+        finally:
+            await engine.stop()
+
+    (kept, slot, finished), pirate_after, shouty_after = asyncio.run(go())
+    assert kept and slot is not None and not finished, "the load evicted a slot while the model lock was held"
+    assert not pirate_after and shouty_after

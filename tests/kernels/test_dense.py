@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.dense import DensePack, dense_pays, lora_dense, pack
+from kernels.dense import DensePack, dense_pays, lora_dense, pack, plan
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, _mix, _problem
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -86,9 +86,10 @@ def test_an_overflowing_adapter_does_not_reach_other_rows():
 
 
 def test_dense_is_chosen_for_small_mixed_steps_and_not_for_long_single_adapter_prefills():
-    p = _problem(QKV, [0], torch.float32, seed=4)
-    packed = _pack(p)
+    dense_plan = plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
+    assert dense_plan.rank == sum(sum(r) for r in QKV.ranks) and dense_plan.num_expands == 3
+    assert dense_plan.slot_ranks == tuple(sum(QKV.ranks[s][slot] for s in range(3)) for slot in range(5))
     decode = tuple((slot, 8 * i, 8 * i + 8, 8 * i) for i, slot in enumerate([0, 1, 2, 3]))  # 32 tokens, 4 adapters
-    assert dense_pays(packed, 32, decode)
+    assert dense_pays(dense_plan, 32, decode)
     prefill = ((1, 0, 4096, 0),)  # one adapter's long prompt: every other slot's ranks would cost more
-    assert not dense_pays(packed, 4096, prefill)
+    assert not dense_pays(dense_plan, 4096, prefill)
