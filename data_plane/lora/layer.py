@@ -18,8 +18,8 @@ class LoRAProjection(nn.Module):
 
     Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
     copies into a slot and never allocates. On CPU, small steps take the dense path of
-    ``kernels.dense`` over a packed copy of the resident slots, rebuilt on the first step after
-    the slots change.
+    ``kernels.dense`` over a packed copy of the resident slots, built by the first step after a
+    slot change that takes that path.
     """
 
     def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
