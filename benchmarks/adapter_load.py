@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from synthetic import LLAMA3_8B, write_random_adapter  # benchmarks/synthetic.py, beside this script
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.demo_model import ensure_demo_model
@@ -48,12 +48,6 @@ from data_plane.model import load_model
 from data_plane.model.config import ModelConfig
 from data_plane.model.llama import LlamaForCausalLM
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-}
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEADER = ("| date | CPU | torch | adapter | dtype | rank | file MB | raw read ms | read+validate ms | insert ms "
           "| slot copy ms | ready-in-slot ms | ready / raw |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -76,27 +70,6 @@ def stand_in_model(config: dict, dtype: torch.dtype, device: str) -> LlamaForCau
             empty = torch.empty_strided(p.shape, (0,) * p.dim(), dtype=dtype, device=device)
             module.register_parameter(name, torch.nn.Parameter(empty, requires_grad=False))
     return model
-
-
-def write_random_adapter(target: Path, config: dict, rank: int, seed: int = 0) -> None:
-    """A rank-``rank`` LoRA on all seven projections of every layer, bfloat16, as peft saves it."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module, (n_in, n_out) in shapes.items():
-            block = "self_attn" if module in ALL_PROJECTIONS[:4] else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in**0.5).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * 0.01).bfloat16()
-    target.mkdir(parents=True)
-    save_file(tensors, target / "adapter_model.safetensors")
-    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(ALL_PROJECTIONS),
-                      "bias": "none", "task_type": "CAUSAL_LM"}
-    (target / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
 
 def time_loads(runtime: LoraRuntime, name: str, adapter_dir: Path, repeats: int, device: str) -> dict[str, float]:

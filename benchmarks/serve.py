@@ -3,10 +3,18 @@
 Three runs on the same prompts, each submitting every request at once, repeated in interleaved
 rounds (``--rounds``) so that drifting load on a shared machine hits all three alike:
 - ``lorafleet`` with adapters: a pod process on loopback, requests spread round-robin over the
-  base model and the adapters;
+  adapters (and, on the demo model, the base model);
 - ``lorafleet`` base only: the same pod, the same prompts, no adapter;
 - ``peft``: transformers + peft, one ``generate(adapter_names=...)`` call over the whole batch with
   the same per-row adapters (left padding, greedy, same number of new tokens).
+
+Models (``--model``):
+- ``demo`` (default): the demo model, requests round-robin over the base model, the three demo
+  adapters and a random rank-16 adapter on all seven projections;
+- ``llama3-8b`` / ``tiny``: random weights of that shape (``benchmarks/synthetic.py``) and
+  ``--num-adapters`` distinct random rank-``--rank`` adapters on all seven projections, one per
+  request in turn, no base-model rows. ``--model llama3-8b --device cuda --dtype bfloat16
+  --requests 64 --num-adapters 64`` is the GPU serving run; ``tiny`` checks the same path on a CPU.
 
 Every request generates exactly ``--new-tokens`` tokens (EOS ignored on every side). Throughput is
 output tokens over wall time; TTFT and inter-token latency are measured on the client from
@@ -17,6 +25,7 @@ for benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.demo_model import ensure_demo_model
@@ -57,21 +67,6 @@ def _pct(values: list[float], q: float) -> str:
         return "–"
     values = sorted(values)
     return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.0f}"
-
-
-def make_extra_adapter(model_dir: Path, root: Path, rank: int) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(base, config)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(root / EXTRA_ADAPTER)
 
 
 def drive_pod(pod, label: str, adapters: list[str | None], prompts: list[str], new_tokens: int) -> Run:
@@ -114,20 +109,22 @@ def drive_pod(pod, label: str, adapters: list[str | None], prompts: list[str], n
 class PeftRunner:
     """transformers + peft with every adapter loaded once; ``run`` is one timed mixed-adapter generate."""
 
-    def __init__(self, model_dir: Path, roots: dict[str, Path], adapters: list[str | None], prompts: list[str]) -> None:
+    def __init__(self, model_dir: Path, roots: dict[str, Path], adapters: list[str | None], prompts: list[str],
+                 device: str, dtype: torch.dtype) -> None:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         names = sorted({a for a in adapters if a})
         self.model = PeftModel.from_pretrained(base, roots[names[0]] / names[0], adapter_name=names[0])
         for name in names[1:]:
             self.model.load_adapter(roots[name] / name, adapter_name=name)
         texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                     add_generation_prompt=True) for p in prompts]
-        self.batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        self.batch = self.tokenizer(texts, return_tensors="pt", padding=True).to(device)
         self.row_adapters = [a or "__base__" for a in adapters]
         self._generate({k: v[:2] for k, v in self.batch.items()}, self.row_adapters[:2], 2)  # warm-up
 
@@ -140,22 +137,52 @@ class PeftRunner:
     def run(self, new_tokens: int) -> Run:
         start = time.perf_counter()
         out = self._generate(self.batch, self.row_adapters, new_tokens)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - start
         generated = out.shape[1] - self.batch["input_ids"].shape[1]
         assert generated == new_tokens, f"peft generated {generated} tokens, asked for {new_tokens}"
         return Run("transformers + peft", wall, generated * len(self.row_adapters))
 
 
+def prepare(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path], list[str | None], str]:
+    """The model directory, each adapter's root, the cycle of per-request adapters (None = base
+    model) and a description of the mix."""
+    adapter_root = tmp / "adapters"
+    if args.model == "demo":
+        model_dir = ensure_demo_model(quiet=True)
+        config = json.loads((model_dir / "config.json").read_text())
+        write_random_adapter(adapter_root / EXTRA_ADAPTER, config, 16, dtype=torch.float32)
+        demo_root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
+        roots = {**{n: demo_root for n in DEMO_ADAPTERS}, EXTRA_ADAPTER: adapter_root}
+        return model_dir, roots, [None, *DEMO_ADAPTERS, EXTRA_ADAPTER], "base + 4 adapters"
+    dtype = getattr(torch, args.dtype)
+    model_dir = write_random_model(tmp / "model", PRESETS[args.model], dtype, device=args.device)
+    config = json.loads((model_dir / "config.json").read_text())
+    names = [f"r{args.rank}-{i}" for i in range(args.num_adapters)]
+    for i, name in enumerate(names):
+        write_random_adapter(adapter_root / name, config, args.rank, seed=i + 1, dtype=dtype)
+    return model_dir, dict.fromkeys(names, adapter_root), list(names), f"{len(names)} adapters"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo", choices=["demo", *PRESETS],
+                        help="the demo model and adapters, or random weights of a named shape")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-adapters", type=int, default=64, help="random adapters (not with --model demo)")
+    parser.add_argument("--rank", type=int, default=16, help="their rank (not with --model demo)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the pod and of peft")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the pod and of peft (CPU)")
     parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of (LoRA, base only, peft), interleaved so that drifting machine load "
                              "affects all three alike; medians are reported")
     args = parser.parse_args()
+    if args.model == "demo" and (args.device, args.dtype) != ("cpu", "float32"):
+        parser.error("--model demo runs on the CPU in float32; name a random-weight model for other devices")
     torch.set_num_threads(args.threads)
     import os
 
@@ -163,24 +190,29 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
     from tests.processes import PodProcess
 
-    model_dir = ensure_demo_model(quiet=True)
-    demo_root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
     rounds: list[list[Run]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        extra_root = Path(tmp) / "adapters"
-        make_extra_adapter(model_dir, extra_root, 16)
-        roots = {**{n: demo_root for n in DEMO_ADAPTERS}, EXTRA_ADAPTER: extra_root}
-        cycle = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
+        model_dir, roots, cycle, mix = prepare(args, Path(tmp))
         adapters = [cycle[i % len(cycle)] for i in range(args.requests)]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-        peft = None if args.skip_peft else PeftRunner(model_dir, roots, adapters, prompts)
-        pod = PodProcess(Path(tmp), "--max-num-seqs", str(args.requests), "--max-loras", str(len(cycle) - 1),
-                         "--adapter-root", str(demo_root), "--adapter-root", str(extra_root), name="bench")
-        pod.start()
+        names = [a for a in cycle if a]
+        peft = None if args.skip_peft else PeftRunner(model_dir, roots, adapters, prompts, args.device,
+                                                     getattr(torch, args.dtype))
+        pod_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype,
+                    "--max-num-seqs", str(args.requests), "--max-loras", str(len(names)),
+                    "--max-cpu-loras", str(max(32, len(names)))]
+        if args.model != "demo":  # slots sized to the adapters: 64 slots of rank 64 would take 21 GB at 8B
+            pod_args += ["--max-lora-rank", str(args.rank)]
+        if args.device == "cuda" and peft is not None:
+            pod_args += ["--gpu-memory-utilization", "0.8"]  # room for peft's generate on the same GPU
+        for root in sorted(set(roots.values())):
+            pod_args += ["--adapter-root", str(root)]
+        pod = PodProcess(Path(tmp), *pod_args, name="bench")
+        pod.start(timeout_s=1800)
         try:
-            drive_pod(pod, "warm-up", adapters[:len(cycle)], prompts[:len(cycle)], 4)  # loads every adapter
+            drive_pod(pod, "warm-up", cycle, [PROMPTS[0]] * len(cycle), 4)  # loads every adapter
             for _ in range(args.rounds):
-                runs = [drive_pod(pod, "lorafleet, base + 4 adapters", adapters, prompts, args.new_tokens),
+                runs = [drive_pod(pod, f"lorafleet, {mix}", adapters, prompts, args.new_tokens),
                         drive_pod(pod, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
                 if peft is not None:
                     runs.append(peft.run(args.new_tokens))
@@ -191,9 +223,11 @@ def main() -> None:
 
     import transformers
 
-    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {args.threads} threads, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}; demo model float32, "
-          f"{args.requests} requests, {args.new_tokens} new tokens each, {args.rounds} interleaved rounds\n")
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"{platform.machine()} CPU, {args.threads} threads")
+    print(f"\n{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; model {args.model} {args.dtype}, {args.requests} requests, "
+          f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds\n")
     print("| round | run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for i, runs in enumerate(rounds, 1):
