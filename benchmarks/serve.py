@@ -157,7 +157,8 @@ def prepare(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path],
         roots = {**{n: demo_root for n in DEMO_ADAPTERS}, EXTRA_ADAPTER: adapter_root}
         return model_dir, roots, [None, *DEMO_ADAPTERS, EXTRA_ADAPTER], "base + 4 adapters"
     dtype = getattr(torch, args.dtype)
-    model_dir = write_random_model(tmp / "model", PRESETS[args.model], dtype, device=args.device)
+    model_dir = write_random_model(tmp / "model", PRESETS[args.model], dtype, device=args.device,
+                                   tokenizer_dir=args.tokenizer)
     config = json.loads((model_dir / "config.json").read_text())
     names = [f"r{args.rank}-{i}" for i in range(args.num_adapters)]
     for i, name in enumerate(names):
@@ -171,6 +172,9 @@ def main() -> None:
                         help="the demo model and adapters, or random weights of a named shape")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tokenizer", type=Path,
+                        help="directory with the demo model's tokenizer and config files, for a random-weight "
+                             "model where the demo model is not installed (default: the installed demo model)")
     parser.add_argument("--num-adapters", type=int, default=64, help="random adapters (not with --model demo)")
     parser.add_argument("--rank", type=int, default=16, help="their rank (not with --model demo)")
     parser.add_argument("--requests", type=int, default=32)

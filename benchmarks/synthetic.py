@@ -51,13 +51,14 @@ def _block(module: str) -> str:
     return "self_attn" if module in ALL_PROJECTIONS[:4] else "mlp"
 
 
-def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int = 0,
-                       device: str = "cpu", shard_bytes: int = SHARD_BYTES) -> Path:
+def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int = 0, device: str = "cpu",
+                       shard_bytes: int = SHARD_BYTES, tokenizer_dir: Path | None = None) -> Path:
     """A checkpoint of ``preset``'s shape (vocabulary: the demo tokenizer's) with N(0, 0.02) weights,
     unit norms and an untied head, in ``dtype``, in shards of at most ``shard_bytes`` (or one
     tensor); random numbers are drawn on ``device`` (a GPU draws 8B of them in seconds). Returns
-    ``target``."""
-    demo = ensure_demo_model(quiet=True)
+    ``target``. ``tokenizer_dir``: where the demo model's tokenizer and config files are (default:
+    the installed demo model)."""
+    demo = tokenizer_dir or ensure_demo_model(quiet=True)
     demo_config = json.loads((demo / "config.json").read_text())
     config = {**preset, "model_type": "llama", "vocab_size": DEMO_VOCAB, "hidden_act": "silu", "rope_scaling": None,
               "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
