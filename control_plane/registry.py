@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from control_plane.errors import InvalidArgument
 from control_plane.fleet import Fleet, PodView
@@ -128,6 +128,9 @@ def validate_name(name: str) -> None:
 
 
 def _validate_source(source: str) -> None:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in source + unquote(source)):
+        raise InvalidArgument(f"source {source!r} contains a control character (NUL, newline, ...), which no "
+                              "path or URL the pods can load holds")
     url = urlparse(source)
     if url.scheme == "file" and url.path not in ("", "/") and not url.netloc:
         return

@@ -26,8 +26,8 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
     """The real directory that ``source`` (a path or ``file://`` URL) names, after following
     every symlink, provided it lies under one of ``roots``.
 
-    Raises InvalidAdapter for another scheme, a path outside the roots (``..``, an absolute
-    path elsewhere, a symlink that escapes), or a source that is not a directory.
+    Raises InvalidAdapter for another scheme, a NUL byte, a path outside the roots (``..``, an
+    absolute path elsewhere, a symlink that escapes), or a source that is not a directory.
     """
     if not source:
         raise InvalidAdapter(f"adapter {name!r}: no source given; pass the adapter directory")
@@ -41,6 +41,8 @@ def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path
             f"adapter {name!r}: source scheme {parsed.scheme!r} is not supported; use a path or file:// URL "
             "under the pod's adapter roots, or an http(s):// URL"
         )
+    if "\x00" in raw:
+        raise InvalidAdapter(f"adapter {name!r}: the source {source!r} contains a NUL byte, which no path can hold")
     if not roots:
         raise InvalidAdapter(f"adapter {name!r}: this pod has no adapter roots configured (--adapter-root)")
     real_roots = tuple(Path(os.path.realpath(r)) for r in roots)

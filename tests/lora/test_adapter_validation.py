@@ -166,6 +166,12 @@ def test_source_name_too_long_for_the_file_system(runtime):
     _refused(runtime, "a" * 300, "File name too long")
 
 
+@pytest.mark.parametrize("source", ["\x00", "r8\x00", "file:///tmp/a%00b"])
+def test_source_with_a_nul_byte(runtime, source):
+    # No path may hold one: the OS calls would raise ValueError, which no caller maps to a status.
+    _refused(runtime, source, "contains a NUL byte")
+
+
 def test_absolute_path_elsewhere(runtime, tiny_adapters):
     _refused(runtime, str(tiny_adapters / "r8"), "outside the adapter roots")
 
