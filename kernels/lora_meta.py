@@ -28,8 +28,8 @@ class LoraMeta:
     # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
     # path then slices instead of gathering.
     host_segments: tuple[tuple[int, int, int, int], ...]
-    # Per-step values the CPU dense path computes once and every layer reuses (see kernels.dense).
-    masks: dict = field(default_factory=dict)
+    # Per-step values the CPU paths compute once and every layer reuses (see kernels.cpu_lora).
+    step_values: dict = field(default_factory=dict)
 
     @property
     def has_lora(self) -> bool:

@@ -7,7 +7,7 @@ from torch import nn
 
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM, Projection
-from kernels.dense import DensePack, DensePlan, dense_pays, lora_dense, pack, plan
+from kernels import cpu_lora
 from kernels.lora_meta import LoraMeta
 from kernels.lora_ops import lora_expand, lora_shrink, runs_triton
 
@@ -17,9 +17,9 @@ class LoRAProjection(nn.Module):
     the step's LoRA metadata (-1 = base only).
 
     Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
-    copies into a slot and never allocates. On CPU, small steps take the dense path of
-    ``kernels.dense`` over a packed copy of the resident slots, built by the first step after a
-    slot change that takes that path.
+    copies into a slot and never allocates. On CPU, steps take the dense or the gathered path of
+    ``kernels.cpu_lora`` where its cost estimate says they pay, over a packed copy of the resident
+    slots built by the first step after a slot change that takes that path.
     """
 
     def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
@@ -43,8 +43,9 @@ class LoRAProjection(nn.Module):
         )
         self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
         self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
-        self._plan: DensePlan | None = None  # None: slots changed since the last plan or pack
-        self._pack: DensePack | None = None
+        self._plan: cpu_lora.CpuPlan | None = None  # None: slots changed since the last plan or pack
+        self._dense: cpu_lora.DensePack | None = None
+        self._gathered: cpu_lora.GatherPack | None = None
 
     def set_slot(self, slot: int, deltas: dict[str, SliceDelta]) -> None:
         """Writes an adapter's deltas for this projection into ``slot`` (slices it lacks are zero)."""
@@ -59,7 +60,7 @@ class LoRAProjection(nn.Module):
             self.lora_b[slot, lo:hi, :r].copy_(delta.b, non_blocking=True)
             self.ranks[s, slot] = r
             self.host_ranks[s][slot] = r
-        self._plan = self._pack = None
+        self._forget_packs()
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
@@ -67,32 +68,45 @@ class LoRAProjection(nn.Module):
         self.ranks[:, slot] = 0
         for ranks in self.host_ranks:
             ranks[slot] = 0
-        self._plan = self._pack = None
+        self._forget_packs()
+
+    def _forget_packs(self) -> None:
+        self._plan = self._dense = self._gathered = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base(x)
         meta = batch.lora if batch is not None else None
         if meta is None or not meta.has_lora:
             return y
-        if not runs_triton(y) and (packed := self._dense_pack(meta)) is not None:
-            lora_dense(y, x, packed, meta.token_slots, meta.masks)
-            return y
+        if not runs_triton(y):
+            path = self._cpu_path(meta)
+            if path is None:  # no resident adapter adapts this projection
+                return y
+            if path == cpu_lora.DENSE:
+                if self._dense is None:
+                    self._dense = cpu_lora.pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
+                cpu_lora.lora_dense(y, x, self._dense, meta.token_slots, meta.step_values)
+                return y
+            if path == cpu_lora.GATHERED:
+                if self._gathered is None:
+                    self._gathered = cpu_lora.pack_gathered(self.lora_a, self.lora_b, self.host_ranks,
+                                                            self.host_offsets)
+                cpu_lora.lora_gathered(y, x, self._gathered, meta.token_slots, meta.step_values)
+                return y
         buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
         lora_expand(y, buf, self.lora_b, self.ranks, self.slice_offsets, self.host_offsets, meta, self.host_ranks)
         return y
 
-    def _dense_pack(self, meta: LoraMeta) -> DensePack | None:
-        """The packed slots when the dense path pays for this step, else None."""
-        dense_plan = self._plan
-        if dense_plan is None:
-            dense_plan = self._plan = plan(self.host_ranks, self.base.in_features, self.base.out_features)
-        if not dense_pays(dense_plan, meta.num_tokens, meta.host_segments):
+    def _cpu_path(self, meta: LoraMeta) -> str | None:
+        """The CPU path for this step (``kernels.cpu_lora.choose_path``), None when no resident
+        adapter has a rank on this projection."""
+        cpu_plan = self._plan
+        if cpu_plan is None:
+            cpu_plan = self._plan = cpu_lora.plan(self.host_ranks, self.base.in_features, self.base.out_features)
+        if cpu_plan.rank == 0:
             return None
-        packed = self._pack
-        if packed is None:
-            packed = self._pack = pack(self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
-        return packed
+        return cpu_lora.choose_path(cpu_plan, meta.num_tokens, meta.host_segments)
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:

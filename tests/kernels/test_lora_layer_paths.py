@@ -12,7 +12,7 @@ import kernels.lora_shrink
 from data_plane.lora.layer import LoRAProjection
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, Projection
-from kernels import lora_ops
+from kernels import cpu_lora, lora_ops
 from kernels.lora_meta import LoraMetaBuilder
 
 MAX_LORAS, MAX_RANK = 4, 16
@@ -58,7 +58,7 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
-    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)  # the segment loop
+    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: cpu_lora.LOOP)
     on_reference = layer(x, batch)
 
     # The CUDA branch of the dispatch, on CPU tensors: the kernels run under the interpreter.
@@ -77,24 +77,38 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     assert (on_triton[lora_rows].float() - base[lora_rows].float()).abs().max() > 1.0, "adapters did nothing"
 
 
-def test_cpu_layer_takes_the_dense_path_for_a_small_step_and_follows_slot_changes(monkeypatch):
+def _small_step() -> tuple[LoRAProjection, ForwardBatch, torch.Tensor]:
     layer = _qkv_layer(torch.float32)
     meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
     batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
-    x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
-    dense_calls = _counting(monkeypatch, data_plane.lora.layer, "lora_dense")
-    on_dense = layer(x, batch)
+    return layer, batch, torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
+
+
+def test_cpu_layer_takes_the_dense_path_for_a_small_step(monkeypatch):
+    layer, batch, x = _small_step()
+    dense_calls = _counting(monkeypatch, cpu_lora, "lora_dense")
+    layer(x, batch)
     assert len(dense_calls) == 1, "a 9-token step over three adapters should take the dense path"
 
-    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)
-    torch.testing.assert_close(on_dense, layer(x, batch), rtol=1e-5, atol=1e-5)
-    monkeypatch.undo()
 
-    # Replacing slot 1's adapter must show on the next dense step (its packed copy is rebuilt).
+@pytest.mark.parametrize("path, kernel", [(cpu_lora.DENSE, "lora_dense"), (cpu_lora.GATHERED, "lora_gathered")])
+def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, path, kernel):
+    layer, batch, x = _small_step()
+
+    def run(on: str) -> torch.Tensor:
+        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: on)
+        return layer(x, batch)
+
+    calls = _counting(monkeypatch, cpu_lora, kernel)
+    on_path = run(path)
+    assert len(calls) == 1
+    # outputs reach hundreds (unscaled random weights); the paths sum in different orders
+    torch.testing.assert_close(on_path, run(cpu_lora.LOOP), rtol=1e-4, atol=1e-4)
+
+    # Replacing slot 1's adapter must show on the next step (the packed copy is rebuilt).
     gen = torch.Generator().manual_seed(2)
     layer.set_slot(1, {"k": SliceDelta(a=torch.randn(4, 96, generator=gen), b=torch.randn(24, 4, generator=gen))})
-    after = layer(x, batch)
-    monkeypatch.setattr(data_plane.lora.layer, "dense_pays", lambda *args: False)
-    torch.testing.assert_close(after, layer(x, batch), rtol=1e-5, atol=1e-5)
+    after = run(path)
+    torch.testing.assert_close(after, run(cpu_lora.LOOP), rtol=1e-4, atol=1e-4)
     rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot == 1]
-    assert not torch.allclose(after[rows], on_dense[rows]), "slot 1 changed but its rows did not"
+    assert not torch.allclose(after[rows], on_path[rows]), "slot 1 changed but its rows did not"

@@ -7,6 +7,7 @@ import torch
 
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
+from kernels import cpu_lora
 from tests.lora.conftest import ADAPTERS, forward_rows, peft_row_logits, runtime_with_adapters
 
 
@@ -26,13 +27,17 @@ def _rows(adapters):
     return [(a, torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()) for i, a in enumerate(adapters)]
 
 
+@pytest.mark.parametrize("path", [None, cpu_lora.LOOP, cpu_lora.DENSE, cpu_lora.GATHERED])
 @pytest.mark.parametrize("mix", [
     [None, "r8", "r16rs", "r8", "r1"],  # base + repeated adapter + distinct adapters
     ["r1", "r8", "r16rs", "r64pat"],  # ranks 1, 8, 16, 64 in one batch
     ["r64pat", "r64pat", "r64pat"],  # one adapter for every row
     [None, None],  # base only through the LoRA-wrapped layers
 ])
-def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix):
+def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix, path, monkeypatch):
+    """``path``: every CPU LoRA path in turn (None: the one the cost estimate picks)."""
+    if path is not None:
+        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: path)
     model, runtime = ours
     rows = _rows(mix)
     got = forward_rows(model, runtime, rows)

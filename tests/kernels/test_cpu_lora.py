@@ -1,4 +1,5 @@
-"""The dense CPU LoRA path agrees with the reference's shrink + expand, and is chosen only where it pays."""
+"""The dense and gathered CPU LoRA paths agree with the reference's shrink + expand, and each is
+chosen where it pays."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.dense import DensePack, dense_pays, lora_dense, pack, plan
+from kernels.cpu_lora import (
+    DENSE,
+    GATHERED,
+    LOOP,
+    DensePack,
+    choose_path,
+    lora_dense,
+    lora_gathered,
+    pack,
+    pack_gathered,
+    plan,
+)
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, _mix, _problem
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -17,6 +29,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def _pack(p) -> DensePack:
     return pack(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
+
+
+def _dense(y, p, step_values=None):
+    lora_dense(y, p.x, _pack(p), p.meta.token_slots, step_values)
+
+
+def _gathered(y, p, step_values=None):
+    lora_gathered(y, p.x, pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets), p.meta.token_slots,
+                  step_values)
+
+
+PATHS = {DENSE: _dense, GATHERED: _gathered}
 
 
 def _reference(p, y: torch.Tensor) -> torch.Tensor:
@@ -27,16 +51,17 @@ def _reference(p, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layer", list(LAYERS))
 @pytest.mark.parametrize("mix", MIXES)
-def test_dense_matches_the_reference_for_every_mix(mix, layer, dtype):
+def test_cpu_paths_match_the_reference_for_every_mix(mix, layer, dtype, path):
     seed = zlib.crc32(f"dense-{mix}-{layer}".encode())
     p = _problem(LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
     y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = _reference(p, y)
 
-    lora_dense(y, p.x, _pack(p), p.meta.token_slots)
+    PATHS[path](y, p)
 
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
@@ -70,7 +95,8 @@ def test_layers_of_one_layout_share_the_step_mask():
     torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=1e-5, atol=1e-5)
 
 
-def test_an_overflowing_adapter_does_not_reach_other_rows():
+@pytest.mark.parametrize("path", list(PATHS))
+def test_an_overflowing_adapter_does_not_reach_other_rows(path):
     # Slot 3's A is so large that x @ A is inf for every token, including those of other slots:
     # those products must be dropped, not multiplied by zero (inf * 0 = NaN).
     token_slots = [3, 0, -1, 1, 3]
@@ -78,18 +104,36 @@ def test_an_overflowing_adapter_does_not_reach_other_rows():
     p.lora_a[:, 3] *= 1e38
     y = torch.zeros(len(token_slots), QKV.offsets[-1])
 
-    lora_dense(y, p.x, _pack(p), p.meta.token_slots)
+    PATHS[path](y, p)
 
     assert torch.isfinite(y[[1, 2, 3]]).all()
     expected = _reference(p, torch.zeros_like(y))
     torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=1e-5, atol=1e-5)
 
 
-def test_dense_is_chosen_for_small_mixed_steps_and_not_for_long_single_adapter_prefills():
-    dense_plan = plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
-    assert dense_plan.rank == sum(sum(r) for r in QKV.ranks) and dense_plan.num_expands == 3
-    assert dense_plan.slot_ranks == tuple(sum(QKV.ranks[s][slot] for s in range(3)) for slot in range(5))
+def test_each_path_is_chosen_where_it_pays():
+    cpu_plan = plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
+    assert cpu_plan.rank == sum(sum(r) for r in QKV.ranks) and cpu_plan.num_expands == 3
+    assert cpu_plan.slot_ranks == tuple(sum(QKV.ranks[s][slot] for s in range(3)) for slot in range(5))
+    assert cpu_plan.max_rank == max(max(r) for r in QKV.ranks)
     decode = tuple((slot, 8 * i, 8 * i + 8, 8 * i) for i, slot in enumerate([0, 1, 2, 3]))  # 32 tokens, 4 adapters
-    assert dense_pays(dense_plan, 32, decode)
+    assert choose_path(cpu_plan, 32, decode) == DENSE
     prefill = ((1, 0, 4096, 0),)  # one adapter's long prompt: every other slot's ranks would cost more
-    assert not dense_pays(dense_plan, 4096, prefill)
+    assert choose_path(cpu_plan, 4096, prefill) == LOOP
+
+    # 64 resident rank-16 adapters on a demo-model-sized qkv, one token each: the dense path would
+    # multiply every token by 3 072 columns and the loop pays per adapter.
+    many = plan([[16] * 64] * 3, 576, 960)
+    one_each = tuple((slot, slot, slot + 1, slot) for slot in range(64))
+    assert choose_path(many, 64, one_each) == GATHERED
+
+
+def test_gathered_pack_copies_real_ranks_only_and_ends_with_a_zero_slot():
+    p = _problem(QKV, [0, 1], torch.float32, seed=2)
+    gathered = pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
+    r = max(max(ranks) for ranks in QKV.ranks)
+    assert gathered.rank == r and gathered.a.shape == (6, 3 * r, QKV.in_features)
+    assert gathered.b.shape == (6, QKV.offsets[-1], r)
+    assert not gathered.b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
+    assert not gathered.a[5].any() and not gathered.b[5].any(), "the slot of tokens without an adapter is not zero"
+    assert gathered.row_slice.flatten().tolist() == [s for s in range(3) for _ in range(QKV.widths[s])]

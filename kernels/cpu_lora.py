@@ -1,0 +1,215 @@
+"""The CPU LoRA paths for steps that mix adapters: dense and gathered, beside the segment loop.
+
+The reference path (``kernels.reference``) runs one shrink and up to S expands per adapter
+segment. On a CPU each of those small matmuls costs tens of microseconds of dispatch whatever
+its size, so a decode step with several adapters pays more for the calls than for the
+arithmetic. Two paths replace the loop where they pay; both work on copies of the resident slots
+packed once, when the slots change, and both cost a fixed number of ops per layer:
+
+- dense, for a few adapters: the ranks of every resident adapter side by side,
+
+      packed_a:  [in_features, R]   A of every (slice, slot) with a nonzero rank, transposed
+      b (per slice): [R_s, width_s]  B of that slice's columns, on that slice's output rows only
+      col_slots: [R]                slot that owns each packed column
+
+  and a step is ``s = x @ packed_a``, zeroing every column that is not the token's own slot, and
+  ``y[:, slice] += s[:, slice's columns] @ b`` per slice (the mask is built once per step for all
+  layers of one layout). Each token is multiplied by every adapter's ranks, so the arithmetic
+  grows with the number of resident adapters.
+- gathered, for many adapters (the batched gather-matvec of multi-adapter serving): every slot's
+  A and B zero-padded to the largest rank ``r``,
+
+      a: [max_loras + 1, S * r, in_features]   A of each slot, slices stacked
+      b: [max_loras + 1, out_features, r]      B of each slot
+
+  and a step gathers each token's own A and B and runs two batched matrix-vector products. Index
+  ``max_loras`` is all zeros: tokens without an adapter add exact zeros. The cost is moving each
+  token's adapter once, whatever the number of adapters.
+
+``choose_path`` weighs the three from a ``CpuPlan`` (ranks only); a packed copy is built only for
+layers that take its path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Costs of this machine class (2-core x86 VM, float32), measured with torch 2.13: one small
+# matmul or index op costs ~15 µs of dispatch, small matmuls run at ~50 GFLOP/s, and a copy moves
+# ~15 GB/s counting bytes read and written.
+OP_SECONDS = 15e-6
+FLOP_PER_SECOND = 50e9
+BYTES_PER_SECOND = 15e9
+DENSE, GATHERED, LOOP = "dense", "gathered", "loop"
+
+
+@dataclass(frozen=True)
+class SliceExpand:
+    lo: int  # output rows lo:hi of this slice
+    hi: int
+    start: int  # its packed columns start:end
+    end: int
+    b: torch.Tensor  # [end - start, hi - lo] float32
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """What the cost estimates need, without the packed weights (cheap to keep per layer)."""
+
+    rank: int  # R, the total rank of every resident (slot, slice)
+    slot_ranks: tuple[int, ...]  # [max_loras] total rank of each slot over the slices
+    max_rank: int  # the largest rank of any (slot, slice)
+    num_expands: int  # slices with a nonzero rank
+    num_slices: int
+    in_features: int
+    out_features: int
+
+    @property
+    def width(self) -> int:
+        return self.in_features + self.out_features
+
+
+@dataclass(frozen=True)
+class DensePack:
+    packed_a: torch.Tensor  # [in_features, R] float32, columns grouped by slice, then by slot
+    expands: tuple[SliceExpand, ...]  # one per slice with a nonzero rank
+    col_slots: torch.Tensor  # [R] int32
+    layout: tuple[tuple[int, int], ...]  # (slot, rank) of each packed group: equal layouts share a mask
+
+    @property
+    def rank(self) -> int:
+        return self.col_slots.numel()
+
+
+def plan(host_ranks: list[list[int]], in_features: int, out_features: int) -> CpuPlan:
+    """``host_ranks``: [S][max_loras] real ranks."""
+    slot_ranks = tuple(sum(ranks[slot] for ranks in host_ranks) for slot in range(len(host_ranks[0])))
+    return CpuPlan(sum(slot_ranks), slot_ranks, max(max(ranks) for ranks in host_ranks),
+                   sum(1 for ranks in host_ranks if any(ranks)), len(host_ranks), in_features, out_features)
+
+
+def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
+         slice_offsets: list[int]) -> DensePack:
+    """``lora_a``: [S, max_loras, max_rank, in]; ``lora_b``: [max_loras, out, max_rank];
+    ``host_ranks``: [S][max_loras] real ranks; ``slice_offsets``: S + 1 row offsets."""
+    num_slices, max_loras, _, in_features = lora_a.shape
+    columns = [(s, slot, host_ranks[s][slot]) for s in range(num_slices) for slot in range(max_loras)
+               if host_ranks[s][slot]]
+    total = sum(r for _, _, r in columns)
+    packed_a = torch.empty(in_features, total, dtype=torch.float32, device=lora_a.device)
+    col_slots = torch.empty(total, dtype=torch.int32, device=lora_a.device)
+    expands, c = [], 0
+    for s in range(num_slices):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        start = c
+        blocks = []
+        for _, slot, r in (col for col in columns if col[0] == s):
+            packed_a[:, c : c + r] = lora_a[s, slot, :r].T
+            blocks.append(lora_b[slot, lo:hi, :r].T.float())
+            col_slots[c : c + r] = slot
+            c += r
+        if blocks:
+            expands.append(SliceExpand(lo, hi, start, c, torch.cat(blocks).contiguous()))
+    return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns))
+
+
+def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> str:
+    """DENSE, GATHERED or LOOP: the path expected to be fastest for a step of ``num_tokens`` whose
+    adapter segments are ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``)."""
+    dense = (2 + plan.num_expands) * OP_SECONDS + 2 * num_tokens * plan.rank * plan.width / FLOP_PER_SECOND
+    # Two gathers, two batched products, the per-row slice pick and the add; the gathered copies
+    # are written once and read once, and B is multiplied by every slice's ranks.
+    moved = 4 * num_tokens * plan.max_rank * (plan.num_slices * plan.in_features + plan.out_features)
+    flops = 2 * num_tokens * plan.max_rank * plan.num_slices * plan.width
+    gathered = 6 * OP_SECONDS + 2 * moved / BYTES_PER_SECOND + flops / FLOP_PER_SECOND
+    loop = 0.0
+    for slot, start, end, _ in segments:
+        flops = 2 * (end - start) * plan.slot_ranks[slot] * plan.width
+        loop += (2 + plan.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
+    return min((dense, DENSE), (gathered, GATHERED), (loop, LOOP))[1]
+
+
+def lora_dense(
+    y: torch.Tensor,  # [num_tokens, out_features], updated in place
+    x: torch.Tensor,  # [num_tokens, in_features]
+    pack: DensePack,
+    token_slots: torch.Tensor,  # [num_tokens] int32, -1 = base model only
+    step_values: dict | None = None,  # the step's masks by layout, shared by the layers of one step
+) -> None:
+    """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, with the semantics of
+    ``kernels.reference``'s shrink then expand: accumulated in float32 and rounded once to ``y``'s
+    dtype. Rows of slot -1 get exact zeros added."""
+    if pack.rank == 0:
+        return
+    mask = step_values.get(pack.layout) if step_values is not None else None
+    if mask is None:
+        mask = token_slots[:, None] == pack.col_slots[None, :]  # [num_tokens, R]: the token's own columns
+        if step_values is not None:
+            step_values[pack.layout] = mask
+    # where(), not a multiply: another adapter's product may be inf, and inf * 0 is NaN.
+    s = torch.where(mask, x.float() @ pack.packed_a, 0.0)  # [num_tokens, R]
+    acc = y if y.dtype == torch.float32 else y.float()
+    for e in pack.expands:  # per slice: B is zero outside its slice's rows, so skip those
+        acc[:, e.lo : e.hi].addmm_(s[:, e.start : e.end], e.b)
+    if acc is not y:
+        y.copy_(acc)
+
+
+@dataclass(frozen=True)
+class GatherPack:
+    a: torch.Tensor  # [max_loras + 1, S * r, in_features] float32, zero past each real rank
+    b: torch.Tensor  # [max_loras + 1, out_features, r] float32, zero past each real rank
+    row_slice: torch.Tensor | None  # [1, out_features, 1] int64 slice of each output row (None: one slice)
+    rank: int  # r
+
+
+def pack_gathered(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
+                  slice_offsets: list[int]) -> GatherPack:
+    """Arguments as for ``pack``. Only real ranks are copied: slot padding is never read."""
+    num_slices, max_loras, _, in_features = lora_a.shape
+    r = max(max(ranks) for ranks in host_ranks)
+    a = torch.zeros(max_loras + 1, num_slices, r, in_features, dtype=torch.float32, device=lora_a.device)
+    b = torch.zeros(max_loras + 1, lora_b.shape[1], r, dtype=torch.float32, device=lora_a.device)
+    for s in range(num_slices):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        for slot in range(max_loras):
+            rank = host_ranks[s][slot]
+            a[slot, s, :rank] = lora_a[s, slot, :rank]
+            b[slot, lo:hi, :rank] = lora_b[slot, lo:hi, :rank]  # rows of slice s use its rank
+    row_slice = None
+    if num_slices > 1:
+        widths = torch.tensor(slice_offsets).diff()
+        row_slice = torch.repeat_interleave(torch.arange(num_slices), widths).view(1, -1, 1).to(lora_a.device)
+    return GatherPack(a.view(max_loras + 1, num_slices * r, in_features), b, row_slice, r)
+
+
+def lora_gathered(
+    y: torch.Tensor,  # [num_tokens, out_features], updated in place
+    x: torch.Tensor,  # [num_tokens, in_features]
+    pack: GatherPack,
+    token_slots: torch.Tensor,  # [num_tokens] int32, -1 = base model only
+    step_values: dict | None = None,  # shared by the layers of one step: the gather index
+) -> None:
+    """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice with the semantics of
+    ``kernels.reference`` (float32, rounded once to ``y``'s dtype); rows of slot -1 get exact zeros."""
+    zero_slot = pack.a.shape[0] - 1
+    key = ("gather", zero_slot)
+    index = step_values.get(key) if step_values is not None else None
+    if index is None:
+        index = torch.where(token_slots >= 0, token_slots, zero_slot).long()
+        if step_values is not None:
+            step_values[key] = index
+    num_tokens = x.shape[0]
+    s = torch.bmm(pack.a.index_select(0, index), x.float().unsqueeze(-1))  # [T, S * r, 1]
+    b = pack.b.index_select(0, index)  # [T, out, r]
+    if pack.row_slice is None:
+        delta = torch.bmm(b, s).squeeze(-1)  # [T, out]
+    else:  # every slice's product for every row, then each row's own slice
+        per_slice = torch.bmm(b, s.view(num_tokens, -1, pack.rank).transpose(1, 2))  # [T, out, S]
+        delta = per_slice.gather(2, pack.row_slice.expand(num_tokens, -1, -1)).squeeze(-1)
+    if y.dtype == torch.float32:
+        y.add_(delta)
+    else:
+        y.copy_(y.float() + delta)
