@@ -128,10 +128,12 @@ def validate_name(name: str) -> None:
 
 
 def _validate_source(source: str) -> None:
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in source + unquote(source)):
+    url = urlparse(source)
+    # A file:// path is unquoted into a file name, an http(s) URL is sent as it is.
+    text = source + (unquote(url.path) if url.scheme == "file" else "")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
         raise InvalidArgument(f"source {source!r} contains a control character (NUL, newline, ...), which no "
                               "path or URL the pods can load holds")
-    url = urlparse(source)
     if url.scheme == "file" and url.path not in ("", "/") and not url.netloc:
         return
     if url.scheme in ("http", "https") and url.netloc:

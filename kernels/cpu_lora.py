@@ -119,13 +119,15 @@ def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, 
     """DENSE, GATHERED or LOOP: the path expected to be fastest for a step of ``num_tokens`` whose
     adapter segments are ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``)."""
     dense = (2 + plan.num_expands) * OP_SECONDS + 2 * num_tokens * plan.rank * plan.width / FLOP_PER_SECOND
-    # Two gathers, two batched products, the per-row slice pick and the add; the gathered copies
-    # are written once and read once, and B is multiplied by every slice's ranks.
+    # Two gathers, two batched products, the per-row slice pick and the add; the slots are read,
+    # the gathered copies written and read again, and B is multiplied by every slice's ranks.
     moved = 4 * num_tokens * plan.max_rank * (plan.num_slices * plan.in_features + plan.out_features)
     flops = 2 * num_tokens * plan.max_rank * plan.num_slices * plan.width
-    gathered = 6 * OP_SECONDS + 2 * moved / BYTES_PER_SECOND + flops / FLOP_PER_SECOND
+    gathered = 6 * OP_SECONDS + 3 * moved / BYTES_PER_SECOND + flops / FLOP_PER_SECOND
     loop = 0.0
     for slot, start, end, _ in segments:
+        if not plan.slot_ranks[slot]:  # the loop skips an adapter without a rank on this layer
+            continue
         flops = 2 * (end - start) * plan.slot_ranks[slot] * plan.width
         loop += (2 + plan.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
     return min((dense, DENSE), (gathered, GATHERED), (loop, LOOP))[1]

@@ -113,6 +113,14 @@ def test_invalid_registrations_are_refused_with_a_message_saying_what_to_fix(con
     check(refusals(config, cases), {case: (code, hint) for case, (_, code, hint) in INVALID_REGISTRATIONS.items()})
 
 
+def test_percent_escapes_in_http_sources_are_left_to_the_server():
+    # Only a file:// path is unescaped into a file name; an http(s) URL goes out as registered.
+    from control_plane.registry import _validate_source
+
+    _validate_source("http://host/a%0Ab")
+    _validate_source("https://host/a%00b")
+
+
 def test_calls_on_unknown_or_changed_adapters_are_refused_and_change_nothing(config):
     check(refusals(config, INVALID_CALLS), {case: c[2:] for case, c in INVALID_CALLS.items()})
 

@@ -22,9 +22,12 @@ from kernels.cpu_lora import (
     pack_gathered,
     plan,
 )
-from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, _mix, _problem
+from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, Layer, _mix, _problem
 
 DTYPES = (torch.float32, torch.bfloat16)
+# gate_up-like, two slices of one width; slot 1 adapts neither, slot 4 only the first.
+GATE_UP = Layer(48, (40, 40), ((4, 0, 8, 16, 2), (4, 0, 8, 16, 0)))
+CPU_LAYERS = {**LAYERS, "gate_up": GATE_UP}
 
 
 def _pack(p) -> DensePack:
@@ -53,11 +56,11 @@ def _reference(p, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("layer", list(CPU_LAYERS))
 @pytest.mark.parametrize("mix", MIXES)
 def test_cpu_paths_match_the_reference_for_every_mix(mix, layer, dtype, path):
     seed = zlib.crc32(f"dense-{mix}-{layer}".encode())
-    p = _problem(LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
+    p = _problem(CPU_LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
     y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = _reference(p, y)
 
@@ -120,6 +123,10 @@ def test_each_path_is_chosen_where_it_pays():
     assert choose_path(cpu_plan, 32, decode) == DENSE
     prefill = ((1, 0, 4096, 0),)  # one adapter's long prompt: every other slot's ranks would cost more
     assert choose_path(cpu_plan, 4096, prefill) == LOOP
+    # the reference skips a segment whose adapter has no rank here: it costs the loop nothing
+    # (eight adapters of the step adapt other layers; a ninth, resident but not in the step, this one)
+    idle = plan([[0] * 8 + [16]], 576, 576)
+    assert choose_path(idle, 64, tuple((slot, 8 * slot, 8 * slot + 8, 8 * slot) for slot in range(8))) == LOOP
 
     # 64 resident rank-16 adapters on a demo-model-sized qkv, one token each: the dense path would
     # multiply every token by 3 072 columns and the loop pays per adapter.
@@ -136,4 +143,8 @@ def test_gathered_pack_copies_real_ranks_only_and_ends_with_a_zero_slot():
     assert gathered.b.shape == (6, QKV.offsets[-1], r)
     assert not gathered.b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
     assert not gathered.a[5].any() and not gathered.b[5].any(), "the slot of tokens without an adapter is not zero"
+    a = gathered.a.view(6, 3, r, QKV.in_features)
+    for s in range(3):
+        for slot in range(5):
+            assert not a[slot, s, QKV.ranks[s][slot]:].any(), f"A's rank padding of slot {slot}, slice {s} is not zero"
     assert gathered.row_slice.flatten().tolist() == [s for s in range(3) for _ in range(QKV.widths[s])]
