@@ -172,19 +172,34 @@ def pack_gathered(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[l
     """Arguments as for ``pack``. Only real ranks are copied: slot padding is never read."""
     num_slices, max_loras, _, in_features = lora_a.shape
     r = max(max(ranks) for ranks in host_ranks)
-    a = torch.zeros(max_loras + 1, num_slices, r, in_features, dtype=torch.float32, device=lora_a.device)
+    a = torch.zeros(max_loras + 1, num_slices * r, in_features, dtype=torch.float32, device=lora_a.device)
     b = torch.zeros(max_loras + 1, lora_b.shape[1], r, dtype=torch.float32, device=lora_a.device)
-    for s in range(num_slices):
-        lo, hi = slice_offsets[s], slice_offsets[s + 1]
-        for slot in range(max_loras):
-            rank = host_ranks[s][slot]
-            a[slot, s, :rank] = lora_a[s, slot, :rank]
-            b[slot, lo:hi, :rank] = lora_b[slot, lo:hi, :rank]  # rows of slice s use its rank
     row_slice = None
     if num_slices > 1:
         widths = torch.tensor(slice_offsets).diff()
         row_slice = torch.repeat_interleave(torch.arange(num_slices), widths).view(1, -1, 1).to(lora_a.device)
-    return GatherPack(a.view(max_loras + 1, num_slices * r, in_features), b, row_slice, r)
+    packed = GatherPack(a, b, row_slice, r)
+    for slot in range(max_loras):
+        update_gathered(packed, lora_a, lora_b, host_ranks, slice_offsets, slot)
+    return packed
+
+
+def update_gathered(pack: GatherPack, lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
+                    slice_offsets: list[int], slot: int) -> bool:
+    """Copies ``slot`` into ``pack`` after the slot changed: 1/max_loras of a repack, which matters
+    when adapters come and go. False, with ``pack`` unusable, when the slot's ranks exceed the pack's."""
+    num_slices, in_features = lora_a.shape[0], lora_a.shape[3]
+    ranks = [host_ranks[s][slot] for s in range(num_slices)]
+    if max(ranks) > pack.rank:
+        return False
+    a = pack.a.view(pack.a.shape[0], num_slices, pack.rank, in_features)
+    a[slot].zero_()
+    pack.b[slot].zero_()
+    for s, rank in enumerate(ranks):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        a[slot, s, :rank] = lora_a[s, slot, :rank]
+        pack.b[slot, lo:hi, :rank] = lora_b[slot, lo:hi, :rank]  # rows of slice s use its rank
+    return True
 
 
 def lora_gathered(

@@ -19,7 +19,8 @@ class LoRAProjection(nn.Module):
     Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
     copies into a slot and never allocates. On CPU, steps take the dense or the gathered path of
     ``kernels.cpu_lora`` where its cost estimate says they pay, over a packed copy of the resident
-    slots built by the first step after a slot change that takes that path.
+    slots that the first step after a slot change taking that path rebuilds (dense) or patches
+    (gathered).
     """
 
     def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
@@ -46,6 +47,7 @@ class LoRAProjection(nn.Module):
         self._plan: cpu_lora.CpuPlan | None = None  # None: slots changed since the last plan or pack
         self._dense: cpu_lora.DensePack | None = None
         self._gathered: cpu_lora.GatherPack | None = None
+        self._stale_slots: set[int] = set()  # slots changed since the gathered pack was last brought up to date
 
     def set_slot(self, slot: int, deltas: dict[str, SliceDelta]) -> None:
         """Writes an adapter's deltas for this projection into ``slot`` (slices it lacks are zero)."""
@@ -60,7 +62,7 @@ class LoRAProjection(nn.Module):
             self.lora_b[slot, lo:hi, :r].copy_(delta.b, non_blocking=True)
             self.ranks[s, slot] = r
             self.host_ranks[s][slot] = r
-        self._forget_packs()
+        self._slot_changed(slot)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
@@ -68,10 +70,12 @@ class LoRAProjection(nn.Module):
         self.ranks[:, slot] = 0
         for ranks in self.host_ranks:
             ranks[slot] = 0
-        self._forget_packs()
+        self._slot_changed(slot)
 
-    def _forget_packs(self) -> None:
-        self._plan = self._dense = self._gathered = None
+    def _slot_changed(self, slot: int) -> None:
+        """The plan and the dense pack are rebuilt when next needed; the gathered pack is patched."""
+        self._plan = self._dense = None
+        self._stale_slots.add(slot)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base(x)
@@ -88,15 +92,23 @@ class LoRAProjection(nn.Module):
                 cpu_lora.lora_dense(y, x, self._dense, meta.token_slots, meta.step_values)
                 return y
             if path == cpu_lora.GATHERED:
-                if self._gathered is None:
-                    self._gathered = cpu_lora.pack_gathered(self.lora_a, self.lora_b, self.host_ranks,
-                                                            self.host_offsets)
-                cpu_lora.lora_gathered(y, x, self._gathered, meta.token_slots, meta.step_values)
+                cpu_lora.lora_gathered(y, x, self._gathered_pack(), meta.token_slots, meta.step_values)
                 return y
         buf = meta.buffer[: len(self.slice_names), : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, self.lora_a, self.ranks, meta, buf, self.host_ranks)
         lora_expand(y, buf, self.lora_b, self.ranks, self.slice_offsets, self.host_offsets, meta, self.host_ranks)
         return y
+
+    def _gathered_pack(self) -> cpu_lora.GatherPack:
+        args = (self.lora_a, self.lora_b, self.host_ranks, self.host_offsets)
+        packed = self._gathered
+        if packed is not None and not all(cpu_lora.update_gathered(packed, *args, slot)
+                                          for slot in sorted(self._stale_slots)):
+            packed = None  # a slot outgrew the pack's rank
+        if packed is None:
+            packed = self._gathered = cpu_lora.pack_gathered(*args)
+        self._stale_slots.clear()
+        return packed
 
     def _cpu_path(self, meta: LoraMeta) -> str | None:
         """The CPU path for this step (``kernels.cpu_lora.choose_path``), None when no resident

@@ -21,6 +21,7 @@ from kernels.cpu_lora import (
     pack,
     pack_gathered,
     plan,
+    update_gathered,
 )
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, Layer, _mix, _problem
 
@@ -148,3 +149,22 @@ def test_gathered_pack_copies_real_ranks_only_and_ends_with_a_zero_slot():
         for slot in range(5):
             assert not a[slot, s, QKV.ranks[s][slot]:].any(), f"A's rank padding of slot {slot}, slice {s} is not zero"
     assert gathered.row_slice.flatten().tolist() == [s for s in range(3) for _ in range(QKV.widths[s])]
+
+
+def test_a_changed_slot_is_patched_into_the_gathered_pack_unless_it_outgrows_it():
+    p = _problem(QKV, [0, 1], torch.float32, seed=4)
+    ranks = [list(r) for r in QKV.ranks]
+    packed = pack_gathered(p.lora_a, p.lora_b, ranks, p.layer.offsets)
+    gen = torch.Generator().manual_seed(5)
+    # slot 1 gets another adapter of rank 2 on q only, within the pack's rank
+    ranks[0][1], ranks[1][1], ranks[2][1] = 2, 0, 0
+    p.lora_a[0, 1, :2] = torch.randn(2, QKV.in_features, generator=gen)
+    p.lora_b[1, :, :2] = torch.randn(QKV.offsets[-1], 2, generator=gen)
+    assert update_gathered(packed, p.lora_a, p.lora_b, ranks, p.layer.offsets, 1)
+    fresh = pack_gathered(p.lora_a, p.lora_b, ranks, p.layer.offsets)
+    assert torch.equal(packed.a, fresh.a) and torch.equal(packed.b, fresh.b)
+
+    small = pack_gathered(p.lora_a[:, :, :8], p.lora_b[:, :, :8], [[min(r, 8) for r in rs] for rs in ranks],
+                          p.layer.offsets)
+    assert small.rank == 8
+    assert not update_gathered(small, p.lora_a, p.lora_b, ranks, p.layer.offsets, 3), "slot 3 has rank 64"
