@@ -187,7 +187,8 @@ def pack_gathered(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[l
 def update_gathered(pack: GatherPack, lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
                     slice_offsets: list[int], slot: int) -> bool:
     """Copies ``slot`` into ``pack`` after the slot changed: 1/max_loras of a repack, which matters
-    when adapters come and go. False, with ``pack`` unusable, when the slot's ranks exceed the pack's."""
+    when adapters come and go. Returns False, copying nothing, when the slot's ranks exceed the
+    pack's: the pack then no longer matches the slots and must be rebuilt."""
     num_slices, in_features = lora_a.shape[0], lora_a.shape[3]
     ranks = [host_ranks[s][slot] for s in range(num_slices)]
     if max(ranks) > pack.rank:
