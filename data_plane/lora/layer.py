@@ -118,7 +118,12 @@ class LoRAProjection(nn.Module):
             cpu_plan = self._plan = cpu_lora.plan(self.host_ranks, self.base.in_features, self.base.out_features)
         if cpu_plan.rank == 0:
             return None
-        return cpu_lora.choose_path(cpu_plan, meta.num_tokens, meta.host_segments)
+        # Layers with equal plans (same shape, same resident ranks) choose alike: once per step.
+        key = ("path", cpu_plan)
+        path = meta.step_values.get(key)
+        if path is None:
+            path = meta.step_values[key] = cpu_lora.choose_path(cpu_plan, meta.num_tokens, meta.host_segments)
+        return path
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:

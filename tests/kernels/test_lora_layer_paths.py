@@ -77,31 +77,46 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     assert (on_triton[lora_rows].float() - base[lora_rows].float()).abs().max() > 1.0, "adapters did nothing"
 
 
-def _small_step() -> tuple[LoRAProjection, ForwardBatch, torch.Tensor]:
-    layer = _qkv_layer(torch.float32)
+def _step() -> ForwardBatch:
+    """A fresh step over TOKEN_SLOTS: each step has its own metadata (and its own cached choices)."""
     meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
-    batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
-    return layer, batch, torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
+    return ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
+
+
+X = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
 
 
 def test_cpu_layer_takes_the_dense_path_for_a_small_step(monkeypatch):
-    layer, batch, x = _small_step()
+    layer = _qkv_layer(torch.float32)
     dense_calls = _counting(monkeypatch, cpu_lora, "lora_dense")
-    layer(x, batch)
+    layer(X, _step())
     assert len(dense_calls) == 1, "a 9-token step over three adapters should take the dense path"
+
+
+def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
+    first, second = _qkv_layer(torch.float32), _qkv_layer(torch.float32)
+    choices = _counting(monkeypatch, cpu_lora, "choose_path")
+    batch = _step()
+    first(X, batch)
+    second(X, batch)
+    assert len(choices) == 1
+    first(X, _step())
+    assert len(choices) == 2, "a new step chooses again"
 
 
 @pytest.mark.parametrize("path, kernel", [(cpu_lora.DENSE, "lora_dense"), (cpu_lora.GATHERED, "lora_gathered")])
 def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, path, kernel):
-    layer, batch, x = _small_step()
+    layer = _qkv_layer(torch.float32)
+    calls = _counting(monkeypatch, cpu_lora, kernel)
 
     def run(on: str) -> torch.Tensor:
         monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: on)
-        return layer(x, batch)
+        before = len(calls)
+        out = layer(X, _step())
+        assert len(calls) - before == (on == path), f"{on} step took the wrong path"
+        return out
 
-    calls = _counting(monkeypatch, cpu_lora, kernel)
     on_path = run(path)
-    assert len(calls) == 1
     # outputs reach hundreds (unscaled random weights); the paths sum in different orders
     torch.testing.assert_close(on_path, run(cpu_lora.LOOP), rtol=1e-4, atol=1e-4)
 
