@@ -42,10 +42,10 @@ import torch
 from synthetic import LLAMA3_8B, write_random_adapter  # benchmarks/synthetic.py, beside this script
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.demo_model import ensure_demo_model
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
 from data_plane.model.config import ModelConfig
+from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.llama import LlamaForCausalLM
 
 HEADER = ("| date | CPU | torch | adapter | dtype | rank | file MB | raw read ms | read+validate ms | insert ms "

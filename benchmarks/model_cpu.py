@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from data_plane.demo_model import ensure_demo_model
 from data_plane.engine.sequence import SamplingParams
 from data_plane.local import local_engine, prompt_ids
+from data_plane.model.demo_model import ensure_demo_model
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -40,7 +40,7 @@ import torch
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.demo_model import ensure_demo_model
+from data_plane.model.demo_model import ensure_demo_model
 
 PROMPTS = [
     "Explain why the sky is blue.", "Write a short poem about autumn.", "How do vaccines work?",

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from data_plane.demo_model import ensure_demo_model
+from data_plane.model.demo_model import ensure_demo_model
 
 DEMO_VOCAB = 49152
 # Llama-3-8B's shape; ``vocab_size`` is its own, for stand-ins that never tokenize (adapter_load.py).

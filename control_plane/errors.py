@@ -1,43 +1,58 @@
 """Typed domain errors of the control plane.
 
-Each message tells the caller what to fix. ``error_status.ErrorStatusInterceptor`` maps
-them to gRPC status codes; nothing below the servicers knows about gRPC.
+Each message tells the caller what to fix, and each class names its gRPC status (see
+``conventions.errors``); nothing below the servicers knows about gRPC.
 """
 
 from __future__ import annotations
 
+from conventions.errors import ConfigError, LorafleetError
 
-class ControlPlaneError(Exception):
+__all__ = ["AdapterExists", "AdapterNotFound", "BaseModelMismatch", "ConfigError", "ControlPlaneError",
+           "InvalidArgument", "StoreUnavailable", "Unauthenticated", "VersionConflict"]
+
+
+class ControlPlaneError(LorafleetError):
     """Base class of every error the control plane reports to a caller."""
-
-
-class ConfigError(ControlPlaneError):
-    """A flag or configuration value is invalid."""
 
 
 class InvalidArgument(ControlPlaneError):
     """A request field is malformed or out of range."""
 
+    status = "INVALID_ARGUMENT"
+
 
 class AdapterNotFound(ControlPlaneError):
     """No adapter of that name is registered."""
+
+    status = "NOT_FOUND"
 
 
 class AdapterExists(ControlPlaneError):
     """The name is already registered to a different adapter."""
 
+    status = "ALREADY_EXISTS"
+
 
 class VersionConflict(ControlPlaneError):
     """A compare-and-set found a newer record version than the caller expected."""
+
+    status = "ABORTED"
 
 
 class BaseModelMismatch(ControlPlaneError):
     """A pod serves a different base model than the fleet's."""
 
+    status = "FAILED_PRECONDITION"
+
 
 class Unauthenticated(ControlPlaneError):
     """The call carried no bearer token or a wrong one."""
 
+    status = "UNAUTHENTICATED"
+
 
 class StoreUnavailable(ControlPlaneError):
     """Redis cannot be reached or failed to answer."""
+
+    status = "UNAVAILABLE"

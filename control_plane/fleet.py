@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from control_plane.errors import BaseModelMismatch, InvalidArgument
 from control_plane.records import PodRecord
 from control_plane.store import Store
+from conventions.names import NAME_RULE, is_valid_name
 
-_POD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
@@ -34,9 +34,8 @@ class Fleet:
 
     async def heartbeat(self, pod: PodRecord) -> int:
         """Validates and records a heartbeat; returns the newest fencing token for the pod."""
-        if not _POD_ID_RE.match(pod.id):
-            raise InvalidArgument(f"pod_id {pod.id!r} must be 1-64 characters of [A-Za-z0-9._-], "
-                                  "starting with a letter or digit; set --pod-id")
+        if not is_valid_name(pod.id):
+            raise InvalidArgument(f"pod_id {pod.id!r} is invalid: use {NAME_RULE}; set --pod-id")
         match = _ENDPOINT_RE.match(pod.endpoint)
         if not match or not 0 < int(match.group(2)) < 65536:
             raise InvalidArgument(f"endpoint {pod.endpoint!r} must be host:port with a port in 1-65535")

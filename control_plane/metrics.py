@@ -35,6 +35,11 @@ class ControlPlaneMetrics:
         self.reconcile_seconds = Histogram("lorafleet_control_plane_reconcile_duration_seconds",
                                            "time of one reconciliation pass", registry=r)
 
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        """Counts one finished RPC (the error interceptor calls this for every call)."""
+        self.rpcs.labels(method, code).inc()
+        self.rpc_seconds.labels(method).observe(seconds)
+
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serves /metrics over HTTP on ``port`` in a background thread."""
         start_http_server(port, addr=host, registry=self.registry)

@@ -8,8 +8,8 @@ import grpc
 from lorafleet.v1 import data_plane_admin_pb2 as pb
 from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
 
-from control_plane.auth import bearer_metadata
 from control_plane.plan import Action, Command
+from conventions.auth import bearer_metadata
 
 
 @dataclass(frozen=True)

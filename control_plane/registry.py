@@ -11,8 +11,8 @@ from control_plane.errors import InvalidArgument
 from control_plane.fleet import Fleet, PodView
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState
 from control_plane.store import Store
+from conventions.names import NAME_RULE, is_valid_name
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
@@ -122,9 +122,8 @@ class Registry:
 
 
 def validate_name(name: str) -> None:
-    if not _NAME_RE.match(name):
-        raise InvalidArgument(f"adapter name {name!r} must be 1-64 characters of [A-Za-z0-9._-], "
-                              "starting with a letter or digit")
+    if not is_valid_name(name):
+        raise InvalidArgument(f"adapter name {name!r} is invalid: use {NAME_RULE}")
 
 
 def _validate_source(source: str) -> None:

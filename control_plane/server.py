@@ -16,12 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from lorafleet.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc, membership_pb2, membership_pb2_grpc
 
-from control_plane import logs
 from control_plane.admin_service import AdapterAdminService
-from control_plane.auth import BearerAuthInterceptor, read_token
 from control_plane.config import ControlPlaneConfig, build_parser, config_from_args
-from control_plane.error_status import ErrorStatusInterceptor
-from control_plane.errors import ControlPlaneError, StoreUnavailable
+from control_plane.errors import StoreUnavailable
 from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
 from control_plane.membership_service import PodMembershipService
@@ -30,6 +27,10 @@ from control_plane.pod_client import PodClients
 from control_plane.reconciler import Reconciler
 from control_plane.registry import Registry
 from control_plane.store import Store
+from conventions import logs
+from conventions.auth import BearerAuthInterceptor, read_token
+from conventions.errors import LorafleetError
+from conventions.status import ErrorStatusInterceptor
 
 log = logging.getLogger("control_plane.server")  # not "__main__" under python -m
 
@@ -55,7 +56,7 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     pods = PodClients(token, config.command_timeout_s)
     reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
 
-    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics), BearerAuthInterceptor(token)])
+    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc), BearerAuthInterceptor(token)])
     adapter_admin_pb2_grpc.add_AdapterAdminServicer_to_server(AdapterAdminService(registry), server)
     membership_pb2_grpc.add_PodMembershipServicer_to_server(PodMembershipService(fleet, registry), server)
     health_servicer = health.aio.HealthServicer()
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         logs.configure(args.log_level, config.replica)
         asyncio.run(serve(config))
-    except ControlPlaneError as e:
+    except LorafleetError as e:
         print(f"lorafleet control-plane: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

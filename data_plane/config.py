@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pod-id", help="this pod's identifier (default: hostname-port)")
     p.add_argument("--endpoint", help="host:port the control plane and clients dial (default: host:port)")
     p.add_argument("--adapter-root", action="append",
-                   help="directory adapters may be loaded from (repeatable); its subdirectories load by name")
+                   help="directory adapters may be loaded from (repeatable; none by default); "
+                        "its subdirectories load by name")
     p.add_argument("--admin-token-file", help="file holding the bearer token DataPlaneAdmin callers must send")
     p.add_argument("--allow-pickle-adapters", action="store_true",
                    help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")

@@ -1,14 +1,16 @@
 """Typed domain errors of the data plane.
 
-Each error carries a message that tells the user what to fix. One gRPC interceptor maps
-these to status codes (see ``grpc_status``); nothing below the servicers knows about gRPC.
+Each error carries a message that tells the user what to fix, and each class names its gRPC
+status (see ``conventions.errors``); nothing below the servicers knows about gRPC.
 """
 
 from __future__ import annotations
 
+from conventions.errors import LorafleetError
 
-class LorafleetError(Exception):
-    """Base class of every error the data plane reports to a caller."""
+__all__ = ["AdapterBusy", "AdapterNotFound", "CapacityExceeded", "ControlPlaneUnavailable", "InvalidAdapter",
+           "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady", "QueueFull", "ShuttingDown",
+           "StaleCommand", "StepFailed"]
 
 
 class ModelLoadError(LorafleetError):
@@ -19,41 +21,61 @@ class ModelLoadError(LorafleetError):
 class InvalidRequest(LorafleetError):
     """A request parameter is out of range or malformed."""
 
+    status = "INVALID_ARGUMENT"
+
 
 class AdapterNotFound(LorafleetError):
     """No adapter of that name is known to the pod."""
+
+    status = "NOT_FOUND"
 
 
 class InvalidAdapter(LorafleetError):
     """An adapter's files or weights cannot be served on this model."""
 
+    status = "INVALID_ARGUMENT"
+
 
 class CapacityExceeded(LorafleetError):
     """Honouring the call would evict a pinned adapter or exceed a configured limit."""
+
+    status = "RESOURCE_EXHAUSTED"
 
 
 class AdapterBusy(LorafleetError):
     """The adapter is in use by running requests and cannot be unloaded now."""
 
+    status = "FAILED_PRECONDITION"
+
 
 class QueueFull(LorafleetError):
     """The pod's request queue is full; retry later or on another pod."""
+
+    status = "RESOURCE_EXHAUSTED"
 
 
 class ShuttingDown(LorafleetError):
     """The pod is draining and accepts no new requests."""
 
+    status = "UNAVAILABLE"
+
 
 class StaleCommand(LorafleetError):
     """A command carried a fencing token older than one the pod has already seen."""
+
+    status = "ABORTED"
 
 
 class ControlPlaneUnavailable(LorafleetError):
     """The control plane could not be reached or refused the pod's credentials."""
 
+    status = "UNAVAILABLE"
+
 
 class NotReady(LorafleetError):
     """The pod is still loading its model; retry shortly."""
+
+    status = "UNAVAILABLE"
 
 
 class StepFailed(LorafleetError):

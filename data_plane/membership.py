@@ -12,6 +12,7 @@ from collections.abc import Callable
 import grpc
 from lorafleet.v1 import data_plane_admin_pb2, membership_pb2, membership_pb2_grpc
 
+from conventions.auth import bearer_metadata
 from data_plane.errors import AdapterNotFound, ControlPlaneUnavailable, StaleCommand
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class MembershipClient:
         self.guard = guard or FencingGuard()
         self.lease_ttl_s = 0.0  # as the control plane last granted it; 0 before the first heartbeat
         self._target = control_plane
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = bearer_metadata(token)
         self._pod_id, self._endpoint, self._base_model = pod_id, endpoint, base_model
         self._get_state, self._is_ready = get_state, is_ready
         self._interval_s, self._rpc_timeout_s, self._max_backoff_s = interval_s, rpc_timeout_s, max_backoff_s

@@ -7,27 +7,22 @@ from pathlib import Path
 
 import torch
 
+from conventions.home import lorafleet_home
 from data_plane.config import DataPlaneConfig
-from data_plane.demo_adapters import demo_adapter_dir
-from data_plane.demo_model import ensure_demo_model
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
 from data_plane.errors import AdapterNotFound
-from data_plane.home import lorafleet_home
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
 from data_plane.model import load_model
 from data_plane.model.attention import KVCache
+from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.tokenizer import Tokenizer
 
 log = logging.getLogger("lorafleet.pod")
 
 # CPU pods get a fixed KV budget in tokens (the demo model needs ~46 KB per token in float32).
 CPU_KV_TOKENS = 16384
-
-
-def default_adapter_roots() -> tuple[Path, ...]:
-    return (demo_adapter_dir("pirate").parent,)
 
 
 def local_resolver(roots: tuple[Path, ...]) -> Resolver:
@@ -37,8 +32,9 @@ def local_resolver(roots: tuple[Path, ...]) -> Resolver:
         for root in roots:
             if (root / name / "adapter_config.json").is_file():
                 return str(root / name), ""
+        where = ", ".join(str(r) for r in roots) or "the pod was started without --adapter-root"
         raise AdapterNotFound(f"adapter {name!r} is not loaded and no adapter root holds a directory of that name "
-                              f"({', '.join(str(r) for r in roots)}); load it through DataPlaneAdmin first")
+                              f"({where}); load it through DataPlaneAdmin first")
 
     return resolve
 
@@ -49,7 +45,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     device = torch.device(config.device)
     model = load_model(model_dir, config.dtype, device)
     tokenizer = Tokenizer(model_dir)
-    roots = config.adapter_roots or default_adapter_roots()
+    roots = config.adapter_roots
     # One cache directory per pod: a pod clears unfinished downloads in its directory at start-up.
     download_dir = config.adapter_cache_dir or lorafleet_home() / "adapter-cache" / config.resolved_pod_id
     lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import sys
@@ -16,16 +15,17 @@ from grpc_reflection.v1alpha import reflection
 from lorafleet.v1 import data_plane_admin_pb2, data_plane_admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
 
-from control_plane.auth import BearerAuthInterceptor, read_token
+from conventions import logs
+from conventions.auth import BearerAuthInterceptor, read_token
+from conventions.status import ErrorStatusInterceptor
 from data_plane.config import DataPlaneConfig, add_arguments
-from data_plane.demo_model import demo_model_dir
 from data_plane.membership import FencingGuard, MembershipClient
 from data_plane.metrics import PodMetrics
+from data_plane.model.demo_model import demo_model_dir
 from data_plane.pod import build_engine
 from data_plane.servicers import EngineHandle
 from data_plane.servicers.admin import DataPlaneAdminServicer, pod_state
 from data_plane.servicers.generation import GenerationServicer
-from data_plane.servicers.status import ErrorStatusInterceptor
 
 log = logging.getLogger("lorafleet.data_plane")
 
@@ -96,24 +96,6 @@ async def serve(config: DataPlaneConfig) -> None:
     log.info("stopped")
 
 
-class _JsonFormatter(logging.Formatter):
-    _STD = set(vars(logging.makeLogRecord({})))
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
-        entry.update({k: v for k, v in vars(record).items() if k not in self._STD and not k.startswith("_")})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lorafleet data-plane", description="Run a data-plane pod.")
     add_arguments(parser)
@@ -123,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         config = DataPlaneConfig.from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    configure_logging(args.log_level)
+    logs.configure(args.log_level)
     asyncio.run(serve(config))
     return 0
 

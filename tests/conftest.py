@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 @pytest.fixture(scope="session")
 def demo_model_dir():
-    from data_plane.demo_model import ensure_demo_model
+    from data_plane.model.demo_model import ensure_demo_model
 
     return ensure_demo_model(quiet=True)
 

@@ -17,8 +17,9 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
-from data_plane.admin_client import sha256_of
-from data_plane.child_process import spawn, stop_process, tail, wait_listening, wait_serving
+from cli.admin_client import sha256_of
+from cli.up.child_process import spawn, stop_process, tail, wait_listening, wait_serving
+from conventions.auth import bearer_metadata
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from tests.control_plane.conftest import TOKEN, RedisServer, auth, free_port
 from tests.grpc_helpers import wait_until
@@ -85,7 +86,7 @@ class PodProcess:
         return data_plane_admin_pb2_grpc.DataPlaneAdminStub(self.channel)
 
     def auth(self) -> tuple[tuple[str, str]]:
-        return (("authorization", f"Bearer {self.token}"),)
+        return bearer_metadata(self.token)
 
     def state(self) -> dpa.PodState:
         return self.admin().GetState(dpa.GetStateRequest(), metadata=self.auth(), timeout=10)

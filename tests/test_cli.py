@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from data_plane.child_process import spawn, stop_process
-from data_plane.cli import build_parser, main
+from cli.main import build_parser, main
+from cli.up.child_process import spawn, stop_process
+from cli.up.config import StackError
+from cli.up.stack import ensure_token_file, pid_file
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.stack import ensure_token_file, pid_file
-from data_plane.stack_config import StackError
 from tests.control_plane.conftest import TOKEN, RedisServer, free_port
 from tests.processes import ControlPlaneProcess
 
 REPO = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "data_plane.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 UP_READY_S = 240  # the pod loads and warms up the model on 2 busy cores
 PRESENT_DEMO_ADAPTERS = [n for n in DEMO_ADAPTERS if (demo_adapter_dir(n) / "adapter_model.safetensors").is_file()]
 
@@ -69,8 +69,8 @@ def gone(pid: int, timeout_s: float = 5.0) -> bool:
 
 def test_help_up_and_the_admin_commands_never_import_torch():
     code = ("import sys\n"
-            "from data_plane.cli import build_parser\n"
-            "import data_plane.stack, data_plane.stack_config, data_plane.admin_commands\n"
+            "from cli.main import build_parser\n"
+            "import cli.up.stack, cli.up.config, cli.admin_commands\n"
             "build_parser().parse_args(['adapters', 'list'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -172,7 +172,7 @@ def evaluate(names: list[str], out_dir: Path, model_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_plane.demo_model import ensure_demo_model
+    from data_plane.model.demo_model import ensure_demo_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=DEMO_ADAPTERS, help="train just this adapter")

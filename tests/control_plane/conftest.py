@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from control_plane.config import ControlPlaneConfig
+from conventions.auth import bearer_metadata
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -104,7 +105,7 @@ def config(redis_server, token_file) -> ControlPlaneConfig:
 
 
 def auth(token: str = TOKEN) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),)
+    return bearer_metadata(token)
 
 
 @contextlib.asynccontextmanager

@@ -82,4 +82,4 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits(small_po
     assert running.error is None
     assert running.result[2].usage.completion_tokens == 60
     assert small_pod.proc.wait(timeout=30) == 0
-    assert '"message": "stopped"' in small_pod.log_path.read_text()
+    assert '"msg": "stopped"' in small_pod.log_path.read_text()

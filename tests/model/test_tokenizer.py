@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_plane.detokenizer import IncrementalDetokenizer
+from data_plane.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 

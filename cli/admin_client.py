@@ -15,9 +15,9 @@ import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc
 
-from control_plane.auth import bearer_metadata, read_token
-from control_plane.errors import ConfigError
-from data_plane.home import default_token_file
+from conventions.auth import bearer_metadata, read_token
+from conventions.errors import ConfigError
+from conventions.home import default_token_file
 
 DEFAULT_CONTROL_PLANE = "127.0.0.1:50051"
 WEIGHTS_FILE = "adapter_model.safetensors"

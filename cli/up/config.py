@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_plane.home import up_dir
+from conventions.home import up_dir
 
 
 class StackError(Exception):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.errors import ConfigError
+from conventions.errors import ConfigError
 
 PROTECTED_PREFIXES = ("/lorafleet.v1.AdapterAdmin/", "/lorafleet.v1.PodMembership/")
 

@@ -15,7 +15,7 @@ DEFAULT_ENDPOINT = "127.0.0.1:50052"
 
 
 def _cmd_model_demo(args: argparse.Namespace) -> int:
-    from data_plane.demo_model import ensure_demo_model
+    from data_plane.model.demo_model import ensure_demo_model
 
     print(ensure_demo_model(quiet=args.quiet))
     return 0
@@ -26,6 +26,17 @@ def _sampling(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+
+
+def _sampling_proto(args: argparse.Namespace):
+    """The request's SamplingParams as sent; the pod validates them (the remote path loads no torch)."""
+    from lorafleet.v1 import generation_pb2 as g
+
+    sampling = g.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, stop=list(args.stop or ()))
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return sampling
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -52,12 +63,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from lorafleet.v1 import generation_pb2 as g
     from lorafleet.v1 import generation_pb2_grpc
 
-    p = _sampling(args)
-    sampling = g.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                stop=list(p.stop))
-    if p.seed is not None:
-        sampling.seed = p.seed
-    request = g.GenerateRequest(adapter=args.adapter or "", sampling=sampling)
+    request = g.GenerateRequest(adapter=args.adapter or "", sampling=_sampling_proto(args))
     if args.chat:
         request.messages.messages.append(g.ChatMessage(role="user", content=args.prompt))
     else:
@@ -75,8 +81,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from data_plane.stack import run
-    from data_plane.stack_config import config_from_args
+    from cli.up.config import config_from_args
+    from cli.up.stack import run
 
     return run(config_from_args(args))
 
@@ -125,11 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     form.add_argument("--raw", dest="chat", action="store_false", help="send the prompt as is, without the template")
     gen.set_defaults(func=_cmd_generate)
 
-    from data_plane import admin_commands, stack_config
+    from cli import admin_commands
+    from cli.up import config as up_config
 
     admin_commands.add_parsers(sub)
     up = sub.add_parser("up", help="run Redis, a control plane and a CPU pod with the demo adapters; Ctrl-C stops")
-    stack_config.add_arguments(up)
+    up_config.add_arguments(up)
     up.set_defaults(func=_cmd_up)
     return parser
 
@@ -147,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import grpc
 
-    from data_plane.admin_client import AdminClientError
-    from data_plane.child_process import ChildExited
-    from data_plane.errors import LorafleetError
-    from data_plane.stack_config import StackError
+    from cli.admin_client import AdminClientError
+    from cli.up.child_process import ChildExited
+    from cli.up.config import StackError
+    from conventions.errors import LorafleetError
 
     try:
         return args.func(args)

@@ -7,7 +7,8 @@ import argparse
 import json
 import time
 
-from data_plane.admin_client import DEFAULT_CONTROL_PLANE
+from cli.admin_client import DEFAULT_CONTROL_PLANE
+from conventions.names import NAME_RULE
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     adapters = sub.add_parser("adapters", help="register, pin, unpin, unregister and list adapters")
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
     reg = asub.add_parser("register", parents=[conn], help="register an adapter under a name")
-    reg.add_argument("name", help="unique name: 1-64 characters of [A-Za-z0-9._-]")
+    reg.add_argument("name", help=f"unique name: {NAME_RULE}")
     reg.add_argument("source", help="PEFT adapter directory under the pods' adapter roots (a path, or a file:// "
                                     "URL), or an http(s):// URL")
     reg.add_argument("--sha256", help="SHA-256 of adapter_model.safetensors (computed for a local directory; "
@@ -48,13 +49,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from data_plane.admin_client import AdminClient, control_plane_target, resolve_token
+    from cli.admin_client import AdminClient, control_plane_target, resolve_token
 
     return AdminClient(control_plane_target(args.control_plane), resolve_token(args.token, args.token_file))
 
 
 def _register(args: argparse.Namespace) -> int:
-    from data_plane.admin_client import registration_source
+    from cli.admin_client import registration_source
 
     source, sha256 = registration_source(args.source, args.sha256)
     with _client(args) as admin:

@@ -23,12 +23,12 @@ from pathlib import Path
 import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
-from control_plane.auth import read_token
-from data_plane.admin_client import AdminClient, sha256_of
-from data_plane.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
+from cli.admin_client import AdminClient, sha256_of
+from cli.up.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
+from cli.up.config import StackConfig, StackError
+from conventions.auth import read_token
+from conventions.home import default_token_file
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.home import up_dir
-from data_plane.stack_config import StackConfig, StackError
 
 REPO = Path(__file__).resolve().parent.parent
 POD_ID = "local-pod"
@@ -250,7 +250,7 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
         env.append(f"LORAFLEET_CONTROL_PLANE={c.control_plane}")
     if c.pod != "127.0.0.1:50052":
         env.append(f"LORAFLEET_ENDPOINT={c.pod}")
-    if token_file != up_dir() / "admin-token":
+    if token_file != default_token_file():
         env.append(f"LORAFLEET_TOKEN_FILE={token_file}")
     cli = _cli_command()
     stack.say("try, from another terminal:")

@@ -1,0 +1,1 @@
+"""The `lorafleet` command line: clients of both planes, and `lorafleet up`."""

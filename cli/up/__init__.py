@@ -1,0 +1,1 @@
+"""`lorafleet up`: the whole stack on this machine, as supervised child processes."""

@@ -1,0 +1,18 @@
+"""The root of every typed domain error a lorafleet process reports to a caller.
+
+Each error class names the gRPC status it becomes in ``status`` (a ``grpc.StatusCode`` name), so
+the domain below the servicers never imports gRPC; ``conventions.status`` turns it into the
+status of the call. Messages say what the caller should fix.
+"""
+
+from __future__ import annotations
+
+
+class LorafleetError(Exception):
+    """Base class of every error reported to a caller; an unexpected one is INTERNAL."""
+
+    status = "INTERNAL"
+
+
+class ConfigError(LorafleetError):
+    """A flag, file or configuration value is invalid."""
