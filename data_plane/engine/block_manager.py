@@ -12,10 +12,6 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: freshly freed blocks are reused first
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 

@@ -95,7 +95,7 @@ def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_
                 f"{_num_layers(projections)} layers; it was trained for another base model"
             )
         r = a.shape[0]
-        _check_rank(name, config, layer, block, module, r, b, limits)
+        _check_rank(name, config, layer, block, module, r, limits)
         slices = MODULE_SLICES[module][1]
         shapes = projections[path_prefix]
         in_features = shapes[slices[0]][0]
@@ -239,7 +239,7 @@ def _pattern_value(patterns: dict, module_path: str, default):
     return default
 
 
-def _check_rank(name, config, layer, block, module, r, b, limits: AdapterLimits) -> None:
+def _check_rank(name, config, layer, block, module, r, limits: AdapterLimits) -> None:
     path = f"model.layers.{layer}.{block}.{module}"
     expected = _pattern_value(config.get("rank_pattern"), path, config.get("r", r))
     if r != expected:
