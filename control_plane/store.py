@@ -25,12 +25,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import redis.asyncio as redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, WatchError
 
 from control_plane.errors import AdapterExists, AdapterNotFound, InvalidArgument, StoreUnavailable, VersionConflict
 from control_plane.records import AdapterRecord, Event, PlacementRecord, PodRecord
 
 _CAS_ATTEMPTS = 32
+_Writes = Callable[[Pipeline], None]  # queues one transaction's commands
 
 # KEYS: leader, fencing. ARGV: replica, ttl ms. Returns the holder's fencing token, or 0 when
 # another replica holds the lease. A lapsed lease is taken with a new, larger token.
@@ -97,29 +99,22 @@ class Store:
     async def create_adapter(self, rec: AdapterRecord) -> AdapterRecord:
         """Stores a new adapter at version 1. Registering the same adapter again returns the
         stored record; a different adapter under a taken name raises AdapterExists."""
-        key = self._k("adapter", rec.name)
-        async with _available(), self._r.pipeline() as pipe:
-            for _ in range(_CAS_ATTEMPTS):
-                try:
-                    await pipe.watch(key)
-                    old = _adapter(await pipe.hgetall(key))
-                    if old is not None:
-                        await pipe.reset()
-                        if (old.source, old.sha256, old.base_model) == (rec.source, rec.sha256, rec.base_model):
-                            return old
-                        raise AdapterExists(
-                            f"adapter {rec.name!r} is already registered with source {old.source} and sha256 "
-                            f"{old.sha256}; unregister it first or choose another name")
-                    new = dataclasses.replace(rec, version=1)
-                    pipe.multi()
-                    pipe.hset(key, mapping=new.to_fields())
-                    pipe.zadd(self._k("adapters"), {rec.name: 0})
-                    self._event(pipe, "registered", rec.name, 1)
-                    await pipe.execute()
-                    return new
-                except WatchError:
-                    continue
-        raise StoreUnavailable(f"registering {rec.name!r} kept conflicting with other writers; retry")
+        def decide(old: AdapterRecord | None) -> tuple[AdapterRecord, _Writes | None]:
+            if old is not None:
+                if (old.source, old.sha256, old.base_model) == (rec.source, rec.sha256, rec.base_model):
+                    return old, None
+                raise AdapterExists(
+                    f"adapter {rec.name!r} is already registered with source {old.source} and sha256 "
+                    f"{old.sha256}; unregister it first or choose another name")
+            new = dataclasses.replace(rec, version=1)
+
+            def write(pipe: Pipeline) -> None:
+                pipe.hset(self._k("adapter", rec.name), mapping=new.to_fields())
+                pipe.zadd(self._k("adapters"), {rec.name: 0})
+                self._event(pipe, "registered", rec.name, 1)
+            return new, write
+
+        return await self._compare_and_set(rec.name, "registering", decide)
 
     async def get_adapter(self, name: str) -> AdapterRecord:
         async with _available():
@@ -135,48 +130,60 @@ class Store:
         still at that version (VersionConflict otherwise). A change that alters nothing is not
         written and keeps the version. ``clear_placements`` also forgets the reconciler's
         placement records (and so its failed-load counts) for the adapter."""
-        key = self._k("adapter", name)
-        async with _available(), self._r.pipeline() as pipe:
-            for _ in range(_CAS_ATTEMPTS):
-                try:
-                    await pipe.watch(key)
-                    old = _adapter(await pipe.hgetall(key))
-                    _check_version(name, old, expected_version)
-                    new = dataclasses.replace(change(old), name=name, version=old.version)
-                    if new == old and not clear_placements:
-                        await pipe.reset()
-                        return old
-                    new = dataclasses.replace(new, version=old.version + (new != old))
-                    pipe.multi()
-                    pipe.hset(key, mapping=new.to_fields())
-                    if clear_placements:
-                        pipe.delete(self._k("placement", name))
-                    self._event(pipe, event, name, new.version)
-                    await pipe.execute()
-                    return new
-                except WatchError:
-                    continue
-        raise StoreUnavailable(f"updating {name!r} kept conflicting with other writers; retry")
+        def decide(old: AdapterRecord | None) -> tuple[AdapterRecord, _Writes | None]:
+            _check_version(name, old, expected_version)
+            new = dataclasses.replace(change(old), name=name, version=old.version)
+            if new == old and not clear_placements:
+                return old, None
+            new = dataclasses.replace(new, version=old.version + (new != old))
+
+            def write(pipe: Pipeline) -> None:
+                pipe.hset(self._k("adapter", name), mapping=new.to_fields())
+                if clear_placements:
+                    pipe.delete(self._k("placement", name))
+                self._event(pipe, event, name, new.version)
+            return new, write
+
+        return await self._compare_and_set(name, "updating", decide)
 
     async def delete_adapter(self, name: str, expected_version: int = 0) -> AdapterRecord:
         """Removes the adapter, its placements and its pin status; returns the removed record."""
+        def decide(old: AdapterRecord | None) -> tuple[AdapterRecord, _Writes | None]:
+            _check_version(name, old, expected_version)
+
+            def write(pipe: Pipeline) -> None:
+                pipe.delete(self._k("adapter", name), self._k("placement", name))
+                pipe.zrem(self._k("adapters"), name)
+                pipe.hdel(self._k("pin_status"), name)
+                self._event(pipe, "unregistered", name, old.version + 1)
+            return old, write
+
+        return await self._compare_and_set(name, "unregistering", decide)
+
+    async def _compare_and_set(self, name: str, doing: str,
+                               decide: Callable[[AdapterRecord | None], tuple[AdapterRecord, _Writes | None]],
+                               ) -> AdapterRecord:
+        """WATCHes adapter ``name``'s hash, passes its record (None when absent) to ``decide``,
+        and runs the writes ``decide`` returns in one MULTI/EXEC. A concurrent write to the hash
+        aborts the EXEC, and ``decide`` runs again on the fresh record. Returns the record
+        ``decide`` returns (with no writes, nothing is written); raises what ``decide`` raises,
+        or StoreUnavailable after _CAS_ATTEMPTS conflicts in a row."""
         key = self._k("adapter", name)
         async with _available(), self._r.pipeline() as pipe:
             for _ in range(_CAS_ATTEMPTS):
                 try:
                     await pipe.watch(key)
-                    old = _adapter(await pipe.hgetall(key))
-                    _check_version(name, old, expected_version)
+                    result, write = decide(_adapter(await pipe.hgetall(key)))
+                    if write is None:
+                        await pipe.reset()
+                        return result
                     pipe.multi()
-                    pipe.delete(key, self._k("placement", name))
-                    pipe.zrem(self._k("adapters"), name)
-                    pipe.hdel(self._k("pin_status"), name)
-                    self._event(pipe, "unregistered", name, old.version + 1)
+                    write(pipe)
                     await pipe.execute()
-                    return old
+                    return result
                 except WatchError:
                     continue
-        raise StoreUnavailable(f"unregistering {name!r} kept conflicting with other writers; retry")
+        raise StoreUnavailable(f"{doing} {name!r} kept conflicting with other writers; retry")
 
     async def list_adapters(self, page_size: int, page_token: str = "") -> tuple[list[AdapterRecord], str]:
         """One page of adapters in name order and the token of the next page ("" on the last)."""

@@ -103,6 +103,26 @@ def test_a_write_racing_a_compare_and_set_is_not_lost(redis_server):
     assert (stored.pinned, stored.pin_replicas, stored.version) == (True, 7, 3)
 
 
+def test_a_change_raced_on_every_attempt_gives_up_with_store_unavailable_and_writes_nothing(redis_server):
+    other = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
+    attempts = []
+
+    def change(rec):
+        attempts.append(1)
+        other.hset("t:adapter:a", "pin_replicas", str(len(attempts)))  # aborts this attempt's EXEC
+        return dataclasses.replace(rec, source="file:///adapters/moved")
+
+    async def body(store):
+        await store.create_adapter(adapter("a"))
+        with pytest.raises(StoreUnavailable, match="updating 'a' kept conflicting with other writers; retry"):
+            await store.update_adapter("a", change, "moved")
+        return await store.get_adapter("a")
+
+    stored = with_store(redis_server, body)
+    assert len(attempts) == 32
+    assert (stored.source, stored.version) == ("file:///adapters/a", 1)
+
+
 def test_concurrent_updates_each_get_their_own_version(redis_server):
     async def body(store):
         await store.create_adapter(adapter("a"))
