@@ -23,8 +23,9 @@ def register(**fields) -> tuple[str, pb.RegisterAdapterRequest]:
 
 
 INVALID_REGISTRATIONS = {
-    "empty name": (register(name=""), C.INVALID_ARGUMENT, "must be 1-64 characters"),
-    "name starting with a dash": (register(name="-x"), C.INVALID_ARGUMENT, "starting with a letter or digit"),
+    "empty name": (register(name=""), C.INVALID_ARGUMENT, "use 1-64 characters"),
+    "name starting with a dash": (register(name="-x"), C.INVALID_ARGUMENT, "starting with a letter or a digit"),
+    "name ending in a newline": (register(name="x\n"), C.INVALID_ARGUMENT, "[A-Za-z0-9._-]"),
     "name with a slash": (register(name="a/b"), C.INVALID_ARGUMENT, "[A-Za-z0-9._-]"),
     "name of 65 characters": (register(name="x" * 65), C.INVALID_ARGUMENT, "1-64 characters"),
     "s3 source": (register(source="s3://bucket/a"), C.INVALID_ARGUMENT, "file:///absolute/path"),

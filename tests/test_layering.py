@@ -1,0 +1,93 @@
+"""The house drawing, checked: each package imports only its own floor and the floors below.
+
+Data plane, from the ground up: kernels → model → lora → engine → the pod (servicers, server,
+config, metrics). The control plane stands beside it on the same ground (``conventions``); the
+CLI is on top of both. No arrow goes back up, and neither plane imports the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = ("cli", "conventions", "control_plane", "data_plane", "kernels")
+
+# The floor of a module: the longest prefix listed wins. Higher numbers stand on lower ones.
+FLOORS = {
+    "conventions": 0,
+    "kernels": 1,
+    "data_plane.errors": 1,
+    "data_plane.model": 2,
+    "data_plane.lora": 3,
+    "data_plane.engine": 4,
+    "data_plane.metrics": 4,  # the pod's one metrics module: the engine records steps in it, servicers read it
+    "data_plane": 5,
+    "control_plane": 5,
+    "cli": 6,
+}
+# Packages side by side on one floor that must not see each other.
+APART = {"data_plane": "control_plane", "control_plane": "data_plane"}
+
+
+def floor(module: str) -> int:
+    best = max((prefix for prefix in FLOORS if module == prefix or module.startswith(prefix + ".")), key=len)
+    return FLOORS[best]
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module of ours that ``path`` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] in OURS}
+
+
+def _sources(root: Path = ROOT) -> list[Path]:
+    return sorted(p for package in OURS for p in (root / package).rglob("*.py"))
+
+
+def arrows_up(root: Path = ROOT) -> list[str]:
+    """One line per import that points up a floor or across the planes."""
+    wrong = []
+    for path in _sources(root):
+        here = _module_name(path, root)
+        for target in _imports(path):
+            top_here, top_there = here.split(".")[0], target.split(".")[0]
+            if APART.get(top_here) == top_there:
+                wrong.append(f"{here} imports {target}: the planes do not import each other")
+            elif floor(target) > floor(here):
+                wrong.append(f"{here} (floor {floor(here)}) imports {target} (floor {floor(target)})")
+    return wrong
+
+
+def test_no_module_imports_a_floor_above_its_own_and_the_planes_stay_apart():
+    assert arrows_up() == []
+
+
+def test_every_top_level_package_is_on_a_floor():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert packages == set(OURS), "a new top-level package needs its floor in FLOORS"
+
+
+@pytest.mark.parametrize(("module", "line", "seen"), [
+    ("data_plane/model/llama.py", "from data_plane.engine.engine import Engine", "floor 2) imports"),
+    ("kernels/reference.py", "import data_plane.lora.layer", "floor 1) imports"),
+    ("control_plane/server.py", "from data_plane.errors import NotReady", "planes do not import"),
+    ("data_plane/server.py", "    from cli.main import main", "floor 5) imports"),
+])
+def test_an_arrow_up_is_reported(tmp_path, module, line, seen):
+    path = tmp_path / module
+    path.parent.mkdir(parents=True)
+    path.write_text(f"def f():\n    pass\n{line}\n" if not line.startswith(" ") else f"def f():\n{line}\n")
+    assert len(arrows_up(tmp_path)) == 1 and seen in arrows_up(tmp_path)[0]
