@@ -35,7 +35,6 @@ class LeaderLease:
         # The lease is counted from before the request was sent, so this replica stops acting
         # no later than Redis expires its key, whatever the round-trip took.
         self._valid_until = 0.0
-        self.changed = asyncio.Event()  # set on every gain or loss of the lease
 
     @property
     def token(self) -> int:
@@ -85,7 +84,6 @@ class LeaderLease:
                 log.info("leader lease acquired", extra={"replica": self.replica, "fencing_token": token})
             elif self._token:
                 log.warning("leader lease lost", extra={"replica": self.replica, "fencing_token": self._token})
-            self.changed.set()
         self._token, self._valid_until = token, valid_until
         self._metrics.leader.set(1 if token else 0)
         self._metrics.fencing_token.set(token)
