@@ -77,6 +77,26 @@ def test_help_up_and_the_admin_commands_never_import_torch():
     assert done.returncode == 0, done.stderr
 
 
+def _run_without(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter where importing any of ``blocked`` fails."""
+    prelude = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_remote_generate_runs_without_torch():
+    code = (f"from cli.main import main\n"
+            f"sys.exit(main(['generate', '--endpoint', '127.0.0.1:{free_port()}', 'hi']))\n")
+    done = _run_without(("torch",), code)
+    assert done.returncode == 1 and "UNAVAILABLE" in done.stderr, done.stderr
+
+
+def test_the_control_plane_command_needs_neither_the_data_plane_nor_the_kernels():
+    done = _run_without(("torch", "data_plane", "kernels"),
+                        "from cli.main import main\nsys.exit(main(['control-plane', '--help']))\n")
+    assert done.returncode == 0 and "--redis-url" in done.stdout, done.stderr
+
+
 def test_generate_renders_the_chat_template_by_default_and_sends_raw_text_on_request():
     parser = build_parser()
     assert parser.parse_args(["generate", "hi"]).chat is True
