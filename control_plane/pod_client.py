@@ -1,4 +1,4 @@
-"""DataPlaneAdmin calls to pods, authenticated and fenced."""
+"""DataPlaneAdmin calls to pods, authenticated and fenced, and how the control plane reads their answers."""
 
 from __future__ import annotations
 
@@ -29,6 +29,20 @@ class CommandResult:
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.UNAUTHENTICATED}
 
+# Unpinning or unloading an adapter the pod no longer holds leaves the pod as asked.
+_DONE_WHEN_NOT_FOUND = {Command.UNPIN, Command.UNLOAD}
+
+
+def read_answer(command: Command, code: grpc.StatusCode, details: str = "") -> CommandResult:
+    """How the control plane reads a pod's answer ``code`` to ``command``: OK succeeds; NOT_FOUND
+    to an unpin or unload succeeds too (the adapter is already gone; the pod's last report was
+    behind); ABORTED is a stale fencing token (data_plane StaleCommand), so the sender is
+    deposed; every other code fails, with ``details`` as the error (transiently for the codes
+    CommandResult.transient names)."""
+    if code == grpc.StatusCode.OK or (code == grpc.StatusCode.NOT_FOUND and command in _DONE_WHEN_NOT_FOUND):
+        return CommandResult(True)
+    return CommandResult(False, code, details or code.name, stale=code == grpc.StatusCode.ABORTED)
+
 
 class PodClients:
     """One channel per pod endpoint; every command carries the bearer token and the leader's
@@ -45,7 +59,7 @@ class PodClients:
         return pb_grpc.DataPlaneAdminStub(self._channels[endpoint])
 
     async def execute(self, action: Action, fencing_token: int) -> CommandResult:
-        """Sends ``action`` to its pod; a refusal comes back as a result, never raised."""
+        """Sends ``action`` to its pod; the answer comes back read by ``read_answer``, never raised."""
         stub, kw = self._stub(action.endpoint), {"metadata": self._metadata, "timeout": self._timeout_s}
         name, token = action.adapter, fencing_token
         try:
@@ -60,9 +74,8 @@ class PodClients:
             else:
                 await stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name, fencing_token=token), **kw)
         except grpc.aio.AioRpcError as e:
-            # Pods answer a stale fencing token with ABORTED (data_plane StaleCommand).
-            return CommandResult(False, e.code(), e.details() or e.code().name, e.code() == grpc.StatusCode.ABORTED)
-        return CommandResult(True)
+            return read_answer(action.command, e.code(), e.details())
+        return read_answer(action.command, grpc.StatusCode.OK)
 
     async def forget(self, keep: set[str]) -> None:
         """Closes the channels of endpoints not in ``keep`` (pods that left)."""

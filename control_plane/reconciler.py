@@ -8,8 +8,6 @@ import logging
 import time
 from collections import defaultdict
 
-import grpc
-
 from control_plane.config import ControlPlaneConfig
 from control_plane.errors import StoreUnavailable
 from control_plane.fleet import Fleet
@@ -17,7 +15,7 @@ from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions
-from control_plane.pod_client import CommandResult, PodClients
+from control_plane.pod_client import PodClients
 from control_plane.records import PlacementRecord, PlacementState
 from control_plane.store import Store
 
@@ -118,8 +116,6 @@ class Reconciler:
             if action.command is Command.LOAD_AND_PIN:
                 await self._record(action, PlacementState.LOADING, "", attempts.get(key, 0))
             result = await self._pods.execute(action, token)
-            if result.code == grpc.StatusCode.NOT_FOUND and action.command in (Command.UNPIN, Command.UNLOAD):
-                result = CommandResult(True)  # already gone from the pod (its report was behind): done
             outcome = "ok" if result.ok else result.code.name.lower()
             self._metrics.pod_commands.labels(action.command.value, outcome).inc()
             log.info("pod command", extra={"pod": action.pod, "command": action.command.value,

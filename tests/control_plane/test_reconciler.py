@@ -13,7 +13,7 @@ from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.plan import Action, Command
-from control_plane.pod_client import CommandResult
+from control_plane.pod_client import CommandResult, read_answer
 from control_plane.reconciler import Reconciler
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
 from control_plane.registry import Registry
@@ -23,17 +23,18 @@ SHA = "ab" * 32
 
 
 class ScriptedPods:
-    """Answers every command OK unless ``refuse`` names its (pod, command) or its (pod, adapter);
-    records each call."""
+    """Answers every command OK unless ``refuse`` names its (pod, command) or its (pod, adapter)
+    with a (status code, details) answer; reads answers as PodClients does; records each call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Command, str, int]] = []
-        self.refuse: dict[tuple[str, Command | str], CommandResult] = {}
+        self.refuse: dict[tuple[str, Command | str], tuple[grpc.StatusCode, str]] = {}
 
     async def execute(self, action: Action, token: int) -> CommandResult:
         self.calls.append((action.pod, action.command, action.adapter, token))
-        return self.refuse.get((action.pod, action.command),
-                               self.refuse.get((action.pod, action.adapter), CommandResult(True)))
+        answer = self.refuse.get((action.pod, action.command),
+                                 self.refuse.get((action.pod, action.adapter), (grpc.StatusCode.OK, "")))
+        return read_answer(action.command, *answer)
 
     async def forget(self, keep: set[str]) -> None:
         pass
@@ -122,7 +123,7 @@ def test_reconciling_pods_that_already_agree_sends_nothing(config, redis_server)
 
 
 def test_a_failed_load_is_recorded_with_its_reason_retried_then_placed_elsewhere(config, redis_server):
-    refusal = CommandResult(False, grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch for a")
+    refusal = (grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch for a")
 
     async def body(h):
         await h.adapter("a", replicas=1)
@@ -151,7 +152,7 @@ def test_a_load_the_pod_refuses_does_not_hold_up_its_other_loads(config, redis_s
         await h.adapter("bad", replicas=1)
         await h.adapter("good", replicas=1)
         await h.pod("p0", slots=4)
-        h.pods.refuse[("p0", "bad")] = CommandResult(False, grpc.StatusCode.INVALID_ARGUMENT, "corrupt weights")
+        h.pods.refuse[("p0", "bad")] = (grpc.StatusCode.INVALID_ARGUMENT, "corrupt weights")
         await h.lease.renew()
         h.clock.t += 1  # the records written now are newer than the pod's heartbeat
         first = await h.sent()
@@ -177,8 +178,8 @@ def test_an_unpin_of_an_adapter_already_gone_does_not_hold_up_the_pods_loads(con
     async def body(h):
         await h.pod("p0", Residency("old", pinned=True, sha256=SHA), slots=4)  # the pod's report is behind
         await h.adapter("new", replicas=1)
-        h.pods.refuse[("p0", Command.UNPIN)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
-        h.pods.refuse[("p0", Command.UNLOAD)] = CommandResult(False, grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
+        h.pods.refuse[("p0", Command.UNPIN)] = (grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
+        h.pods.refuse[("p0", Command.UNLOAD)] = (grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
         await h.store.put_placement(PlacementRecord("old", "p0", PlacementState.READY, "", 0, 1.0))
         await h.lease.renew()
         return await h.sent(), await h.store.placements(["old"])
@@ -205,7 +206,7 @@ def test_a_pod_that_has_seen_a_newer_fencing_token_makes_the_leader_step_down(co
         await h.adapter("a", replicas=0)
         await h.adapter("b", replicas=0)
         await h.pod("p0")
-        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = CommandResult(False, grpc.StatusCode.ABORTED, "stale", True)
+        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = (grpc.StatusCode.ABORTED, "stale")
         await h.lease.renew()
         sent = await h.sent()
         return sent, h.lease.token
@@ -246,7 +247,7 @@ def test_an_unreachable_pod_does_not_use_up_load_attempts(config, redis_server, 
     async def body(h):
         await h.adapter("a", replicas=1)
         await h.pod("p0")
-        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = CommandResult(False, code, "connection refused")
+        h.pods.refuse[("p0", Command.LOAD_AND_PIN)] = (code, "connection refused")
         await h.lease.renew()
         for _ in range(3):
             await h.sent()

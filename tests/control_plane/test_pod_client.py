@@ -1,0 +1,100 @@
+"""How the control plane reads a pod's answers: the rules in ``read_answer``, and PodClients
+applying them to a real DataPlaneAdmin server on loopback that answers with scripted codes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from lorafleet.v1 import data_plane_admin_pb2 as pb
+from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
+
+from control_plane.plan import Action, Command
+from control_plane.pod_client import PodClients, read_answer
+from tests.control_plane.conftest import TOKEN
+
+C = grpc.StatusCode
+
+
+@pytest.mark.parametrize(("command", "code", "ok", "stale", "transient"), [
+    (Command.LOAD_AND_PIN, C.OK, True, False, False),
+    (Command.UNPIN, C.NOT_FOUND, True, False, False),  # already unpinned: done
+    (Command.UNLOAD, C.NOT_FOUND, True, False, False),  # already unloaded: done
+    (Command.PIN, C.NOT_FOUND, False, False, False),  # an adapter that is not there is not pinned
+    (Command.LOAD_AND_PIN, C.NOT_FOUND, False, False, False),
+    (Command.UNPIN, C.ABORTED, False, True, False),  # a newer fencing token: the sender is deposed
+    (Command.LOAD_AND_PIN, C.INVALID_ARGUMENT, False, False, False),
+    (Command.UNLOAD, C.FAILED_PRECONDITION, False, False, False),
+    (Command.PIN, C.UNAVAILABLE, False, False, True),
+    (Command.LOAD_AND_PIN, C.DEADLINE_EXCEEDED, False, False, True),
+    (Command.UNPIN, C.UNAUTHENTICATED, False, False, True),
+])
+def test_each_answer_is_read_by_one_rule(command, code, ok, stale, transient):
+    result = read_answer(command, code, "why")
+    assert (result.ok, result.stale, result.transient) == (ok, stale, transient)
+    assert result.error == ("" if ok else "why")
+
+
+def test_a_failure_without_details_names_its_code():
+    assert read_answer(Command.PIN, C.RESOURCE_EXHAUSTED).error == "RESOURCE_EXHAUSTED"
+
+
+class ScriptedPod(pb_grpc.DataPlaneAdminServicer):
+    """Answers each DataPlaneAdmin method with the code ``answers`` gives it (OK when absent)."""
+
+    def __init__(self, answers: dict[str, grpc.StatusCode]) -> None:
+        self.answers = answers
+
+    async def _answer(self, method: str, reply, context):
+        code = self.answers.get(method, C.OK)
+        if code != C.OK:
+            await context.abort(code, f"{method} answered {code.name}")
+        return reply
+
+    async def LoadAdapter(self, request, context):
+        return await self._answer("LoadAdapter", pb.AdapterResidency(), context)
+
+    async def PinAdapter(self, request, context):
+        return await self._answer("PinAdapter", pb.AdapterResidency(), context)
+
+    async def UnpinAdapter(self, request, context):
+        return await self._answer("UnpinAdapter", pb.AdapterResidency(), context)
+
+    async def UnloadAdapter(self, request, context):
+        return await self._answer("UnloadAdapter", pb.UnloadAdapterResponse(), context)
+
+
+def execute_against(answers: dict[str, grpc.StatusCode], *commands: Command):
+    """The results of sending ``commands`` through PodClients to a ScriptedPod on loopback."""
+    async def go():
+        server = grpc.aio.server()
+        pb_grpc.add_DataPlaneAdminServicer_to_server(ScriptedPod(answers), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        clients = PodClients(TOKEN, timeout_s=5.0)
+        try:
+            return [await clients.execute(Action("p0", f"127.0.0.1:{port}", c, "a", "file:///a", "ab" * 32), 1)
+                    for c in commands]
+        finally:
+            await clients.close()
+            await server.stop(None)
+
+    return asyncio.run(go())
+
+
+def test_an_unpin_or_unload_the_pod_answers_not_found_is_done():
+    unpin, unload = execute_against({"UnpinAdapter": C.NOT_FOUND, "UnloadAdapter": C.NOT_FOUND},
+                                    Command.UNPIN, Command.UNLOAD)
+    assert unpin.ok and unload.ok
+
+
+def test_a_pin_the_pod_answers_not_found_fails_with_the_pods_reason():
+    [pin] = execute_against({"PinAdapter": C.NOT_FOUND}, Command.PIN)
+    assert (pin.ok, pin.code, pin.error) == (False, C.NOT_FOUND, "PinAdapter answered NOT_FOUND")
+
+
+def test_a_stale_fencing_token_comes_back_stale_and_a_pods_acceptance_ok():
+    stale, loaded = execute_against({"UnloadAdapter": C.ABORTED}, Command.UNLOAD, Command.LOAD_AND_PIN)
+    assert stale.stale and not stale.ok
+    assert loaded.ok
