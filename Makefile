@@ -6,13 +6,21 @@ PY := $(VENV)/bin/python
 PROTO_SRC := $(wildcard protos/lorafleet/v1/*.proto)
 PROTO_STAMP := protos/lorafleet/v1/.generated
 SETUP_STAMP := $(VENV)/.installed
+# The oldest Python the code runs on: pyproject.toml's requires-python (">=3.11" gives 3.11).
+PY_MIN := $(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"$$/\1/p' pyproject.toml)
 
 .PHONY: setup proto test lint helm-lint run bench clean reliability
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP)
 
 # Re-installs only when the pins change; `pip install -e .` makes `lorafleet` a console script.
+# A Python older than PY_MIN stops here, before anything is installed.
 $(SETUP_STAMP): requirements.txt requirements-test.txt pyproject.toml
+	@py=$(PY_SYS); test -x $(PY) && py=$(PY); \
+	$$py -c 'import sys; sys.exit(sys.version_info[:2] < tuple(map(int, "$(PY_MIN)".split("."))))' 2>/dev/null || { \
+	  echo "lorafleet needs Python $(PY_MIN) or newer, but $$py is $$(command -v $$py >/dev/null && $$py --version 2>&1 || echo "not found")." \
+	       "Install Python $(PY_MIN)+ and run: make setup PY_SYS=python$(PY_MIN)" \
+	       "(after make clean if .venv was made by the older Python)" >&2; exit 1; }
 	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
