@@ -20,6 +20,7 @@ class DataPlaneConfig:
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
     control_plane: str | None = None
+    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
     pod_id: str = ""
     endpoint: str = ""  # what the pod tells the control plane to dial; default host:port
     adapter_roots: tuple[Path, ...] = ()
@@ -48,12 +49,35 @@ class DataPlaneConfig:
             raise ValueError(f"--max-lora-rank must be within 1..512, got {self.max_lora_rank}")
         if self.control_plane and not self.admin_token_file:
             raise ValueError("--control-plane needs --admin-token-file (the control plane's bearer token)")
+        if self.control_plane_ca is not None:
+            if not self.control_plane:
+                raise ValueError("--control-plane-ca needs --control-plane (the control plane to dial over TLS)")
+            self.control_plane_root_cert()  # refuses a missing, unreadable or non-PEM file now, not at dial time
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1 or self.num_kv_blocks < 0:
             raise ValueError("engine limits must be positive")
         if self.max_adapter_bytes < 1 or self.adapter_download_timeout_s <= 0:
             raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
+
+    def control_plane_root_cert(self) -> bytes | None:
+        """The PEM certificates of --control-plane-ca, to verify the control plane's TLS
+        certificate with; None when the pod dials the control plane in plaintext. Raises
+        ValueError, saying what to give instead, for a file that cannot be read or holds no
+        PEM certificate."""
+        if self.control_plane_ca is None:
+            return None
+        path = Path(self.control_plane_ca)
+        try:
+            pem = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"--control-plane-ca {path}: cannot read it ({e.strerror}); give the PEM file of the "
+                             "CA that signed the control plane's --tls-cert") from e
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError(f"--control-plane-ca {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----); "
+                             "give the CA that signed the control plane's --tls-cert, or that certificate itself "
+                             "when it is self-signed")
+        return pem
 
     @property
     def resolved_pod_id(self) -> str:
@@ -69,6 +93,7 @@ class DataPlaneConfig:
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
             metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
+            control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
             adapter_roots=tuple(Path(p) for p in args.adapter_root or ()),
             admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
@@ -95,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
     p.add_argument("--control-plane", help="control plane host:port to register with and heartbeat to")
+    p.add_argument("--control-plane-ca", metavar="FILE",
+                   help="PEM certificate of the CA that signed the control plane's --tls-cert (or that certificate "
+                        "itself when self-signed): dial the control plane over TLS (default: plaintext)")
     p.add_argument("--pod-id", help="this pod's identifier (default: hostname-port)")
     p.add_argument("--endpoint", help="host:port the control plane and clients dial (default: host:port)")
     p.add_argument("--adapter-root", action="append",

@@ -62,7 +62,9 @@ class MembershipClient:
         self._pod_id, self._endpoint, self._base_model = pod_id, endpoint, base_model
         self._get_state, self._is_ready = get_state, is_ready
         self._interval_s, self._rpc_timeout_s, self._max_backoff_s = interval_s, rpc_timeout_s, max_backoff_s
-        if tls_root_cert is not None:
+        # Logged with each failure: a plaintext dial to a TLS control plane fails as just "Socket closed".
+        self._tls = tls_root_cert is not None
+        if self._tls:
             creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
             self._channel = grpc.aio.secure_channel(control_plane, creds, options=_CHANNEL_OPTIONS)
         else:
@@ -91,8 +93,8 @@ class MembershipClient:
                     failures += 1
                     if failures == 1 or failures % 10 == 0:
                         log.warning("heartbeat to control plane failed", extra={
-                            "control_plane": self._target, "code": e.code().name, "error": e.details(),
-                            "failures": failures})
+                            "control_plane": self._target, "tls": self._tls, "code": e.code().name,
+                            "error": e.details(), "failures": failures})
                     # Exponential backoff with jitter, so a restarted control plane is not stampeded.
                     delay = min(self._max_backoff_s, 0.5 * 2 ** min(failures, 10)) * random.uniform(0.8, 1.2)
                     await asyncio.sleep(delay)

@@ -68,7 +68,7 @@ async def serve(config: DataPlaneConfig) -> None:
         membership = MembershipClient(
             config.control_plane, token, config.resolved_pod_id, config.resolved_endpoint, model_id,
             lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
-            is_ready=lambda: engine is not None and engine.accepting)
+            is_ready=lambda: engine is not None and engine.accepting, tls_root_cert=config.control_plane_root_cert())
 
     engine = await asyncio.to_thread(build_engine, config, metrics, membership.resolve if membership else None)
     metrics.watch(engine.snapshot)

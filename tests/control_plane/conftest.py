@@ -1,5 +1,5 @@
-"""Fixtures for control-plane tests: a real redis-server on loopback, tokens, and a control
-plane served in this process."""
+"""Fixtures for control-plane tests: a real redis-server on loopback, tokens, a self-signed TLS
+certificate, and a control plane served in this process."""
 
 from __future__ import annotations
 
@@ -79,6 +79,23 @@ class RedisServer:
     def restart(self) -> None:
         self.kill()
         self.start()
+
+
+def self_signed_cert(directory: Path, name: str = "cert") -> tuple[Path, Path]:
+    """(certificate, key) PEM files of a new self-signed certificate for 127.0.0.1 and localhost,
+    made by the openssl binary; skips the test where there is none."""
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl to make a test certificate")
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.fixture
+def tls_files(tmp_path) -> tuple[Path, Path]:
+    return self_signed_cert(tmp_path)
 
 
 @pytest.fixture

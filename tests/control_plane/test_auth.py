@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -124,17 +122,6 @@ def test_token_file_must_hold_one_token(tmp_path):
         read_token(path)
     path.write_text("tok\n")
     assert read_token(path) == "tok"
-
-
-@pytest.fixture
-def tls_files(tmp_path):
-    if not shutil.which("openssl"):
-        pytest.skip("no openssl to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 def test_tls_serves_both_services_and_still_requires_the_token(config, tls_files):

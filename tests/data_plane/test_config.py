@@ -1,0 +1,63 @@
+"""The pod's --control-plane-ca flag: the control plane's CA is checked when the config is built,
+and a file that cannot serve as one is refused with what to give instead."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from data_plane.config import DataPlaneConfig, add_arguments
+from tests.control_plane.conftest import self_signed_cert
+
+
+def config(*flags: str) -> DataPlaneConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return DataPlaneConfig.from_args(parser.parse_args(list(flags)))
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("t\n")
+    return path
+
+
+def test_without_the_flag_the_pod_dials_the_control_plane_in_plaintext(token_file):
+    pod = config("--control-plane", "cp:50051", "--admin-token-file", str(token_file))
+    assert pod.control_plane_ca is None and pod.control_plane_root_cert() is None
+
+
+def test_the_flag_gives_the_certificates_the_pod_trusts(tmp_path, token_file):
+    cert, _ = self_signed_cert(tmp_path)
+    pod = config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(cert))
+    assert pod.control_plane_root_cert() == cert.read_bytes()
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: d / "missing.pem", r"cannot read it \(No such file or directory\)"),
+    (lambda d: d, r"cannot read it \(Is a directory\)"),
+    (lambda d: self_signed_cert(d)[1], "holds no PEM certificate"),  # the private key given by mistake
+])
+def test_a_ca_file_that_cannot_be_used_is_refused_when_the_config_is_built(tmp_path, token_file, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=rf"--control-plane-ca {re.escape(str(path))}.*{message}"):
+        config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(path))
+
+
+def test_a_ca_without_a_control_plane_is_refused(tmp_path):
+    cert, _ = self_signed_cert(tmp_path)
+    with pytest.raises(ValueError, match="--control-plane-ca needs --control-plane"):
+        config("--control-plane-ca", str(cert))
+
+
+def test_the_command_line_reports_a_bad_ca_and_exits(tmp_path, token_file, capsys):
+    from data_plane.server import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--control-plane", "cp:50051", "--admin-token-file", str(token_file),
+              "--control-plane-ca", str(tmp_path / "missing.pem")])
+    assert exited.value.code == 2
+    assert f"--control-plane-ca {tmp_path / 'missing.pem'}: cannot read it" in capsys.readouterr().err
