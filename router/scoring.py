@@ -1,0 +1,87 @@
+"""The routing score: which pods should serve a request for one adapter, best first. Pure.
+
+A pod's cost is what the request would wait for there, in units of "one request already running":
+the residency of its adapter (a device slot costs nothing, the CPU cache a copy into a slot, a free
+slot a read of the weights, a full pod that read plus another adapter's eviction) plus the pod's load
+(running and waiting requests, KV-cache pressure). So a device hit wins until its pod is busier than
+a cold load is slow, and then the next pod takes the overflow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from router.view import PodView, Tier
+
+
+class Decision(Enum):
+    """What serving a request on a pod implies for its adapter."""
+
+    BASE = "base"  # no adapter: every pod is equally warm
+    DEVICE_HIT = "device_hit"
+    CPU_HIT = "cpu_hit"
+    FREE_SLOT = "free_slot"  # not resident; loads into a free slot
+    EVICT = "evict"  # not resident; loads and evicts another adapter
+
+    @property
+    def label(self) -> str:
+        """The routing-decision metric's label: base, device_hit, cpu_hit or cold."""
+        return "cold" if self in (Decision.FREE_SLOT, Decision.EVICT) else self.value
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Costs in units of one running request. A CPU-to-slot copy takes milliseconds; reading and
+    validating weights takes about as long as a few decode streams' turns; an eviction also makes
+    the evicted adapter's next request cold. A waiting request costs more than a running one because
+    it means the pod's batch is full, and a nearly full KV cache means preemptions."""
+
+    cpu_hit: float = 0.5
+    free_slot: float = 4.0
+    evict: float = 6.0
+    running: float = 1.0
+    waiting: float = 2.0
+    kv_usage: float = 4.0
+
+    def __post_init__(self) -> None:
+        if min(vars(self).values()) < 0:
+            raise ValueError(f"routing weights must not be negative: {self}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    pod: PodView
+    decision: Decision
+    cost: float
+
+
+def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
+    """What serving ``adapter`` on ``pod`` implies; ``just_sent`` counts a request the router sent
+    there moments ago, whose load the pod's state may not show yet, as a CPU hit."""
+    if not adapter:
+        return Decision.BASE
+    tier = pod.tier(adapter)
+    if tier == Tier.DEVICE:
+        return Decision.DEVICE_HIT
+    if tier == Tier.CPU or just_sent:
+        return Decision.CPU_HIT
+    return Decision.FREE_SLOT if pod.has_free_slot else Decision.EVICT
+
+
+def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
+         extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = ()) -> list[Choice]:
+    """``pods`` best first for a request naming ``adapter`` ("" = the base model), cheapest cost first,
+    ties by pod id. ``extra_running`` adds requests the router started on a pod since its state was read
+    (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago."""
+    extra_running = extra_running or {}
+    residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
+                      Decision.FREE_SLOT: weights.free_slot, Decision.EVICT: weights.evict}
+    choices = []
+    for pod in pods:
+        d = decision(adapter, pod, pod.id in just_sent_to)
+        running = max(0, pod.running + extra_running.get(pod.id, 0))
+        load = weights.running * running + weights.waiting * pod.waiting + weights.kv_usage * pod.kv_usage
+        choices.append(Choice(pod, d, residency_cost[d] + load))
+    return sorted(choices, key=lambda c: (c.cost, c.pod.id))

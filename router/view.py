@@ -1,0 +1,77 @@
+"""What the router knows of the fleet at one moment: the registered adapters and every routable pod
+with its residency and load. Built from the control plane's registry and the pods' own GetState."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from lorafleet.v1 import adapter_admin_pb2 as admin_pb
+from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
+
+
+class Tier(IntEnum):
+    """Where a pod holds an adapter; a higher tier serves sooner."""
+
+    NONE = 0
+    CPU = 1
+    DEVICE = 2
+
+
+_TIER = {pod_pb.CPU: Tier.CPU, pod_pb.GPU: Tier.DEVICE}
+
+
+@dataclass(frozen=True)
+class PodView:
+    """One ready, serving pod whose state was read."""
+
+    id: str
+    endpoint: str
+    slots_total: int = 0
+    slots_used: int = 0
+    residency: Mapping[str, Tier] = field(default_factory=dict)  # adapter -> fastest tier holding it
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
+
+    def tier(self, adapter: str) -> Tier:
+        return self.residency.get(adapter, Tier.NONE)
+
+    @property
+    def has_free_slot(self) -> bool:
+        return self.slots_used < self.slots_total
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The registered adapters and the routable pods, as read starting at ``read_at`` (monotonic seconds)."""
+
+    adapters: frozenset[str]
+    pods: tuple[PodView, ...]
+    read_at: float
+
+
+def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod],
+               states: Mapping[str, pod_pb.PodState], read_at: float) -> FleetView:
+    """The view of ``pods`` that are ready and whose ``states`` were read. A pod's own state is the
+    fresher fact; a READY pinned placement in the registry means a device slot as well, since a pinned
+    adapter is never evicted, so the two agree even between reads."""
+    adapters = list(adapters)
+    pinned_on: dict[str, set[str]] = {}
+    for adapter in adapters:
+        for placement in adapter.placements:
+            if placement.state == admin_pb.READY and placement.pinned:
+                pinned_on.setdefault(placement.pod, set()).add(adapter.name)
+    views = []
+    for pod in pods:
+        state = states.get(pod.id)
+        if not pod.ready or state is None:
+            continue
+        residency = {a.name: _TIER[a.tier] for a in state.adapters if a.tier in _TIER}
+        for name in pinned_on.get(pod.id, ()):
+            residency[name] = Tier.DEVICE
+        views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
+                             slots_used=state.slots.used, residency=residency, running=state.running_requests,
+                             waiting=state.waiting_requests, kv_usage=state.kv_cache_usage))
+    return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at)

@@ -1,0 +1,73 @@
+"""The routing score: residency first (device slot, CPU cache, free slot, eviction), weighed against load."""
+
+from __future__ import annotations
+
+import pytest
+from lorafleet.v1 import adapter_admin_pb2 as admin_pb
+from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
+
+from router.scoring import Decision, Weights, rank
+from router.view import PodView, Tier, build_view
+
+
+def pod(pod_id: str, resident: dict[str, Tier] | None = None, used: int = 0, total: int = 4, running: int = 0,
+        waiting: int = 0, kv: float = 0.0) -> PodView:
+    return PodView(pod_id, f"{pod_id}:1", slots_total=total, slots_used=used, residency=resident or {},
+                   running=running, waiting=waiting, kv_usage=kv)
+
+
+def order(adapter: str, *pods: PodView, **kwargs) -> list[tuple[str, Decision]]:
+    return [(c.pod.id, c.decision) for c in rank(adapter, pods, **kwargs)]
+
+
+def test_residency_orders_idle_pods_device_then_cpu_then_free_slot_then_evict():
+    pods = [pod("evict", used=4), pod("free"), pod("cpu", {"a": Tier.CPU}), pod("device", {"a": Tier.DEVICE})]
+    assert order("a", *pods) == [("device", Decision.DEVICE_HIT), ("cpu", Decision.CPU_HIT),
+                                 ("free", Decision.FREE_SLOT), ("evict", Decision.EVICT)]
+
+
+def test_a_busy_device_hit_loses_to_an_idle_pod_that_must_load():
+    busy = pod("busy", {"a": Tier.DEVICE}, running=6, waiting=2)
+    assert order("a", busy, pod("idle"))[0] == ("idle", Decision.FREE_SLOT)
+    assert order("a", pod("light", {"a": Tier.DEVICE}, running=2), pod("idle"))[0] == ("light", Decision.DEVICE_HIT)
+
+
+def test_waiting_requests_and_kv_pressure_count_against_a_pod():
+    assert order("", pod("a", running=2), pod("b", waiting=2))[0][0] == "a"
+    assert order("", pod("a", running=1), pod("b", kv=0.9))[0][0] == "a"
+
+
+def test_the_base_model_goes_to_the_least_loaded_pod_and_ties_go_by_pod_id():
+    assert order("", pod("b"), pod("a")) == [("a", Decision.BASE), ("b", Decision.BASE)]
+    assert order("", pod("a", running=1), pod("b"))[0][0] == "b"
+
+
+def test_requests_the_router_started_since_the_state_was_read_count_as_running():
+    assert order("", pod("a"), pod("b"), extra_running={"a": 2})[0][0] == "b"
+    assert order("", pod("a", running=3), pod("b", running=1), extra_running={"a": -3})[0][0] == "a"
+
+
+def test_a_pod_the_adapter_was_just_sent_to_counts_as_a_cpu_hit_so_a_cold_adapter_loads_once():
+    assert order("a", pod("a-pod"), pod("b-pod"), just_sent_to={"b-pod"})[0] == ("b-pod", Decision.CPU_HIT)
+
+
+def test_weights_must_not_be_negative():
+    with pytest.raises(ValueError, match="must not be negative"):
+        Weights(evict=-1)
+
+
+def test_a_ready_pinned_placement_is_a_device_slot_even_before_the_pod_state_shows_it():
+    adapters = [admin_pb.Adapter(name="a", placements=[admin_pb.Placement(pod="p1", state=admin_pb.READY,
+                                                                          pinned=True)]),
+                admin_pb.Adapter(name="b", placements=[admin_pb.Placement(pod="p1", state=admin_pb.LOADING,
+                                                                          pinned=True)])]
+    pods = [admin_pb.Pod(id="p1", endpoint="h:1", ready=True), admin_pb.Pod(id="p2", endpoint="h:2", ready=True),
+            admin_pb.Pod(id="p3", endpoint="h:3", ready=False)]
+    states = {"p1": pod_pb.PodState(slots=pod_pb.TierUsage(capacity=4, used=1),
+                                    adapters=[pod_pb.AdapterResidency(name="c", tier=pod_pb.CPU)]),
+              "p3": pod_pb.PodState()}
+    view = build_view(adapters, pods, states, read_at=1.0)
+    assert view.adapters == {"a", "b"}
+    assert [p.id for p in view.pods] == ["p1"]  # p2's state was not read, p3 is not ready
+    assert view.pods[0].residency == {"a": Tier.DEVICE, "c": Tier.CPU}
+    assert view.pods[0].has_free_slot
