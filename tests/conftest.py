@@ -9,6 +9,21 @@ import pytest
 # Parity tests compare float32 results; keep both implementations on the same thread count.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+# Fixtures that load the demo model or start a child process. A test that uses one, directly or
+# through another fixture, is marked slow, so that `-m "not slow"` leaves it out; a test that starts
+# a process itself carries @pytest.mark.slow.
+SLOW_FIXTURES = {
+    "demo_model_dir": "fetches and loads the demo model",
+    "redis_server": "starts a redis-server",
+    "tls_files": "runs openssl",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir():

@@ -67,6 +67,7 @@ def gone(pid: int, timeout_s: float = 5.0) -> bool:
 # ---- without servers ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_up_and_the_admin_commands_never_import_torch():
     code = ("import sys\n"
             "from cli.main import build_parser\n"
@@ -84,6 +85,7 @@ def _run_without(blocked: tuple[str, ...], code: str) -> subprocess.CompletedPro
                           timeout=60)
 
 
+@pytest.mark.slow
 def test_remote_generate_runs_without_torch():
     code = (f"from cli.main import main\n"
             f"sys.exit(main(['generate', '--endpoint', '127.0.0.1:{free_port()}', 'hi']))\n")
@@ -91,6 +93,7 @@ def test_remote_generate_runs_without_torch():
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_the_control_plane_command_needs_neither_the_data_plane_nor_the_kernels():
     done = _run_without(("torch", "data_plane", "kernels"),
                         "from cli.main import main\nsys.exit(main(['control-plane', '--help']))\n")
@@ -140,6 +143,7 @@ def test_the_generated_token_file_is_private_and_kept_across_starts(tmp_path):
     assert ensure_token_file(path).read_text() == token
 
 
+@pytest.mark.slow
 def test_a_second_up_on_the_same_data_directory_is_refused_and_a_stale_pid_file_is_replaced(tmp_path):
     path = tmp_path / "up.pid"
     sleeper = subprocess.Popen(["sleep", "30"])
@@ -155,6 +159,7 @@ def test_a_second_up_on_the_same_data_directory_is_refused_and_a_stale_pid_file_
     assert not path.exists()
 
 
+@pytest.mark.slow
 def test_stopping_a_child_that_ignores_sigterm_kills_its_whole_group(tmp_path):
     # The shell and its background sleep both ignore SIGTERM (ignored signals survive exec).
     proc = spawn(["sh", "-c", "trap '' TERM; sleep 300 & wait"], tmp_path / "child.log")
@@ -182,6 +187,7 @@ def control_plane(tmp_path):
         redis.kill()
 
 
+@pytest.mark.slow
 def test_register_computes_the_sha256_of_a_local_directory_and_unregister_removes_it(control_plane, tmp_path,
                                                                                     monkeypatch, capsys):
     monkeypatch.setenv("LORAFLEET_CONTROL_PLANE", control_plane.target)
@@ -205,6 +211,7 @@ def test_register_computes_the_sha256_of_a_local_directory_and_unregister_remove
     assert err.count("\n") == 1 and err.startswith("lorafleet: NOT_FOUND: "), err
 
 
+@pytest.mark.slow
 def test_a_wrong_token_is_one_line_unauthenticated(control_plane, capsys):
     assert main(["pods", "--control-plane", control_plane.target, "--token", "wrong"]) == 1
     err = capsys.readouterr().err

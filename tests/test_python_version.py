@@ -41,11 +41,13 @@ def test_readme_states_the_minimum_python():
     assert {(int(a), int(b)) for a, b in stated} == {stated_minimum()}
 
 
+@pytest.mark.slow  # runs make
 def test_make_setup_checks_for_the_minimum_python():
     out = make("--eval", "print-py-min: ; @echo $(PY_MIN)", "print-py-min", cwd=REPO)
     assert out.stdout.strip() == "{}.{}".format(*stated_minimum()), out.stderr
 
 
+@pytest.mark.slow  # runs make
 def test_make_setup_stops_before_installing_on_a_python_older_than_the_minimum(tmp_path):
     for name in ("Makefile", "pyproject.toml", "requirements.txt", "requirements-test.txt"):
         shutil.copy(REPO / name, tmp_path / name)

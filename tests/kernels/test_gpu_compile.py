@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -55,6 +56,7 @@ def compile_gpu_code_path() -> None:
         })  # fmt: skip
 
 
+@pytest.mark.slow  # a child process
 def test_gpu_code_path_compiles_without_a_gpu():
     # The interpreter patches triton.language while it runs and is chosen when a kernel is
     # defined, so the compile happens in a child process with the interpreter off.
