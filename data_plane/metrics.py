@@ -1,17 +1,22 @@
 """Every metric the pod exports, defined here and nowhere else.
 
 Histograms and counters are recorded at step and RPC boundaries by the engine and servicers;
-gauges of cache and queue state are read from the engine when Prometheus scrapes.
+gauges of cache and queue state, and the adapter load and eviction counts, are read from the
+engine's ``EngineState`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from data_plane.lora.adapter_cache import Tier
+
+if TYPE_CHECKING:  # the engine records into these metrics, so only the type is named here
+    from data_plane.engine.state import EngineState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -37,45 +42,45 @@ class PodMetrics:
         self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed validation.",
                                      registry=r)
 
-    def watch(self, snapshot: Callable[[], dict]) -> None:
-        """Exports the gauges (and cache counters) that ``snapshot()`` reports at scrape time."""
+    def watch(self, snapshot: Callable[[], EngineState]) -> None:
+        """Exports the gauges and the load, eviction and preemption counts of ``snapshot()`` at scrape time."""
         self.registry.register(_StateCollector(snapshot))
 
 
 class _StateCollector:
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineState]) -> None:
         self._snapshot = snapshot
 
     def collect(self):
         s = self._snapshot()
         gauges = {
-            "lorafleet_gpu_lora_slots_total": ("Adapter slots on the compute device.", s["slots"].capacity),
-            "lorafleet_gpu_lora_slots_used": ("Slots holding an adapter.", s["slots"].used),
-            "lorafleet_gpu_lora_slots_pinned": ("Slots holding a pinned adapter.", s["slots"].pinned),
-            "lorafleet_cpu_lora_cache_capacity": ("Adapters the CPU cache can hold.", s["cpu"].capacity),
-            "lorafleet_cpu_lora_cache_used": ("Adapters in the CPU cache.", s["cpu"].used),
-            "lorafleet_cpu_lora_cache_pinned": ("Pinned adapters in the CPU cache.", s["cpu"].pinned),
-            "lorafleet_requests_running": ("Requests holding KV blocks.", s["running"]),
-            "lorafleet_requests_waiting": ("Requests queued for admission.", s["waiting"]),
-            "lorafleet_kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", s["kv_usage"]),
+            "lorafleet_gpu_lora_slots_total": ("Adapter slots on the compute device.", s.slots.capacity),
+            "lorafleet_gpu_lora_slots_used": ("Slots holding an adapter.", s.slots.used),
+            "lorafleet_gpu_lora_slots_pinned": ("Slots holding a pinned adapter.", s.slots.pinned),
+            "lorafleet_cpu_lora_cache_capacity": ("Adapters the CPU cache can hold.", s.cpu.capacity),
+            "lorafleet_cpu_lora_cache_used": ("Adapters in the CPU cache.", s.cpu.used),
+            "lorafleet_cpu_lora_cache_pinned": ("Pinned adapters in the CPU cache.", s.cpu.pinned),
+            "lorafleet_requests_running": ("Requests holding KV blocks.", s.running),
+            "lorafleet_requests_waiting": ("Requests queued for admission.", s.waiting),
+            "lorafleet_kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", s.kv_usage),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         loads = CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads into a tier.", labels=["tier", "outcome"])
         for tier in Tier:  # every series exists from the start, so rates work from the first scrape
             for outcome in ("ok", "error"):
-                loads.add_metric([tier.value, outcome], s["loads"].get((tier, outcome), 0))
+                loads.add_metric([tier.value, outcome], s.loads.get((tier, outcome), 0))
         yield loads
         evictions = CounterMetricFamily("lorafleet_adapter_evictions", "LRU evictions by tier.", labels=["tier"])
         for tier in Tier:
-            evictions.add_metric([tier.value], s["evictions"].get(tier, 0))
+            evictions.add_metric([tier.value], s.evictions.get(tier, 0))
         yield evictions
         preemptions = CounterMetricFamily("lorafleet_preemptions", "Sequences preempted for lack of KV blocks.")
-        preemptions.add_metric([], s["preemptions"])
+        preemptions.add_metric([], s.preemptions)
         yield preemptions
         # One series per resident adapter: bounded by --max-cpu-loras.
         resident = GaugeMetricFamily("lorafleet_adapter_resident", "Resident adapters (2 = device slot, 1 = CPU).",
                                      labels=["adapter", "pinned"])
-        for r in s["adapters"]:
+        for r in s.adapters:
             resident.add_metric([r.name, str(r.pinned).lower()], 2 if r.slot >= 0 else 1)
         yield resident

@@ -22,6 +22,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
 from data_plane.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
+from data_plane.engine.state import EngineState
 from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown, StepFailed
 from data_plane.lora.adapter_cache import Residency, Tier
 from data_plane.lora.runtime import LoraRuntime
@@ -308,13 +309,12 @@ class Engine:
         cache.clear_free_slots()
 
     # ---- state -----------------------------------------------------------------------------
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineState:
+        """The engine's state now: cache tiers, resident adapters, load and eviction counts, queues, KV use."""
         cache = self.lora.cache
-        return {
-            "slots": cache.slot_usage(), "cpu": cache.cpu_usage(), "adapters": cache.list(),
-            "loads": dict(cache.stats.loads), "evictions": dict(cache.stats.evictions),
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "kv_usage": self.blocks.usage, "preemptions": self.scheduler.num_preemptions,
-        }
-
-
+        return EngineState(
+            slots=cache.slot_usage(), cpu=cache.cpu_usage(), adapters=tuple(cache.list()),
+            loads=dict(cache.stats.loads), evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting), kv_usage=self.blocks.usage,
+            preemptions=self.scheduler.num_preemptions,
+        )

@@ -6,7 +6,7 @@ from lorafleet.v1 import data_plane_admin_pb2 as pb
 from lorafleet.v1 import data_plane_admin_pb2_grpc
 
 from data_plane.engine.engine import Engine
-from data_plane.lora.adapter_cache import Residency, Tier
+from data_plane.lora.adapter_cache import Residency, Tier, TierUsage
 from data_plane.membership import FencingGuard
 from data_plane.servicers import EngineHandle
 
@@ -50,12 +50,15 @@ def residency_pb(r: Residency) -> pb.AdapterResidency:
                                slot=r.slot)
 
 
+def _tier_usage_pb(u: TierUsage) -> pb.TierUsage:
+    return pb.TierUsage(capacity=u.capacity, used=u.used, pinned=u.pinned)
+
+
 def pod_state(engine: Engine, pod_id: str, base_model: str) -> pb.PodState:
+    """The pod's state as GetState answers it and heartbeats report it."""
     s = engine.snapshot()
     return pb.PodState(
-        slots=pb.TierUsage(capacity=s["slots"].capacity, used=s["slots"].used, pinned=s["slots"].pinned),
-        cpu_cache=pb.TierUsage(capacity=s["cpu"].capacity, used=s["cpu"].used, pinned=s["cpu"].pinned),
-        adapters=[residency_pb(r) for r in s["adapters"]],
-        running_requests=s["running"], waiting_requests=s["waiting"], kv_cache_usage=s["kv_usage"],
+        slots=_tier_usage_pb(s.slots), cpu_cache=_tier_usage_pb(s.cpu), adapters=[residency_pb(r) for r in s.adapters],
+        running_requests=s.running, waiting_requests=s.waiting, kv_cache_usage=s.kv_usage,
         pod_id=pod_id, base_model=base_model,
     )

@@ -1,0 +1,25 @@
+"""``EngineState``: what a pod's engine holds at one moment, as one frozen value.
+
+Read at scrape time by the metrics collector, and by ``GetState`` and the heartbeats that
+report the pod to the control plane; nothing reads the engine's state any other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from data_plane.lora.adapter_cache import Residency, Tier, TierUsage
+
+
+@dataclass(frozen=True)
+class EngineState:
+    slots: TierUsage  # adapter slots on the compute device
+    cpu: TierUsage  # the CPU tier of the adapter cache
+    adapters: tuple[Residency, ...]  # every resident adapter, most recently used first
+    loads: Mapping[tuple[Tier, str], int]  # (tier, outcome) -> adapter loads so far
+    evictions: Mapping[Tier, int]  # tier -> LRU evictions so far
+    running: int  # requests holding KV blocks
+    waiting: int  # requests queued for admission
+    kv_usage: float  # fraction of KV-cache blocks in use
+    preemptions: int  # sequences preempted for lack of KV blocks so far
