@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, target in (("data-plane", "run a data-plane pod (see lorafleet data-plane --help)"),
-                         ("control-plane", "run a control-plane replica (see lorafleet control-plane --help)")):
+                         ("control-plane", "run a control-plane replica (see lorafleet control-plane --help)"),
+                         ("router", "route Generate to the pods holding each adapter (see lorafleet router --help)")):
         p = sub.add_parser(name, help=target, add_help=False)
         p.add_argument("argv", nargs=argparse.REMAINDER)
 
@@ -151,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         from control_plane.server import main as control_plane_main
 
         return control_plane_main(argv[1:])
+    if argv and argv[0] == "router":
+        from router.server import main as router_main
+
+        return router_main(argv[1:])
     args = build_parser().parse_args(argv)
     import grpc
 

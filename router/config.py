@@ -1,0 +1,95 @@
+"""The router's one configuration object, and the command line that builds it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from conventions.errors import ConfigError
+
+# The router's own ports: beside the control plane's 50051/9100 and a pod's 50052/9101.
+ROUTER_PORT = 50050
+ROUTER_METRICS_PORT = 9102
+
+
+def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
+    """(host, port) of a ``host:port`` string; ConfigError naming ``flag`` otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} {value!r} must be host:port with a port in 1-65535, e.g. 127.0.0.1:50051")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router process needs; validated on construction."""
+
+    admin_token_file: Path  # the control plane's bearer token; pods' DataPlaneAdmin takes the same one
+    control_plane: str = "127.0.0.1:50051"
+    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
+    host: str = "127.0.0.1"
+    port: int = ROUTER_PORT
+    metrics_port: int = ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
+    # How often the registry and every pod's state are re-read: the staleness bound of routing.
+    refresh_interval_s: float = 0.5
+    state_timeout_s: float = 1.0  # per ListAdapters / ListPods / GetState call
+    retries: int = 2  # further pods tried when one refuses a request before its first message
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("--host must not be empty; use 127.0.0.1, or 0.0.0.0 to listen on every interface")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port; use 1-65535")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port; use 1-65535, or 0 for none")
+        parse_endpoint(self.control_plane, "--control-plane")
+        for flag, path in (("--admin-token-file", self.admin_token_file),
+                           ("--control-plane-ca", self.control_plane_ca)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path} is not a readable file; check the path")
+        if not 0 < self.refresh_interval_s <= 60:
+            raise ConfigError(f"--refresh-interval must be within (0, 60] seconds, got {self.refresh_interval_s}")
+        if not 0 < self.state_timeout_s <= 60:
+            raise ConfigError(f"--state-timeout must be within (0, 60] seconds, got {self.state_timeout_s}")
+        if not 0 <= self.retries <= 10:
+            raise ConfigError(f"--retries must be within 0-10, got {self.retries}")
+
+    def control_plane_root_cert(self) -> bytes | None:
+        """The PEM bytes of --control-plane-ca, or None for a plaintext control plane."""
+        if self.control_plane_ca is None:
+            return None
+        data = Path(self.control_plane_ca).read_bytes()
+        if b"-----BEGIN CERTIFICATE-----" not in data:
+            raise ConfigError(f"--control-plane-ca {self.control_plane_ca} holds no PEM certificate")
+        return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig
+    p = argparse.ArgumentParser(prog="lorafleet router",
+                                description="Route Generate requests to the pods where their adapters live.")
+    p.add_argument("--host", default=d.host, help=f"address to serve gRPC and metrics on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
+    p.add_argument("--control-plane", default=d.control_plane,
+                   help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
+    p.add_argument("--control-plane-ca", type=Path, help="PEM CA to dial the control plane over TLS")
+    p.add_argument("--admin-token-file", type=Path, required=True,
+                   help="file holding the control plane's bearer token (pods accept the same one)")
+    p.add_argument("--refresh-interval", type=float, default=d.refresh_interval_s,
+                   help=f"seconds between re-reads of the registry and pod states (default {d.refresh_interval_s})")
+    p.add_argument("--state-timeout", type=float, default=d.state_timeout_s,
+                   help=f"seconds each state call may take (default {d.state_timeout_s})")
+    p.add_argument("--retries", type=int, default=d.retries,
+                   help=f"other pods tried when one refuses a request before its first message (default {d.retries})")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        admin_token_file=args.admin_token_file, control_plane=args.control_plane,
+        control_plane_ca=args.control_plane_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries)

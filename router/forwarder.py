@@ -1,0 +1,109 @@
+"""``lorafleet.v1.Generation/Generate``, forwarded: the request is parsed only to read its adapter, then
+its bytes go to the best pod, and each response message's bytes come back as the pod sent them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+from lorafleet.v1 import generation_pb2
+
+from conventions.errors import LorafleetError
+from router.channels import PodChannels
+from router.errors import InvalidRequest
+from router.metrics import RouterMetrics
+from router.picker import PodPicker
+
+log = logging.getLogger("lorafleet.router")
+
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+GENERATE = f"/{SERVICE}/Generate"
+# Refusals that leave the request untouched, so another pod may take it.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class PodError(LorafleetError):
+    """A pod ended the call with an error; the caller gets the pod's status and message unchanged."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details() or "")
+        self.status = error.code().name
+
+
+def adapter_of(request: bytes) -> str:
+    """The adapter a serialized GenerateRequest names ("" = base model); InvalidRequest if it is not one."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(request).adapter
+    except DecodeError as e:
+        raise InvalidRequest(f"the request is not a lorafleet.v1.GenerateRequest ({e}); "
+                             "send one built from protos/lorafleet/v1/generation.proto") from None
+
+
+class Forwarder:
+    """Serves Generate by forwarding it. Before a pod's first message, a refusal that leaves the request
+    untouched (UNAVAILABLE, RESOURCE_EXHAUSTED) sends it to the next pod, up to ``retries`` more; after
+    it, the pod's error is the caller's. The caller's deadline goes to the pod with the call, and a caller
+    that goes away cancels the pod's call, which frees the request there."""
+
+    def __init__(self, picker: PodPicker, channels: PodChannels, metrics: RouterMetrics, retries: int) -> None:
+        self._picker, self._channels, self._metrics, self._retries = picker, channels, metrics, retries
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler to add to a server: raw bytes in and out, no (de)serializers."""
+        return grpc.method_handlers_generic_handler(SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(
+            self.generate)})
+
+    async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        arrived = time.perf_counter()
+        adapter = adapter_of(request)
+        adapter_class = "adapter" if adapter else "base"
+        outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
+        try:
+            async for message in self._forward(request, adapter, adapter_class, context, arrived):
+                yield message
+            outcome = "OK"
+        except LorafleetError as e:
+            outcome = e.status
+            raise
+        except Exception:
+            outcome = "INTERNAL"
+            raise
+        finally:
+            self._metrics.requests.labels(adapter_class, outcome).inc()
+
+    async def _forward(self, request: bytes, adapter: str, adapter_class: str, context: grpc.aio.ServicerContext,
+                       arrived: float) -> AsyncIterator[bytes]:
+        candidates = self._picker.choose(adapter)[: self._retries + 1]
+        for attempt, choice in enumerate(candidates):
+            pod = choice.pod
+            call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=context.time_remaining())
+            self._picker.started(pod.id, adapter)
+            self._metrics.decisions.labels(choice.decision.label).inc()
+            try:
+                try:
+                    message = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in RETRYABLE and attempt + 1 < len(candidates):
+                        self._retry(pod.id, e)
+                        continue
+                    raise PodError(e) from None
+                self._metrics.ttft.labels(adapter_class).observe(time.perf_counter() - arrived)
+                while message is not grpc.aio.EOF:
+                    yield message
+                    message = await call.read()
+                return
+            except grpc.aio.AioRpcError as e:  # after the first message: the pod's error is the caller's
+                raise PodError(e) from None
+            finally:
+                call.cancel()  # a no-op once the call ended; otherwise the caller went away
+                self._picker.finished(pod.id)
+
+    def _retry(self, pod: str, error: grpc.aio.AioRpcError) -> None:
+        self._metrics.retries.labels(error.code().name).inc()
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self._picker.refused(pod)
+        log.info("pod refused a request; trying the next", extra={"pod": pod, "code": error.code().name,
+                                                                   "error": error.details()})

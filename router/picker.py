@@ -1,0 +1,67 @@
+"""Chooses pods for a request from the latest FleetView plus what this router did since that view was
+read: requests it started or finished on each pod, adapters it just sent somewhere, pods that just
+refused a connection. All local; no call leaves the process."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from router.errors import AdapterNotRegistered, NoPodAvailable
+from router.scoring import Choice, Weights, rank
+from router.view import FleetView
+
+# How long a pod counts an adapter the router just sent it as resident: long enough for the load to
+# finish and show up in the pod's state, short enough that an eviction since is soon believed.
+_JUST_SENT_S = 5.0
+
+
+class PodPicker:
+    """Ranks the routable pods for an adapter; ``view`` returns the latest FleetView or None."""
+
+    def __init__(self, view: Callable[[], FleetView | None], weights: Weights | None = None) -> None:
+        self._view = view
+        self._weights = weights or Weights()
+        self._inflight: Counter[str] = Counter()  # pod -> requests this router is forwarding there now
+        self._baseline: Counter[str] = Counter()  # _inflight when the current view was first used
+        self._seen: FleetView | None = None
+        self._sent: dict[tuple[str, str], float] = {}  # (pod, adapter) -> monotonic time last routed
+        self._suspect: dict[str, float] = {}  # pod -> monotonic time it refused a connection
+
+    def choose(self, adapter: str) -> list[Choice]:
+        """The routable pods for ``adapter`` ("" = base model), best first. AdapterNotRegistered for an
+        adapter the registry lacks; NoPodAvailable when no pod is routable."""
+        view = self._view()
+        if view is None:
+            raise NoPodAvailable("the router has not read the fleet's state yet; retry in a moment")
+        if adapter and adapter not in view.adapters:
+            raise AdapterNotRegistered(f"adapter {adapter!r} is not registered; register it with "
+                                       "`lorafleet adapters register`, or send an empty adapter for the base model")
+        if view is not self._seen:
+            self._seen, self._baseline = view, Counter(self._inflight)
+        # A pod that refused a connection is left out until a view read after the refusal says otherwise.
+        pods = [p for p in view.pods if self._suspect.get(p.id, float("-inf")) < view.read_at]
+        if not pods:
+            raise NoPodAvailable("no data-plane pod is ready to serve; check `lorafleet pods` and the pods' logs")
+        now = time.monotonic()
+        just_sent = {pod for (pod, name), at in self._sent.items() if name == adapter and now - at < _JUST_SENT_S}
+        extra = {p.id: self._inflight[p.id] - self._baseline[p.id] for p in pods}
+        return rank(adapter, pods, self._weights, extra, just_sent)
+
+    def started(self, pod: str, adapter: str) -> None:
+        """A request for ``adapter`` was sent to ``pod``."""
+        self._inflight[pod] += 1
+        if adapter:
+            now = time.monotonic()
+            self._sent[(pod, adapter)] = now
+            if len(self._sent) > 4096:  # forget expired entries now and then, so the map stays small
+                self._sent = {k: at for k, at in self._sent.items() if now - at < _JUST_SENT_S}
+
+    def finished(self, pod: str) -> None:
+        """A request sent to ``pod`` ended, however it ended."""
+        self._inflight[pod] -= 1
+
+    def refused(self, pod: str) -> None:
+        """``pod`` could not be reached; route around it until the next state read."""
+        self._suspect[pod] = time.monotonic()

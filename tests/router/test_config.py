@@ -1,0 +1,77 @@
+"""The router's flags: each bad value is refused with a message naming the flag and what to give."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.main import main as lorafleet
+from conventions.errors import ConfigError
+from router.config import RouterConfig, build_parser, config_from_args
+from router.server import main
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("t0ken\n")
+    return path
+
+
+def test_flags_build_the_config(token_file, tmp_path):
+    args = build_parser().parse_args(["--admin-token-file", str(token_file), "--port", "6000", "--metrics-port", "0",
+                                      "--control-plane", "cp.local:7000", "--refresh-interval", "0.25",
+                                      "--retries", "0"])
+    config = config_from_args(args)
+    assert (config.port, config.metrics_port, config.control_plane) == (6000, 0, "cp.local:7000")
+    assert (config.refresh_interval_s, config.retries, config.control_plane_root_cert()) == (0.25, 0, None)
+
+
+def test_routing_is_at_most_one_second_stale_by_default(token_file):
+    assert RouterConfig(admin_token_file=token_file).refresh_interval_s <= 1.0
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"port": 0}, "--port 0 is not a TCP port"),
+    ({"metrics_port": 70000}, "--metrics-port 70000"),
+    ({"host": ""}, "--host must not be empty"),
+    ({"control_plane": "no-port"}, "must be host:port"),
+    ({"control_plane": "h:99999"}, "must be host:port"),
+    ({"refresh_interval_s": 0}, "--refresh-interval must be within"),
+    ({"state_timeout_s": -1}, "--state-timeout must be within"),
+    ({"retries": -1}, "--retries must be within 0-10"),
+    ({"retries": 11}, "--retries must be within 0-10"),
+])
+def test_a_bad_value_is_refused_with_what_to_fix(token_file, change, words):
+    with pytest.raises(ConfigError, match=words):
+        RouterConfig(admin_token_file=token_file, **change)
+
+
+def test_missing_files_and_a_ca_without_a_certificate_are_refused(token_file, tmp_path):
+    with pytest.raises(ConfigError, match="--admin-token-file .* is not a readable file"):
+        RouterConfig(admin_token_file=tmp_path / "absent")
+    with pytest.raises(ConfigError, match="--control-plane-ca .* is not a readable file"):
+        RouterConfig(admin_token_file=token_file, control_plane_ca=tmp_path / "absent.pem")
+    with pytest.raises(ConfigError, match="holds no PEM certificate"):
+        RouterConfig(admin_token_file=token_file, control_plane_ca=token_file).control_plane_root_cert()
+
+
+def test_main_reports_a_bad_flag_in_one_line_and_exits_2(token_file, capsys):
+    assert main(["--admin-token-file", str(token_file), "--retries", "-1"]) == 2
+    assert capsys.readouterr().err == "lorafleet router: --retries must be within 0-10, got -1\n"
+
+
+def test_an_empty_token_file_is_refused_before_serving(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert main(["--admin-token-file", str(empty), "--port", "1", "--metrics-port", "0"]) == 2
+    assert "must hold one token" in capsys.readouterr().err
+
+
+def test_lorafleet_router_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        lorafleet(["router", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--metrics-port", "--control-plane", "--admin-token-file",
+                 "--refresh-interval", "--retries"):
+        assert flag in out
