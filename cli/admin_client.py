@@ -15,11 +15,11 @@ import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc
 
+from conventions import defaults
 from conventions.auth import bearer_metadata, read_token
 from conventions.errors import ConfigError
 from conventions.home import default_token_file
 
-DEFAULT_CONTROL_PLANE = "127.0.0.1:50051"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
@@ -28,7 +28,7 @@ class AdminClientError(Exception):
 
 
 def control_plane_target(flag: str | None) -> str:
-    return flag or os.environ.get("LORAFLEET_CONTROL_PLANE") or DEFAULT_CONTROL_PLANE
+    return flag or os.environ.get("LORAFLEET_CONTROL_PLANE") or defaults.CONTROL_PLANE_ENDPOINT
 
 
 def resolve_token(token: str | None = None, token_file: str | None = None) -> str:

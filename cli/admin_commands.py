@@ -7,14 +7,14 @@ import argparse
 import json
 import time
 
-from cli.admin_client import DEFAULT_CONTROL_PLANE
+from conventions import defaults
 from conventions.names import NAME_RULE
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--control-plane", help=f"control plane host:port (env LORAFLEET_CONTROL_PLANE; "
-                                              f"default {DEFAULT_CONTROL_PLANE})")
+                                              f"default {defaults.CONTROL_PLANE_ENDPOINT})")
     conn.add_argument("--token", help="admin bearer token (env LORAFLEET_TOKEN)")
     conn.add_argument("--token-file", help="file holding the admin token (env LORAFLEET_TOKEN_FILE; default: the "
                                            "file `lorafleet up` writes, $LORAFLEET_HOME/up/admin-token)")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-DEFAULT_ENDPOINT = "127.0.0.1:50052"
+from conventions import defaults
 
 
 def _cmd_model_demo(args: argparse.Namespace) -> int:
@@ -113,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for a prompt, streamed as it is produced")
     gen.add_argument("prompt", help="the user's message (rendered with the model's chat template unless --raw)")
     gen.add_argument("--adapter", help="adapter name (server) or PEFT directory (--local); default: base model")
-    gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", DEFAULT_ENDPOINT),
+    gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", defaults.POD_ENDPOINT),
                      help="data-plane pod host:port (env LORAFLEET_ENDPOINT)")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
-    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device for --local")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")
+    gen.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16", "float16"],
                      help="weights dtype for --local")
     gen.add_argument("--max-tokens", type=int, default=128, help="maximum tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The admin token's file name inside the data directory of `lorafleet up`.
+TOKEN_FILE_NAME = "admin-token"
+
 
 def lorafleet_home() -> Path:
     """The data directory: ``$LORAFLEET_HOME``, else ``~/.cache/lorafleet``."""
@@ -18,4 +21,4 @@ def up_dir() -> Path:
 
 def default_token_file() -> Path:
     """Where ``lorafleet up`` writes the admin token, and where the command line looks for it."""
-    return up_dir() / "admin-token"
+    return up_dir() / TOKEN_FILE_NAME

@@ -7,7 +7,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conventions.home import up_dir
+from conventions import defaults
+from conventions.home import TOKEN_FILE_NAME, up_dir
 
 
 class StackError(Exception):
@@ -19,16 +20,16 @@ class StackConfig:
     """What ``lorafleet up`` runs; built from its flags."""
 
     data_dir: Path = field(default_factory=up_dir)
-    host: str = "127.0.0.1"
-    redis_port: int = 6379
-    control_plane_port: int = 50051
-    control_plane_metrics_port: int = 9100
-    pod_port: int = 50052
-    pod_metrics_port: int = 9101
+    host: str = defaults.HOST
+    redis_port: int = defaults.REDIS_PORT
+    control_plane_port: int = defaults.CONTROL_PLANE_PORT
+    control_plane_metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT
+    pod_port: int = defaults.POD_PORT
+    pod_metrics_port: int = defaults.POD_METRICS_PORT
     model: Path | None = None  # None: the demo model, fetched by the pod on first start
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_loras: int = 8
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
+    max_loras: int = defaults.MAX_LORAS
     adapter_roots: tuple[Path, ...] = ()
     token_file: Path | None = None  # None: data_dir/admin-token, generated when missing
     redis_server: str | None = None
@@ -54,7 +55,7 @@ class StackConfig:
 
     @property
     def resolved_token_file(self) -> Path:
-        return self.token_file or self.data_dir / "admin-token"
+        return self.token_file or self.data_dir / TOKEN_FILE_NAME
 
     @property
     def control_plane(self) -> str:

@@ -26,6 +26,7 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from cli.admin_client import AdminClient, sha256_of
 from cli.up.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
 from cli.up.config import StackConfig, StackError
+from conventions import defaults
 from conventions.auth import read_token
 from conventions.home import default_token_file
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
@@ -246,9 +247,9 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
     stack.say(f"  admin token    {token_file}")
     stack.say(f"  logs           {stack.logs}")
     env = []
-    if c.control_plane != "127.0.0.1:50051":
+    if c.control_plane != defaults.CONTROL_PLANE_ENDPOINT:
         env.append(f"LORAFLEET_CONTROL_PLANE={c.control_plane}")
-    if c.pod != "127.0.0.1:50052":
+    if c.pod != defaults.POD_ENDPOINT:
         env.append(f"LORAFLEET_ENDPOINT={c.pod}")
     if token_file != default_token_file():
         env.append(f"LORAFLEET_TOKEN_FILE={token_file}")
