@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.errors import ConfigError
+from conventions import defaults
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
 
@@ -20,9 +21,9 @@ class ControlPlaneConfig:
 
     redis_url: str
     admin_token_file: Path
-    host: str = "0.0.0.0"
-    port: int = 50070
-    metrics_port: int = 9470  # 0 disables the /metrics endpoint
+    host: str = defaults.HOST
+    port: int = defaults.CONTROL_PLANE_PORT
+    metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT  # 0 disables the /metrics endpoint
     key_prefix: str = "lorafleet"
     base_model: str = ""  # empty accepts any base model named at registration
     tls_cert_file: Path | None = None
