@@ -7,18 +7,20 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from conventions import defaults
+
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
     model: Path | None  # None = the demo model
-    host: str = "127.0.0.1"
-    port: int = 50052
-    metrics_port: int = 9101
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_loras: int = 8
-    max_cpu_loras: int = 32
-    max_lora_rank: int = 64
+    host: str = defaults.HOST
+    port: int = defaults.POD_PORT
+    metrics_port: int = defaults.POD_METRICS_PORT
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
+    max_loras: int = defaults.MAX_LORAS
+    max_cpu_loras: int = defaults.MAX_CPU_LORAS
+    max_lora_rank: int = defaults.MAX_LORA_RANK
     control_plane: str | None = None
     control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
     pod_id: str = ""
