@@ -40,12 +40,14 @@ Resolver = Callable[[str], Awaitable[tuple[str, str]]]
 
 @dataclass(frozen=True)
 class EngineLimits:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_waiting: int = 256
-    block_size: int = 16
-    num_kv_blocks: int = 512
-    max_model_len: int = 8192
+    """The engine's bounds, every one given by the pod (build_engine); their defaults are DataPlaneConfig's."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:
