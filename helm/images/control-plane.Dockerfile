@@ -34,6 +34,7 @@ RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /u
 USER 10001:10001
 ENV HOME=/tmp
 
+# The default gRPC and /metrics ports of conventions/defaults.py (tests/test_defaults.py checks them).
 EXPOSE 50051 9100
 ENTRYPOINT ["lorafleet"]
 CMD ["control-plane", "--help"]

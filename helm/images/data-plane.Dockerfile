@@ -63,6 +63,7 @@ ENV HOME=/tmp \
     LORAFLEET_HOME=/data \
     TRITON_CACHE_DIR=/tmp/triton
 
+# The default gRPC and /metrics ports of conventions/defaults.py (tests/test_defaults.py checks them).
 EXPOSE 50052 9101
 ENTRYPOINT ["lorafleet"]
 CMD ["data-plane", "--help"]

@@ -1,0 +1,139 @@
+"""Every port, limit and device default is stated once, in conventions/defaults.py: the pod's and the
+control plane's flags, the command line, ``lorafleet up``, the engine, the Dockerfiles and the chart
+agree with it, so that a bare server listens where a bare client dials."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cli.admin_client import control_plane_target
+from cli.main import build_parser as cli_parser
+from cli.up.config import config_from_args as up_config
+from control_plane.config import build_parser as control_plane_parser
+from conventions import defaults
+from conventions.home import default_token_file
+from data_plane.config import DataPlaneConfig
+from data_plane.config import add_arguments as add_pod_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "lorafleet"
+
+
+@pytest.fixture(autouse=True)
+def _no_endpoint_environment(monkeypatch, tmp_path):
+    for name in ("LORAFLEET_ENDPOINT", "LORAFLEET_CONTROL_PLANE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LORAFLEET_HOME", str(tmp_path))
+
+
+def _pod_flags() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_pod_arguments(parser)
+    return parser.parse_args([])
+
+
+def _control_plane_flags() -> argparse.Namespace:
+    return control_plane_parser().parse_args(["--redis-url", "redis://r:1/0", "--admin-token-file", "token"])
+
+
+def test_a_bare_pod_listens_on_the_default_ports_with_the_default_limits():
+    args = _pod_flags()
+    assert (args.host, args.port, args.metrics_port) == (defaults.HOST, defaults.POD_PORT, defaults.POD_METRICS_PORT)
+    assert (args.device, args.dtype) == (defaults.DEVICE, defaults.DTYPE)
+    assert (args.max_loras, args.max_cpu_loras, args.max_lora_rank) \
+        == (defaults.MAX_LORAS, defaults.MAX_CPU_LORAS, defaults.MAX_LORA_RANK)
+
+
+def test_a_bare_control_plane_listens_on_the_default_ports():
+    args = _control_plane_flags()
+    assert (args.host, args.port, args.metrics_port) \
+        == (defaults.HOST, defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT)
+
+
+def test_the_command_line_dials_where_bare_servers_listen():
+    pod, control_plane = _pod_flags(), _control_plane_flags()
+    generate = cli_parser().parse_args(["generate", "hello"])
+    assert generate.endpoint == defaults.POD_ENDPOINT == f"{pod.host}:{pod.port}"
+    assert (generate.device, generate.dtype) == (defaults.DEVICE, defaults.DTYPE)
+    pods = cli_parser().parse_args(["pods"])
+    assert control_plane_target(pods.control_plane) == defaults.CONTROL_PLANE_ENDPOINT \
+        == f"{control_plane.host}:{control_plane.port}"
+
+
+def test_the_router_dials_the_default_control_plane_and_listens_beside_the_others():
+    from router.config import RouterConfig
+
+    router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    assert (router["control_plane"], router["host"]) == (defaults.CONTROL_PLANE_ENDPOINT, defaults.HOST)
+    taken = {defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT, defaults.POD_PORT,
+             defaults.POD_METRICS_PORT, defaults.REDIS_PORT}
+    assert not {router["port"], router["metrics_port"]} & taken
+
+
+def test_up_starts_the_servers_the_command_line_dials(tmp_path):
+    stack = up_config(cli_parser().parse_args(["up"]))
+    assert (stack.host, stack.redis_port) == (defaults.HOST, defaults.REDIS_PORT)
+    assert (stack.control_plane_port, stack.control_plane_metrics_port, stack.pod_port, stack.pod_metrics_port) \
+        == (defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT, defaults.POD_PORT,
+            defaults.POD_METRICS_PORT)
+    assert (stack.control_plane, stack.pod) == (defaults.CONTROL_PLANE_ENDPOINT, defaults.POD_ENDPOINT)
+    assert (stack.device, stack.dtype, stack.max_loras) == (defaults.DEVICE, defaults.DTYPE, defaults.MAX_LORAS)
+    assert stack.resolved_token_file == default_token_file() == tmp_path.resolve() / "up" / "admin-token"
+
+
+def test_engine_limits_have_no_defaults_of_their_own():
+    from data_plane.engine.engine import EngineLimits
+
+    pod = DataPlaneConfig(model=None)
+    for field in dataclasses.fields(EngineLimits):
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            continue
+        assert hasattr(pod, field.name), f"EngineLimits.{field.name} has a default the pod's config does not state"
+        assert field.default == getattr(pod, field.name), f"EngineLimits.{field.name} disagrees with DataPlaneConfig"
+
+
+@pytest.mark.parametrize(("dockerfile", "ports"), [
+    ("control-plane.Dockerfile", {defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT}),
+    ("data-plane.Dockerfile", {defaults.POD_PORT, defaults.POD_METRICS_PORT}),
+])
+def test_the_images_expose_the_default_ports(dockerfile, ports):
+    text = (ROOT / "helm" / "images" / dockerfile).read_text()
+    exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", text, re.M) for p in line.split()}
+    assert exposed == ports
+
+
+def test_the_chart_serves_on_the_default_ports():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert (values["controlPlane"]["port"], values["controlPlane"]["metricsPort"]) \
+        == (defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT)
+    assert (values["dataPlane"]["port"], values["dataPlane"]["metricsPort"]) \
+        == (defaults.POD_PORT, defaults.POD_METRICS_PORT)
+    assert values["redis"]["port"] == defaults.REDIS_PORT
+
+
+def _template_flags(template: str) -> dict[str, str]:
+    """The container's ``- --flag`` / ``- value`` argument pairs, as written in the template."""
+    lines = [line.strip() for line in (CHART / "templates" / template).read_text().splitlines()]
+    return {a[2:]: b[2:] for a, b in zip(lines, lines[1:], strict=False)
+            if re.fullmatch(r"- --[a-z-]+", a) and b.startswith("- ")}
+
+
+@pytest.mark.parametrize(("template", "flags"), [
+    ("control-plane.yaml", {"--host": "0.0.0.0", "--port": "{{ $cp.port | quote }}",
+                            "--metrics-port": "{{ $cp.metricsPort | quote }}"}),
+    # The chart sizes pods for a GPU pool (its own device, dtype and slot counts), so it passes them.
+    ("data-plane.yaml", {"--host": "0.0.0.0", "--port": "{{ $dp.port | quote }}",
+                         "--metrics-port": "{{ $dp.metricsPort | quote }}", "--device": "{{ $dp.device }}",
+                         "--dtype": "{{ $dp.dtype }}", "--max-loras": "{{ $dp.maxLoras | quote }}",
+                         "--max-cpu-loras": "{{ $dp.maxCpuLoras | quote }}",
+                         "--max-lora-rank": "{{ $dp.maxLoraRank | quote }}"}),
+])
+def test_the_chart_passes_its_own_choices_as_flags(template, flags):
+    passed = _template_flags(template)
+    assert {flag: passed.get(flag) for flag in flags} == flags
