@@ -20,19 +20,6 @@ def bench():
     return module
 
 
-def test_defaults_cover_llama_3_8b_shapes_ranks_adapters_decode_and_prefill(bench):
-    args = bench.parse_args([])
-    assert bench.LAYERS == {
-        "qkv": (4096, (4096, 1024, 1024)),
-        "o": (4096, (4096,)),
-        "gate_up": (4096, (14336, 14336)),
-        "down": (14336, (4096,)),
-    }
-    assert args.layers == ["qkv", "o", "gate_up", "down"]
-    assert (args.ranks, args.adapters) == ([8, 16, 64], [1, 8, 64])
-    assert min(args.tokens) == 1 and 256 in args.tokens and {4096, 16384} <= set(args.tokens)
-
-
 def test_arguments_parse_and_unknown_layers_are_refused(bench, capsys):
     args = bench.parse_args(["--layers", "qkv,down", "--ranks", "8", "--tokens", "1,4096", "--dtype", "fp16"])
     assert (args.layers, args.ranks, args.tokens, args.dtype) == (["qkv", "down"], [8], [1, 4096], "fp16")
