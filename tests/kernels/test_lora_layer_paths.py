@@ -86,13 +86,6 @@ def _step() -> ForwardBatch:
 X = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
 
 
-def test_cpu_layer_takes_the_dense_path_for_a_small_step(monkeypatch):
-    layer = _qkv_layer(torch.float32)
-    dense_calls = _counting(monkeypatch, cpu_lora, "lora_dense")
-    layer(X, _step())
-    assert len(dense_calls) == 1, "a 9-token step over three adapters should take the dense path"
-
-
 def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
     first, second = _qkv_layer(torch.float32), _qkv_layer(torch.float32)
     choices = _counting(monkeypatch, cpu_lora, "choose_path")
