@@ -58,7 +58,11 @@ class Forwarder:
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         arrived = time.perf_counter()
-        adapter = adapter_of(request)
+        try:
+            adapter = adapter_of(request)
+        except InvalidRequest:
+            self._metrics.requests.labels("unknown", InvalidRequest.status).inc()
+            raise
         adapter_class = "adapter" if adapter else "base"
         outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
         try:

@@ -9,7 +9,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 
 class RouterMetrics:
-    """Recorded at request and state-refresh boundaries. ``adapter_class`` is ``base`` or ``adapter``;
+    """Recorded at request and state-refresh boundaries. ``adapter_class`` is ``base`` or ``adapter``
+    (``unknown`` for bytes that are not a GenerateRequest);
     ``outcome`` is the call's gRPC status code name; ``decision`` is base, device_hit, cpu_hit or cold."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:

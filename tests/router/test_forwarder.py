@@ -192,6 +192,8 @@ def test_bytes_that_are_not_a_generate_request_are_invalid_argument():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 [m async for m in raw(b"\xff\xff\xff")]
             assert not f.pods["a"].calls
+            assert sample(f.metrics, "lorafleet_router_requests_total", adapter_class="unknown",
+                          outcome="INVALID_ARGUMENT") == 1
             return e.value
 
     error = asyncio.run(go())
