@@ -1,2 +1,2 @@
-"""Multi-adapter LoRA ops: Triton kernels for CUDA, and ``reference`` (pure torch) for CPU
-and as the test oracle. ``lora_ops`` picks between them by device."""
+"""Multi-adapter LoRA ops: Triton kernels for CUDA; on CPU the paths of ``cpu_lora`` and
+``reference`` (pure torch, also the test oracle). ``lora_backend`` picks between them."""

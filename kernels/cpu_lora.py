@@ -27,12 +27,14 @@ packed once, when the slots change, and both cost a fixed number of ops per laye
   token's adapter once, whatever the number of adapters.
 
 ``choose_path`` weighs the three from a ``CpuPlan`` (ranks only); a packed copy is built only for
-layers that take its path.
+layers that take its path. What every layer of one step can share (the path for a plan, the
+dense mask for a layout, the gather index) is kept in that step's ``CpuStepCache``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,7 +44,15 @@ import torch
 OP_SECONDS = 15e-6
 FLOP_PER_SECOND = 50e9
 BYTES_PER_SECOND = 15e9
-DENSE, GATHERED, LOOP = "dense", "gathered", "loop"
+
+
+class CpuLoraPath(enum.Enum):
+    """How a CPU step applies its adapters: the packed matmul pair, the gathered matrix-vector
+    products, or ``kernels.reference``'s loop over adapter segments."""
+
+    DENSE = "dense"
+    GATHERED = "gathered"
+    LOOP = "loop"
 
 
 @dataclass(frozen=True)
@@ -115,9 +125,10 @@ def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]]
     return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns))
 
 
-def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> str:
-    """DENSE, GATHERED or LOOP: the path expected to be fastest for a step of ``num_tokens`` whose
-    adapter segments are ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``)."""
+def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> CpuLoraPath:
+    """The path expected to be fastest for a step of ``num_tokens`` whose adapter segments are
+    ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``), by the costs of
+    this machine class above."""
     dense = (2 + plan.num_expands) * OP_SECONDS + 2 * num_tokens * plan.rank * plan.width / FLOP_PER_SECOND
     # Two gathers, two batched products, the per-row slice pick and the add; the slots are read,
     # the gathered copies written and read again, and B is multiplied by every slice's ranks.
@@ -131,26 +142,48 @@ def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, 
     for slot, start, end, _ in segments:
         flops = 2 * (end - start) * plan.slot_ranks[slot] * plan.width
         loop += (2 + plan.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
-    return min((dense, DENSE), (gathered, GATHERED), (loop, LOOP))[1]
+    costs = {CpuLoraPath.DENSE: dense, CpuLoraPath.GATHERED: gathered, CpuLoraPath.LOOP: loop}
+    return min(costs, key=costs.__getitem__)
+
+
+@dataclass
+class CpuStepCache:
+    """What the CPU LoRA layers of one step share, computed by the first layer that needs it:
+    layers with equal plans take one path, layers of one dense layout use one mask, and gathered
+    layers one index. Each step has its own (``LoraMeta.step_cache``)."""
+
+    paths: dict[CpuPlan, CpuLoraPath] = field(default_factory=dict)
+    masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)  # by DensePack.layout
+    gather_indices: dict[int, torch.Tensor] = field(default_factory=dict)  # by GatherPack.zero_slot
+
+    def mask(self, pack: DensePack, token_slots: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, R] bool: the packed columns of each token's own slot (``token_slots``:
+        [num_tokens] int32, -1 = base model only, which owns no column)."""
+        mask = self.masks.get(pack.layout)
+        if mask is None:
+            mask = self.masks[pack.layout] = token_slots[:, None] == pack.col_slots[None, :]
+        return mask
+
+    def gather_index(self, pack: GatherPack, token_slots: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64: each token's slot in ``pack``, its all-zero slot for tokens of slot -1."""
+        index = self.gather_indices.get(pack.zero_slot)
+        if index is None:
+            index = torch.where(token_slots >= 0, token_slots, pack.zero_slot).long()
+            self.gather_indices[pack.zero_slot] = index
+        return index
 
 
 def lora_dense(
     y: torch.Tensor,  # [num_tokens, out_features], updated in place
     x: torch.Tensor,  # [num_tokens, in_features]
     pack: DensePack,
-    token_slots: torch.Tensor,  # [num_tokens] int32, -1 = base model only
-    step_values: dict | None = None,  # the step's masks by layout, shared by the layers of one step
+    mask: torch.Tensor,  # [num_tokens, R] bool, the token's own columns (CpuStepCache.mask)
 ) -> None:
     """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, with the semantics of
     ``kernels.reference``'s shrink then expand: accumulated in float32 and rounded once to ``y``'s
     dtype. Rows of slot -1 get exact zeros added."""
     if pack.rank == 0:
         return
-    mask = step_values.get(pack.layout) if step_values is not None else None
-    if mask is None:
-        mask = token_slots[:, None] == pack.col_slots[None, :]  # [num_tokens, R]: the token's own columns
-        if step_values is not None:
-            step_values[pack.layout] = mask
     # where(), not a multiply: another adapter's product may be inf, and inf * 0 is NaN.
     s = torch.where(mask, x.float() @ pack.packed_a, 0.0)  # [num_tokens, R]
     acc = y if y.dtype == torch.float32 else y.float()
@@ -166,6 +199,11 @@ class GatherPack:
     b: torch.Tensor  # [max_loras + 1, out_features, r] float32, zero past each real rank
     row_slice: torch.Tensor | None  # [1, out_features, 1] int64 slice of each output row (None: one slice)
     rank: int  # r
+
+    @property
+    def zero_slot(self) -> int:
+        """The all-zero slot that tokens without an adapter gather."""
+        return self.a.shape[0] - 1
 
 
 def pack_gathered(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -208,18 +246,10 @@ def lora_gathered(
     y: torch.Tensor,  # [num_tokens, out_features], updated in place
     x: torch.Tensor,  # [num_tokens, in_features]
     pack: GatherPack,
-    token_slots: torch.Tensor,  # [num_tokens] int32, -1 = base model only
-    step_values: dict | None = None,  # shared by the layers of one step: the gather index
+    index: torch.Tensor,  # [num_tokens] int64, each token's slot in pack (CpuStepCache.gather_index)
 ) -> None:
     """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice with the semantics of
     ``kernels.reference`` (float32, rounded once to ``y``'s dtype); rows of slot -1 get exact zeros."""
-    zero_slot = pack.a.shape[0] - 1
-    key = ("gather", zero_slot)
-    index = step_values.get(key) if step_values is not None else None
-    if index is None:
-        index = torch.where(token_slots >= 0, token_slots, zero_slot).long()
-        if step_values is not None:
-            step_values[key] = index
     num_tokens = x.shape[0]
     s = torch.bmm(pack.a.index_select(0, index), x.float().unsqueeze(-1))  # [T, S * r, 1]
     b = pack.b.index_select(0, index)  # [T, out, r]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_lora import CpuStepCache
+
 
 @dataclass(frozen=True)
 class LoraMeta:
@@ -28,8 +30,8 @@ class LoraMeta:
     # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
     # path then slices instead of gathering.
     host_segments: tuple[tuple[int, int, int, int], ...]
-    # Per-step values the CPU paths compute once and every layer reuses (see kernels.cpu_lora).
-    step_values: dict = field(default_factory=dict)
+    # What the CPU LoRA layers of this step compute once and share.
+    step_cache: CpuStepCache = field(default_factory=CpuStepCache)
 
     @property
     def has_lora(self) -> bool:

@@ -1,4 +1,5 @@
-"""The dense and gathered CPU LoRA paths agree with the reference's shrink + expand."""
+"""The dense and gathered CPU LoRA paths agree with the reference's shrink + expand, and the
+layers of one step share what they compute alike."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from kernels import reference
 from kernels.cpu_lora import (
-    DENSE,
-    GATHERED,
+    CpuLoraPath,
+    CpuStepCache,
     DensePack,
     lora_dense,
     lora_gathered,
@@ -32,16 +33,17 @@ def _pack(p) -> DensePack:
     return pack(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
 
 
-def _dense(y, p, step_values=None):
-    lora_dense(y, p.x, _pack(p), p.meta.token_slots, step_values)
+def _dense(y, p, step: CpuStepCache):
+    packed = _pack(p)
+    lora_dense(y, p.x, packed, step.mask(packed, p.meta.token_slots))
 
 
-def _gathered(y, p, step_values=None):
-    lora_gathered(y, p.x, pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets), p.meta.token_slots,
-                  step_values)
+def _gathered(y, p, step: CpuStepCache):
+    packed = pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
+    lora_gathered(y, p.x, packed, step.gather_index(packed, p.meta.token_slots))
 
 
-PATHS = {DENSE: _dense, GATHERED: _gathered}
+PATHS = {CpuLoraPath.DENSE: _dense, CpuLoraPath.GATHERED: _gathered}
 
 
 def _reference(p, y: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ def _reference(p, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layer", list(CPU_LAYERS))
 @pytest.mark.parametrize("mix", MIXES)
@@ -62,7 +64,7 @@ def test_cpu_paths_match_the_reference_for_every_mix(mix, layer, dtype, path):
     y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = _reference(p, y)
 
-    PATHS[path](y, p)
+    PATHS[path](y, p, CpuStepCache())
 
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
@@ -85,18 +87,25 @@ def test_packed_columns_hold_only_real_ranks_and_their_slots():
     assert not any(e.b.isnan().any() for e in packed.expands), "rank padding of B (NaN in this problem) was packed"
 
 
-def test_layers_of_one_layout_share_the_step_mask():
+@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
+def test_layers_of_one_step_share_its_mask_or_gather_index(path):
     p = _problem(QKV, [0, 3, -1, 1], torch.float32, seed=6)
-    masks: dict = {}
+    step = CpuStepCache()
+
+    def shared() -> list[torch.Tensor]:
+        return [*step.masks.values(), *step.gather_indices.values()]
+
     y1, y2 = torch.zeros(4, QKV.offsets[-1]), torch.zeros(4, QKV.offsets[-1])
-    lora_dense(y1, p.x, _pack(p), p.meta.token_slots, masks)
-    assert list(masks) == [_pack(p).layout]
-    lora_dense(y2, p.x, _pack(p), p.meta.token_slots, masks)  # served from the shared mask
+    PATHS[path](y1, p, step)
+    (first,) = shared()
+    PATHS[path](y2, p, step)  # a second layer of the same layout, in the same step
+    (second,) = shared()
+    assert second is first, "the second layer computed the step's value again"
     torch.testing.assert_close(y2, y1)
     torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
 def test_an_overflowing_adapter_does_not_reach_other_rows(path):
     # Slot 3's A is so large that x @ A is inf for every token, including those of other slots:
     # those products must be dropped, not multiplied by zero (inf * 0 = NaN).
@@ -105,7 +114,7 @@ def test_an_overflowing_adapter_does_not_reach_other_rows(path):
     p.lora_a[:, 3] *= 1e38
     y = torch.zeros(len(token_slots), QKV.offsets[-1])
 
-    PATHS[path](y, p)
+    PATHS[path](y, p, CpuStepCache())
 
     assert torch.isfinite(y[[1, 2, 3]]).all()
     expected = _reference(p, torch.zeros_like(y))

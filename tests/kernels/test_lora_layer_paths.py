@@ -1,18 +1,20 @@
-"""One LoRA layer code, two data planes: the Triton kernels (what CUDA runs; here under the
-interpreter) and the torch reference (what CPU runs) give the same layer output."""
+"""One LoRA layer code, two backends: the Triton kernels (what CUDA runs; here under the
+interpreter) and the CPU paths give the same layer output, and a CPU layer takes the path it is
+given and follows slot changes on it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import data_plane.lora.layer
 import kernels.lora_expand
 import kernels.lora_shrink
 from data_plane.lora.layer import LoRAProjection
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, Projection
-from kernels import cpu_lora, lora_ops
+from kernels import cpu_lora
+from kernels.cpu_lora import CpuLoraPath
+from kernels.lora_backend import CpuBackend, TritonBackend
 from kernels.lora_meta import LoraMetaBuilder
 
 MAX_LORAS, MAX_RANK = 4, 16
@@ -58,12 +60,12 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
-    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: cpu_lora.LOOP)
+    assert isinstance(layer.backend, CpuBackend), "a layer on CPU runs the CPU paths"
+    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraPath.LOOP)
     on_reference = layer(x, batch)
 
-    # The CUDA branch of the dispatch, on CPU tensors: the kernels run under the interpreter.
-    monkeypatch.setattr(lora_ops, "runs_triton", lambda t: True)
-    monkeypatch.setattr(data_plane.lora.layer, "runs_triton", lambda t: True)
+    # What a layer on CUDA runs, on CPU tensors: the kernels run under the interpreter.
+    layer.backend = TritonBackend(layer.backend.slots)
     shrinks = _counting(monkeypatch, kernels.lora_shrink, "lora_shrink")
     expands = _counting(monkeypatch, kernels.lora_expand, "lora_expand")
     on_triton = layer(x, batch)
@@ -86,6 +88,17 @@ def _step() -> ForwardBatch:
 X = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
 
 
+def test_a_layer_no_resident_adapter_adapts_returns_the_base_output(monkeypatch):
+    layer = _qkv_layer(torch.float32)
+    for slot in SLOT_RANKS:
+        layer.clear_slot(slot)
+    choices = _counting(monkeypatch, cpu_lora, "choose_path")
+    batch = _step()
+    assert layer.backend.path(batch.lora) is None
+    assert torch.equal(layer(X, batch), layer.base(X))
+    assert not choices, "a layer without adapters has no path to choose"
+
+
 def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
     first, second = _qkv_layer(torch.float32), _qkv_layer(torch.float32)
     choices = _counting(monkeypatch, cpu_lora, "choose_path")
@@ -97,12 +110,13 @@ def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
     assert len(choices) == 2, "a new step chooses again"
 
 
-@pytest.mark.parametrize("path, kernel", [(cpu_lora.DENSE, "lora_dense"), (cpu_lora.GATHERED, "lora_gathered")])
+@pytest.mark.parametrize("path, kernel", [(CpuLoraPath.DENSE, "lora_dense"), (CpuLoraPath.GATHERED, "lora_gathered")],
+                         ids=["dense", "gathered"])
 def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, path, kernel):
     layer = _qkv_layer(torch.float32)
     calls = _counting(monkeypatch, cpu_lora, kernel)
 
-    def run(on: str) -> torch.Tensor:
+    def run(on: CpuLoraPath) -> torch.Tensor:
         monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: on)
         before = len(calls)
         out = layer(X, _step())
@@ -111,12 +125,12 @@ def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, pa
 
     on_path = run(path)
     # outputs reach hundreds (unscaled random weights); the paths sum in different orders
-    torch.testing.assert_close(on_path, run(cpu_lora.LOOP), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(on_path, run(CpuLoraPath.LOOP), rtol=1e-4, atol=1e-4)
 
     # Replacing slot 1's adapter must show on the next step (the packed copy is rebuilt).
     gen = torch.Generator().manual_seed(2)
     layer.set_slot(1, {"k": SliceDelta(a=torch.randn(4, 96, generator=gen), b=torch.randn(24, 4, generator=gen))})
     after = run(path)
-    torch.testing.assert_close(after, run(cpu_lora.LOOP), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after, run(CpuLoraPath.LOOP), rtol=1e-4, atol=1e-4)
     rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot == 1]
     assert not torch.allclose(after[rows], on_path[rows]), "slot 1 changed but its rows did not"

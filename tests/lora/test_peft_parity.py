@@ -8,6 +8,7 @@ import torch
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
 from kernels import cpu_lora
+from kernels.cpu_lora import CpuLoraPath
 from tests.lora.conftest import ADAPTERS, forward_rows, peft_row_logits, runtime_with_adapters
 
 
@@ -27,7 +28,7 @@ def _rows(adapters):
     return [(a, torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()) for i, a in enumerate(adapters)]
 
 
-@pytest.mark.parametrize("path", [None, cpu_lora.LOOP, cpu_lora.DENSE, cpu_lora.GATHERED])
+@pytest.mark.parametrize("path", [None, *CpuLoraPath], ids=lambda path: path.value if path else "estimated")
 @pytest.mark.parametrize("mix", [
     [None, "r8", "r16rs", "r8", "r1"],  # base + repeated adapter + distinct adapters
     ["r1", "r8", "r16rs", "r64pat"],  # ranks 1, 8, 16, 64 in one batch
