@@ -6,9 +6,10 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from conventions import defaults
 from conventions.errors import ConfigError
 
-# The router's own ports: beside the control plane's 50051/9100 and a pod's 50052/9101.
+# The router's own ports, beside the control plane's and a pod's (conventions/defaults.py).
 ROUTER_PORT = 50050
 ROUTER_METRICS_PORT = 9102
 
@@ -26,9 +27,9 @@ class RouterConfig:
     """Everything one router process needs; validated on construction."""
 
     admin_token_file: Path  # the control plane's bearer token; pods' DataPlaneAdmin takes the same one
-    control_plane: str = "127.0.0.1:50051"
+    control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
     control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
-    host: str = "127.0.0.1"
+    host: str = defaults.HOST
     port: int = ROUTER_PORT
     metrics_port: int = ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
     # How often the registry and every pod's state are re-read: the staleness bound of routing.
