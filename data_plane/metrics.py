@@ -39,8 +39,6 @@ class PodMetrics:
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed validation.",
-                                     registry=r)
 
     def watch(self, snapshot: Callable[[], EngineState]) -> None:
         """Exports the gauges and the load, eviction and preemption counts of ``snapshot()`` at scrape time."""

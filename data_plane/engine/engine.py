@@ -1,10 +1,9 @@
-"""The engine: one asyncio task that loops schedule() -> run() -> postprocess().
+"""The engine: admits requests, and one asyncio task loops schedule() -> run() -> postprocess().
 
 Scheduling and bookkeeping happen on the event loop; the forward pass runs on one model thread
-under ``model_lock``, and every cache operation that may copy into or clear adapter slots takes
-that lock too, so none races with a forward.
-Adapter files are read and validated in worker threads too, off the step loop: a request whose
-adapter is loading waits while the batch keeps running.
+under ``model_lock``. ``adapters`` (an AdapterLoader) loads, unloads and pins adapters off the
+step loop, and takes that lock for every cache operation that may copy into or clear adapter
+slots, so none races with a forward.
 """
 
 from __future__ import annotations
@@ -13,10 +12,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from data_plane.engine.adapter_loader import AdapterLoader, Resolver
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
@@ -24,18 +24,14 @@ from data_plane.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState
 from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown, StepFailed
-from data_plane.lora.adapter_cache import Residency, Tier
+from data_plane.lora.adapter_cache import Tier
 from data_plane.lora.runtime import LoraRuntime
-from data_plane.lora.sources import check_adapter_name
 from data_plane.metrics import PodMetrics
 from data_plane.model import cpu_linear
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
 
 log = logging.getLogger("lorafleet.engine")
-
-# name -> (source, sha256); raises AdapterNotFound for an unknown name.
-Resolver = Callable[[str], Awaitable[tuple[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -78,17 +74,16 @@ class Engine:
         self.lora = lora
         self.limits = limits
         self.metrics = metrics
-        self._resolve = resolver
         self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size)
         self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size))
-        self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
-                                   self.blocks, lora.cache, lambda name: name in lora.cache)
         self.model_lock = asyncio.Lock()
+        self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
+        self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
+                                   self.blocks, lora.cache, self.adapters.is_resident)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
         self._streams: dict[str, _Stream] = {}
-        self._loading: dict[str, asyncio.Task] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.accepting = True
@@ -120,8 +115,8 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter)
         stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
-        if adapter is not None and adapter not in self.lora.cache:
-            await self._start_load(adapter)  # NOT_FOUND surfaces here, before anything is queued
+        if adapter is not None:
+            await self.adapters.ensure(adapter)  # NOT_FOUND surfaces here, before anything is queued
         self._streams[request_id] = stream
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -170,64 +165,18 @@ class Engine:
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total)
 
-    # ---- adapters ------------------------------------------------------------------------
-    async def _start_load(self, name: str, source: str | None = None, sha256: str = "") -> asyncio.Task:
-        check_adapter_name(name)  # a name no request could use must not reach a resolver or take a cache entry
-        task = self._loading.get(name)
-        if task is None:
-            if source is None:
-                source, sha256 = await self._resolve(name)
-            task = asyncio.get_running_loop().create_task(self._load(name, source, sha256))
-            self._loading[name] = task
-        return task
-
-    async def _load(self, name: str, source: str, sha256: str) -> Residency:
-        start = time.monotonic()
-        try:
-            adapter = await asyncio.to_thread(self.lora.read, name, source, sha256)
-            # under the model lock: a full CPU tier evicts, and evicting clears the victim's slot
-            residency = await self.with_slots(lambda: self.lora.cache.insert(adapter))
-        except LorafleetError as e:
-            self.metrics.load_latency.labels("error").observe(time.monotonic() - start)
-            self.metrics.load_failures.inc()
-            self.lora.cache.stats.loads[(Tier.CPU, "error")] += 1
+    def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
+        # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again
+        if error is not None:
             for stream in [s for s in self._streams.values() if s.seq.adapter == name and s.seq.slot < 0]:
-                self.abort(stream.seq.request_id, e)
-            raise
-        finally:
-            self._loading.pop(name, None)
-            self._wakeup.set()
-        self.metrics.load_latency.labels("ok").observe(time.monotonic() - start)
-        log.info("adapter loaded", extra={"adapter": name, "rank": adapter.rank, "seconds": time.monotonic() - start})
-        return residency
-
-    async def load_adapter(self, name: str, source: str, sha256: str = "") -> Residency:
-        """Reads, validates and caches an adapter (admin Load); idempotent for the same weights."""
-        task = self._loading.get(name) or await self._start_load(name, source, sha256)
-        return await asyncio.shield(task)
-
-    async def with_slots(self, fn: Callable[[], object]):
-        """Runs ``fn`` (a cache operation that may copy into slots) between forward passes."""
-        async with self.model_lock:
-            return fn()
-
-    def _kick_evicted_loads(self) -> None:
-        # an adapter evicted from the CPU tier while its requests waited is loaded again
-        for seq in self.scheduler.waiting:
-            if seq.adapter is not None and seq.adapter not in self.lora.cache and seq.adapter not in self._loading:
-                asyncio.get_running_loop().create_task(self._reload(seq.adapter))
-
-    async def _reload(self, name: str) -> None:
-        try:
-            await self._start_load(name)
-        except LorafleetError as e:
-            for stream in [s for s in self._streams.values() if s.seq.adapter == name and s.seq.slot < 0]:
-                self.abort(stream.seq.request_id, e)
+                self.abort(stream.seq.request_id, error)
+        self._wakeup.set()
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            self._kick_evicted_loads()
+            # an adapter evicted from the CPU tier while its requests waited is loaded again
+            self.adapters.reload_missing(seq.adapter for seq in self.scheduler.waiting if seq.adapter is not None)
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []
             if not batch:
                 self._wakeup.clear()
@@ -314,9 +263,11 @@ class Engine:
     def snapshot(self) -> EngineState:
         """The engine's state now: cache tiers, resident adapters, load and eviction counts, queues, KV use."""
         cache = self.lora.cache
+        # The cache counts what enters its tiers; a failed load never reaches it, so its count is the loader's.
+        loads = {**cache.stats.loads, (Tier.CPU, "error"): self.adapters.failed_loads}
         return EngineState(
-            slots=cache.slot_usage(), cpu=cache.cpu_usage(), adapters=tuple(cache.list()),
-            loads=dict(cache.stats.loads), evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
+            slots=cache.slot_usage(), cpu=cache.cpu_usage(), adapters=tuple(cache.list()), loads=loads,
+            evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), kv_usage=self.blocks.usage,
             preemptions=self.scheduler.num_preemptions,
         )

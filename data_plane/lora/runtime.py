@@ -48,5 +48,6 @@ class LoraRuntime:
         return self._meta.build(token_slots)
 
     def load(self, name: str, source: str, sha256: str = ""):
-        """Read then insert into the CPU tier (convenience for callers on the engine thread)."""
+        """Reads then inserts into the CPU tier on the calling thread, with no lock and no metrics: for
+        tests and benchmarks. A pod loads through its engine's AdapterLoader."""
         return self.cache.insert(self.read(name, source, sha256))

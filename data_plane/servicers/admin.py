@@ -23,23 +23,22 @@ class DataPlaneAdminServicer(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterResidency:
         engine = self._handle.get()
         self._guard.check(request.fencing_token)
-        return residency_pb(await engine.load_adapter(request.name, request.source, request.sha256))
+        return residency_pb(await engine.adapters.load(request.name, request.source, request.sha256))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
         engine = self._handle.get()
         self._guard.check(request.fencing_token)
-        return pb.UnloadAdapterResponse(was_resident=await engine.with_slots(
-            lambda: engine.lora.cache.unload(request.name)))
+        return pb.UnloadAdapterResponse(was_resident=await engine.adapters.unload(request.name))
 
     async def PinAdapter(self, request: pb.PodPinAdapterRequest, context) -> pb.AdapterResidency:
         engine = self._handle.get()
         self._guard.check(request.fencing_token)
-        return residency_pb(await engine.with_slots(lambda: engine.lora.cache.pin(request.name)))
+        return residency_pb(await engine.adapters.pin(request.name))
 
     async def UnpinAdapter(self, request: pb.PodUnpinAdapterRequest, context) -> pb.AdapterResidency:
         engine = self._handle.get()
         self._guard.check(request.fencing_token)
-        return residency_pb(await engine.with_slots(lambda: engine.lora.cache.unpin(request.name)))
+        return residency_pb(await engine.adapters.unpin(request.name))
 
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.PodState:
         return pod_state(self._handle.get(), self._pod_id, self._base_model)

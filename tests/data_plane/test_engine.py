@@ -115,7 +115,7 @@ def test_a_load_that_evicts_a_slot_resident_adapter_waits_for_the_model_lock(dem
             await tokens_of(engine, engine.tokenizer.encode("Hello"), 2, adapter="pirate")  # pirate now in a slot
             assert engine.lora.cache.slot_of("pirate") is not None
             async with engine.model_lock:  # as a forward pass does
-                load = asyncio.create_task(engine.load_adapter("shouty", str(root / "shouty")))
+                load = asyncio.create_task(engine.adapters.load("shouty", str(root / "shouty")))
                 for _ in range(150):
                     if load.done() or "pirate" not in engine.lora.cache:
                         break
