@@ -1,8 +1,10 @@
 """``lorafleet.v1.Generation/Generate``, forwarded: the request is parsed only to read its adapter, then
-its bytes go to the best pod, and each response message's bytes come back as the pod sent them."""
+its bytes go to the best pod, and each response message's bytes come back as the pod sent them. The
+OpenAI front end (router/http_api.py) forwards through the same ``Forwarder.stream``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,16 +59,25 @@ class Forwarder:
             self.generate)})
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        arrived = time.perf_counter()
         try:
             adapter = adapter_of(request)
         except InvalidRequest:
             self._metrics.requests.labels("unknown", InvalidRequest.status).inc()
             raise
+        async with contextlib.aclosing(self.stream(request, adapter, context.time_remaining())) as messages:
+            async for message in messages:
+                yield message
+
+    async def stream(self, request: bytes, adapter: str, timeout: float | None) -> AsyncIterator[bytes]:
+        """The serialized GenerateResponse messages of ``request`` (a serialized GenerateRequest for
+        ``adapter``, "" = base model) from the best pod that takes it, within ``timeout`` seconds (None:
+        no deadline). Raises AdapterNotRegistered, NoPodAvailable or PodError. Closing the generator
+        early cancels the pod's call, which frees the request there. Both front ends call this."""
+        arrived = time.perf_counter()
         adapter_class = "adapter" if adapter else "base"
         outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
         try:
-            async for message in self._forward(request, adapter, adapter_class, context, arrived):
+            async for message in self._forward(request, adapter, adapter_class, timeout, arrived):
                 yield message
             outcome = "OK"
         except LorafleetError as e:
@@ -78,12 +89,12 @@ class Forwarder:
         finally:
             self._metrics.requests.labels(adapter_class, outcome).inc()
 
-    async def _forward(self, request: bytes, adapter: str, adapter_class: str, context: grpc.aio.ServicerContext,
+    async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:
         candidates = self._picker.choose(adapter)[: self._retries + 1]
         for attempt, choice in enumerate(candidates):
             pod = choice.pod
-            call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=context.time_remaining())
+            call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=timeout)
             self._picker.started(pod.id, adapter)
             self._metrics.decisions.labels(choice.decision.label).inc()
             try:
