@@ -12,6 +12,8 @@ from conventions.errors import ConfigError
 # The router's own ports, beside the control plane's and a pod's (conventions/defaults.py).
 ROUTER_PORT = 50050
 ROUTER_METRICS_PORT = 9102
+# The OpenAI-compatible HTTP API: the port OpenAI-compatible servers commonly use.
+ROUTER_HTTP_PORT = 8000
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -32,6 +34,10 @@ class RouterConfig:
     host: str = defaults.HOST
     port: int = ROUTER_PORT
     metrics_port: int = ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
+    http_port: int = ROUTER_HTTP_PORT  # the OpenAI-compatible HTTP API; 0 disables it
+    api_key_file: Path | None = None  # bearer keys the HTTP API accepts, one a line; None = no keys asked
+    # Largest HTTP request body: far above any prompt a pod's context holds, small enough to refuse a flood.
+    http_max_body_bytes: int = 4 * 1024 * 1024
     # How often the registry and every pod's state are re-read: the staleness bound of routing.
     refresh_interval_s: float = 0.5
     state_timeout_s: float = 1.0  # per ListAdapters / ListPods / GetState call
@@ -44,9 +50,14 @@ class RouterConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port; use 1-65535")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port; use 1-65535, or 0 for none")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port {self.http_port} is not a TCP port; use 1-65535, or 0 for none")
+        if not 1024 <= self.http_max_body_bytes <= 1024 ** 3:
+            raise ConfigError(f"--http-max-body-bytes must be within 1 KiB-1 GiB, got {self.http_max_body_bytes}")
         parse_endpoint(self.control_plane, "--control-plane")
         for flag, path in (("--admin-token-file", self.admin_token_file),
-                           ("--control-plane-ca", self.control_plane_ca)):
+                           ("--control-plane-ca", self.control_plane_ca),
+                           ("--api-key-file", self.api_key_file)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path} is not a readable file; check the path")
         if not 0 < self.refresh_interval_s <= 60:
@@ -55,6 +66,20 @@ class RouterConfig:
             raise ConfigError(f"--state-timeout must be within (0, 60] seconds, got {self.state_timeout_s}")
         if not 0 <= self.retries <= 10:
             raise ConfigError(f"--retries must be within 0-10, got {self.retries}")
+
+    def api_keys(self) -> frozenset[str]:
+        """The keys of --api-key-file (one a line; blank lines and ``#`` comments skipped), or an empty set
+        when no file is given: then the HTTP API asks for none."""
+        if self.api_key_file is None:
+            return frozenset()
+        try:
+            lines = Path(self.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read --api-key-file {self.api_key_file}: {e.strerror}") from e
+        keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+        if not keys or any(any(c.isspace() for c in key) for key in keys):
+            raise ConfigError(f"--api-key-file {self.api_key_file} must hold one key a line, each without spaces")
+        return keys
 
     def control_plane_root_cert(self) -> bytes | None:
         """The PEM bytes of --control-plane-ca, or None for a plaintext control plane."""
@@ -70,10 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig
     p = argparse.ArgumentParser(prog="lorafleet router",
                                 description="Route Generate requests to the pods where their adapters live.")
-    p.add_argument("--host", default=d.host, help=f"address to serve gRPC and metrics on (default {d.host})")
+    p.add_argument("--host", default=d.host, help=f"address to serve gRPC, HTTP and metrics on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help=f"OpenAI-compatible HTTP API port; 0 disables it (default {d.http_port})")
+    p.add_argument("--api-key-file", type=Path,
+                   help="file of bearer keys the HTTP API accepts, one a line (default: no key asked)")
+    p.add_argument("--http-max-body-bytes", type=int, default=d.http_max_body_bytes,
+                   help=f"largest HTTP request body; larger ones get 413 (default {d.http_max_body_bytes})")
     p.add_argument("--control-plane", default=d.control_plane,
                    help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
     p.add_argument("--control-plane-ca", type=Path, help="PEM CA to dial the control plane over TLS")
@@ -93,4 +124,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         admin_token_file=args.admin_token_file, control_plane=args.control_plane,
         control_plane_ca=args.control_plane_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port, api_key_file=args.api_key_file, http_max_body_bytes=args.http_max_body_bytes,
         refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries)

@@ -26,6 +26,9 @@ class RouterMetrics:
         self.retries = Counter("lorafleet_router_retries",
                                "Requests sent to another pod after one refused them, by the refusal's code",
                                ["code"], registry=r)
+        self.http_responses = Counter("lorafleet_router_http_responses",
+                                      "OpenAI-compatible HTTP API responses by route and HTTP status",
+                                      ["route", "status"], registry=r)
         self.state_read_failures = Counter("lorafleet_router_state_read_failures",
                                            "Failed reads of fleet state, by source (control_plane or pod)",
                                            ["source"], registry=r)

@@ -65,7 +65,9 @@ class StateRefresher:
         adapters, pods = self._registry
         ready = [p for p in pods if p.ready]
         states = await asyncio.gather(*(self._read_pod(p) for p in ready))
-        self.view = build_view(adapters, pods, {p.id: s for p, s in zip(ready, states, strict=True) if s}, read_at)
+        known = self.view.base_model if self.view else ""
+        self.view = build_view(adapters, pods, {p.id: s for p, s in zip(ready, states, strict=True) if s}, read_at,
+                               known)
         self._channels.keep_only({p.endpoint for p in pods})
         self._metrics.pods_routable.set(len(self.view.pods))
         self._metrics.adapters_registered.set(len(self.view.adapters))

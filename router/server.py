@@ -19,6 +19,7 @@ from conventions.status import ErrorStatusInterceptor
 from router.channels import PodChannels
 from router.config import RouterConfig, build_parser, config_from_args
 from router.forwarder import SERVICE, Forwarder
+from router.http_api import HttpApi
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
 from router.refresher import StateRefresher
@@ -37,6 +38,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     channels = PodChannels()
     refresher = StateRefresher(config, token, channels, metrics)
     forwarder = Forwarder(PodPicker(lambda: refresher.view), channels, metrics, config.retries)
+    http_api = HttpApi(forwarder, lambda: refresher.view, metrics, config.api_keys(), config.http_max_body_bytes)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
     server.add_generic_rpc_handlers((forwarder.handler(),))
@@ -51,12 +53,20 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     await server.start()
+    if config.http_port:
+        try:
+            await http_api.start(config.host, config.http_port)
+        except OSError as e:
+            await server.stop(None)
+            raise SystemExit(f"lorafleet router: cannot serve HTTP on {config.host}:{config.http_port}: {e.strerror}"
+                             "; is the port taken?") from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     refreshing = asyncio.create_task(refresher.run(stop))
-    log.info("router listening", extra={"address": address, "control_plane": config.control_plane})
+    log.info("router listening", extra={"address": address, "http_port": config.http_port,
+                                        "control_plane": config.control_plane})
     try:
         done, _ = await asyncio.wait([asyncio.create_task(refresher.first_read.wait()),
                                       asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -70,6 +80,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         stop.set()
         log.info("router stopping")
         await health_servicer.enter_graceful_shutdown()
+        await http_api.stop()
         await server.stop(_SHUTDOWN_GRACE_S)
         await refreshing
         await refresher.close()

@@ -45,18 +45,21 @@ class PodView:
 
 @dataclass(frozen=True)
 class FleetView:
-    """The registered adapters and the routable pods, as read starting at ``read_at`` (monotonic seconds)."""
+    """The registered adapters and the routable pods, as read starting at ``read_at`` (monotonic seconds),
+    and the base model the pods serve ("" until a pod's state has named it)."""
 
     adapters: frozenset[str]
     pods: tuple[PodView, ...]
     read_at: float
+    base_model: str = ""
 
 
 def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod],
-               states: Mapping[str, pod_pb.PodState], read_at: float) -> FleetView:
+               states: Mapping[str, pod_pb.PodState], read_at: float, base_model: str = "") -> FleetView:
     """The view of ``pods`` that are ready and whose ``states`` were read. A pod's own state is the
     fresher fact; a READY pinned placement in the registry means a device slot as well, since a pinned
-    adapter is never evicted, so the two agree even between reads."""
+    adapter is never evicted, so the two agree even between reads. The base model is the one the read
+    pods name (every pod of a fleet serves the same one), else ``base_model``: the last one known."""
     adapters = list(adapters)
     pinned_on: dict[str, set[str]] = {}
     for adapter in adapters:
@@ -74,4 +77,6 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
                              slots_used=state.slots.used, residency=residency, running=state.running_requests,
                              waiting=state.waiting_requests, kv_usage=state.kv_cache_usage))
-    return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at)
+    base_model = next((s.base_model for s in states.values() if s.base_model), base_model)
+    return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
+                     base_model)

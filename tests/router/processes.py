@@ -16,13 +16,14 @@ from tests.processes import REPO, scrape
 
 
 class RouterProcess:
-    """``python -m router.server`` reading the fleet from ``control_plane``; stderr (JSON logs) goes to
-    ``log_path``."""
+    """``python -m router.server`` reading the fleet from ``control_plane``, its OpenAI HTTP API on
+    ``http_port``; stderr (JSON logs) goes to ``log_path``."""
 
     def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "router.log"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+                     "--http-port", str(self.http_port),
                      "--control-plane", control_plane, "--admin-token-file", str(token_file), *extra_args]
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
@@ -37,6 +38,11 @@ class RouterProcess:
         self.channel = grpc.insecure_channel(self.address)
         wait_serving(self.channel, self.proc, timeout_s, what="router", log_tail=lambda: tail(self.log_path))
         return self
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API's base URL, as the ``openai`` client takes it."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)

@@ -62,10 +62,12 @@ class Front:
     pods: dict[str, ScriptedPod]
     metrics: RouterMetrics
     picker: PodPicker
+    forwarder: Forwarder
+    view: FleetView
 
 
 @contextlib.asynccontextmanager
-async def router(scripts: dict[str, str | None], adapters=("pirate",), residency=None):
+async def router(scripts: dict[str, str | None], adapters=("pirate",), residency=None, base_model=""):
     """A forwarding server over scripted pods named by ``scripts`` (None: a pod whose port nothing
     listens on); yields the Front."""
     pods, servers, views = {}, [], []
@@ -79,16 +81,17 @@ async def router(scripts: dict[str, str | None], adapters=("pirate",), residency
             await server.start()
             servers.append(server)
         views.append(PodView(name, f"127.0.0.1:{port}", slots_total=4, residency=(residency or {}).get(name, {})))
-    view = FleetView(frozenset(adapters), tuple(views), read_at=0.0)
+    view = FleetView(frozenset(adapters), tuple(views), read_at=0.0, base_model=base_model)
     metrics, channels, picker = RouterMetrics(), PodChannels(), PodPicker(lambda: view)
+    forwarder = Forwarder(picker, channels, metrics, retries=2)
     front = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
-    front.add_generic_rpc_handlers((Forwarder(picker, channels, metrics, retries=2).handler(),))
+    front.add_generic_rpc_handlers((forwarder.handler(),))
     port = free_port()
     front.add_insecure_port(f"127.0.0.1:{port}")
     await front.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Front(channel, generation_pb2_grpc.GenerationStub(channel), pods, metrics, picker)
+        yield Front(channel, generation_pb2_grpc.GenerationStub(channel), pods, metrics, picker, forwarder, view)
     finally:
         await channel.close()
         await front.stop(0)

@@ -10,37 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import Fleet, PodProcess, copy_demo_adapters
+from tests.grpc_helpers import collect, request
+from tests.processes import PodProcess
 from tests.router.processes import RouterProcess
 
 pytestmark = pytest.mark.slow
-READY_WITHIN_S = 60
-
-
-@pytest.fixture(scope="module")
-def stack(demo_model_dir, tmp_path_factory):
-    """(fleet, router, {adapter: the pod holding it pinned}) with pirate and shouty pinned once each,
-    and signoff registered but resident nowhere."""
-    workdir = tmp_path_factory.mktemp("router-fleet")
-    fleet = Fleet(workdir, copy_demo_adapters(tmp_path_factory.mktemp("router-adapters")))
-    router = None
-    try:
-        fleet.start()
-        holders = {}
-        for name in ("pirate", "shouty"):  # one at a time, so that placement puts them on different pods
-            fleet.register(name)
-            fleet.pin(name, 1)
-            ready = wait_until(lambda n=name: fleet.placements(n), READY_WITHIN_S, f"{name} READY")
-            holders[name] = fleet.pods[ready.pop()]
-        assert holders["pirate"] is not holders["shouty"], "placement put both pins on one pod"
-        fleet.register("signoff")
-        router = RouterProcess(workdir, fleet.cp.target, fleet.token_file, "--refresh-interval", "0.3").start()
-        yield fleet, router, holders
-    finally:
-        if router is not None:
-            router.stop()
-        fleet.stop()
 
 
 def served(pod: PodProcess) -> float:

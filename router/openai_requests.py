@@ -1,0 +1,222 @@
+"""OpenAI request bodies, read and checked: ``/v1/completions`` and ``/v1/chat/completions`` JSON becomes
+an ApiRequest, which becomes one GenerateRequest. Every field is either used, accepted at the value that
+changes nothing (OpenAI clients send some by default), or refused with a 400 that names it. Pure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from lorafleet.v1 import generation_pb2 as g
+
+from router.openai_errors import invalid
+
+MAX_LOGPROBS = 20  # the most alternatives a pod returns per token
+MAX_STOP = 16
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
+_UINT32, _UINT64 = 2 ** 32 - 1, 2 ** 64 - 1
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class Endpoint(Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat.completions"
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One checked request. ``logprobs`` is None when none were asked for, else the number of top
+    alternatives per token."""
+
+    endpoint: Endpoint
+    model: str
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...]  # (role, content), oldest first
+    sampling: g.SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+    def generate_request(self, adapter: str, request_id: str) -> g.GenerateRequest:
+        """The GenerateRequest a pod serves for this request, for ``adapter`` ("" = base model)."""
+        req = g.GenerateRequest(request_id=request_id, adapter=adapter, sampling=self.sampling)
+        if self.prompt is not None:
+            req.prompt = self.prompt
+        else:
+            req.messages.messages.extend(g.ChatMessage(role=r, content=c) for r, c in self.messages)
+        return req
+
+
+class _Fields:
+    """The body's fields, taken one by one with a check each; a JSON null counts as absent."""
+
+    def __init__(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        self._left = {k: v for k, v in body.items() if v is not None}
+
+    def take(self, name: str) -> Any:
+        return self._left.pop(name, None)
+
+    def string(self, name: str, required: bool = False) -> str | None:
+        value = self.take(name)
+        if value is None and required:
+            raise invalid(name, f"'{name}' is required")
+        if value is not None and not isinstance(value, str):
+            raise invalid(name, f"'{name}' must be a string")
+        return value
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self.take(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, f"'{name}' must be true or false")
+        return value
+
+    def integer(self, name: str, low: int, high: int, default: int | None = None) -> int | None:
+        value = self.take(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise invalid(name, f"'{name}' must be an integer within [{low}, {high}], got {value!r}")
+        return value
+
+    def number(self, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
+        value = self.take(name)
+        if value is None:
+            return default
+        bad = isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+        if bad or not (low < value if low_open else low <= value) or value > high:
+            span = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            raise invalid(name, f"'{name}' must be a number within {span}, got {value!r}")
+        return float(value)
+
+    def neutral(self, name: str, *accepted: Any) -> None:
+        """Accepts ``name`` only at a value that changes nothing here; anything else is unsupported."""
+        value = self.take(name)
+        if value is not None and value not in accepted:
+            raise invalid(name, f"'{name}' is not supported with the value {value!r}; leave it out"
+                          f" or send {accepted[0]!r}")
+
+    def done(self) -> None:
+        """Refuses whatever field was not taken: an unknown field would otherwise be silently ignored."""
+        if self._left:
+            name = sorted(self._left)[0]
+            raise invalid(name, f"unsupported field '{name}'; lorafleet's OpenAI API does not implement it")
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    """A ``/v1/completions`` body, checked. 400 (ApiError) names the first bad field."""
+    f = _Fields(body)
+    model = f.string("model", required=True)
+    prompt = f.take("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt", "'prompt' must be a string (or a list of one string); token-id prompts and"
+                      " batches of prompts are not supported")
+    max_tokens = f.integer("max_tokens", 1, _UINT32, _COMPLETION_DEFAULT_MAX_TOKENS)
+    logprobs = f.integer("logprobs", 0, MAX_LOGPROBS)
+    f.neutral("echo", False)
+    f.neutral("best_of", 1)
+    f.neutral("suffix", "")
+    return _finish(f, Endpoint.COMPLETIONS, model, prompt, (), max_tokens, logprobs)
+
+
+def parse_chat(body: Any) -> ApiRequest:
+    """A ``/v1/chat/completions`` body, checked. 400 (ApiError) names the first bad field."""
+    f = _Fields(body)
+    model = f.string("model", required=True)
+    messages = _messages(f.take("messages"))
+    max_tokens = f.integer("max_completion_tokens", 1, _UINT32)
+    legacy = f.integer("max_tokens", 1, _UINT32)
+    if max_tokens is not None and legacy is not None and max_tokens != legacy:
+        raise invalid("max_tokens", "send either 'max_completion_tokens' or 'max_tokens', not two different values")
+    max_tokens = max_tokens if max_tokens is not None else legacy
+    wants_logprobs = f.boolean("logprobs")
+    top = f.integer("top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wants_logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    f.neutral("response_format", {"type": "text"})
+    f.neutral("tools", [])
+    f.neutral("tool_choice", "none", "auto")
+    f.neutral("functions", [])
+    f.neutral("function_call", "none", "auto")
+    f.boolean("parallel_tool_calls")  # harmless without tools
+    f.neutral("store", False)
+    f.neutral("service_tier", "auto", "default")
+    f.neutral("modalities", ["text"])
+    metadata = f.take("metadata")  # kept by OpenAI with stored completions only; nothing is stored here
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("metadata", "'metadata' must be an object")
+    logprobs = (top or 0) if wants_logprobs else None
+    return _finish(f, Endpoint.CHAT, model, None, messages, max_tokens or 0, logprobs)
+
+
+def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, messages: tuple,
+            max_tokens: int, logprobs: int | None) -> ApiRequest:
+    """The fields both endpoints share, then the request."""
+    sampling = g.SamplingParams(
+        max_tokens=max_tokens, logprobs=logprobs or 0,
+        temperature=f.number("temperature", 0.0, 2.0, 1.0),
+        top_p=f.number("top_p", 0.0, 1.0, 1.0, low_open=True),
+        top_k=f.integer("top_k", 0, _UINT32, 0),  # an extension, as in vLLM; 0 disables it
+        ignore_eos=f.boolean("ignore_eos"),  # an extension, as in vLLM
+        stop=_stop(f.take("stop")))
+    seed = f.integer("seed", 0, _UINT64)
+    if seed is not None:
+        sampling.seed = seed
+    f.neutral("n", 1)
+    f.neutral("frequency_penalty", 0)
+    f.neutral("presence_penalty", 0)
+    f.neutral("logit_bias", {})
+    f.string("user")  # an end-user id for abuse tracking upstream; nothing to do with it here
+    stream = f.boolean("stream")
+    options = f.take("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} \
+                or not isinstance(options.get("include_usage", False), bool):
+            raise invalid("stream_options", "'stream_options' must be {\"include_usage\": true|false}")
+        include_usage = options.get("include_usage", False)
+    f.done()
+    return ApiRequest(endpoint, model, prompt, messages, sampling, stream, include_usage, logprobs)
+
+
+def _stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them")
+    return stops
+
+
+def _messages(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, message in enumerate(value):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+            raise invalid(param, f"'{param}' must be an object with 'role' and 'content' (and an optional 'name')")
+        role = _ROLES.get(message.get("role"))
+        if role is None:
+            raise invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(_ROLES)};"
+                          f" got {message.get('role')!r}")
+        out.append((role, _content(message.get("content"), f"{param}.content")))
+    return tuple(out)
+
+
+def _content(value: Any, param: str) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise invalid(param, f"'{param}' must be a string or a list of {{\"type\": \"text\", \"text\": ...}} parts;"
+                  " images, audio and files are not supported")
