@@ -40,6 +40,8 @@ def test_routing_is_at_most_one_second_stale_by_default(token_file):
     ({"state_timeout_s": -1}, "--state-timeout must be within"),
     ({"retries": -1}, "--retries must be within 0-10"),
     ({"retries": 11}, "--retries must be within 0-10"),
+    ({"http_port": 65536}, "--http-port 65536 is not a TCP port"),
+    ({"http_max_body_bytes": 10}, "--http-max-body-bytes must be within"),
 ])
 def test_a_bad_value_is_refused_with_what_to_fix(token_file, change, words):
     with pytest.raises(ConfigError, match=words):
@@ -53,6 +55,26 @@ def test_missing_files_and_a_ca_without_a_certificate_are_refused(token_file, tm
         RouterConfig(admin_token_file=token_file, control_plane_ca=tmp_path / "absent.pem")
     with pytest.raises(ConfigError, match="holds no PEM certificate"):
         RouterConfig(admin_token_file=token_file, control_plane_ca=token_file).control_plane_root_cert()
+
+
+def test_the_http_api_takes_its_port_keys_and_body_limit_from_flags(token_file, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# one key a line\nsk-one\n\n  sk-two  \n")
+    config = config_from_args(build_parser().parse_args([
+        "--admin-token-file", str(token_file), "--http-port", "0", "--api-key-file", str(keys),
+        "--http-max-body-bytes", "2048"]))
+    assert (config.http_port, config.http_max_body_bytes, config.api_keys()) == (0, 2048, {"sk-one", "sk-two"})
+    assert RouterConfig(admin_token_file=token_file).api_keys() == frozenset()
+
+
+def test_a_key_file_without_keys_or_with_a_spaced_key_is_refused(token_file, tmp_path):
+    keys = tmp_path / "keys"
+    for text in ("# only a comment\n", "sk one\n"):
+        keys.write_text(text)
+        with pytest.raises(ConfigError, match="--api-key-file .* must hold one key a line"):
+            RouterConfig(admin_token_file=token_file, api_key_file=keys).api_keys()
+    with pytest.raises(ConfigError, match="--api-key-file .* is not a readable file"):
+        RouterConfig(admin_token_file=token_file, api_key_file=tmp_path / "absent")
 
 
 def test_main_reports_a_bad_flag_in_one_line_and_exits_2(token_file, capsys):
@@ -73,5 +95,5 @@ def test_lorafleet_router_help_lists_the_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--metrics-port", "--control-plane", "--admin-token-file",
-                 "--refresh-interval", "--retries"):
+                 "--refresh-interval", "--retries", "--http-port", "--api-key-file", "--http-max-body-bytes"):
         assert flag in out
