@@ -3,6 +3,7 @@ layers of one step share what they compute alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -21,7 +22,8 @@ from kernels.cpu_lora import (
     plan,
     update_gathered,
 )
-from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, TOLERANCES, Layer, _mix, _problem
+from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, Layer, _mix, _problem
+from tests.tolerances import magnitude, tolerances
 
 DTYPES = (torch.float32, torch.bfloat16)
 # gate_up-like, two slices of one width; slot 1 adapts neither, slot 4 only the first.
@@ -54,6 +56,15 @@ def _reference(p, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _tolerances(p, y: torch.Tensor, rows=slice(None)) -> tuple[float, float]:
+    """(rtol, atol) for ``y`` + the LoRA delta of ``p`` against the reference: the reference run on
+    absolute values gives |y| + |B| @ (|A| @ |x|), what each element's sums add up to."""
+    abs_sums = _reference(dataclasses.replace(p, x=p.x.abs(), lora_a=p.lora_a.abs(), lora_b=p.lora_b.abs()),
+                          y.float().abs())
+    depth = p.layer.in_features + max(max(r) for r in p.layer.ranks) + 1  # shrink, expand, the add to y
+    return tolerances(p.x.dtype, depth=depth, scale=magnitude(abs_sums[rows]))
+
+
 @pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layer", list(CPU_LAYERS))
@@ -63,10 +74,10 @@ def test_cpu_paths_match_the_reference_for_every_mix(mix, layer, dtype, path):
     p = _problem(CPU_LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
     y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = _reference(p, y)
+    rtol, atol = _tolerances(p, y)
 
     PATHS[path](y, p, CpuStepCache())
 
-    rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
     base_rows = [t for t, slot in enumerate(p.token_slots) if slot < 0]
     assert torch.equal(y[base_rows], expected[base_rows]), "rows without an adapter changed"
@@ -102,7 +113,8 @@ def test_layers_of_one_step_share_its_mask_or_gather_index(path):
     (second,) = shared()
     assert second is first, "the second layer computed the step's value again"
     torch.testing.assert_close(y2, y1)
-    torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=1e-5, atol=1e-5)
+    rtol, atol = _tolerances(p, torch.zeros_like(y1))
+    torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
@@ -118,7 +130,8 @@ def test_an_overflowing_adapter_does_not_reach_other_rows(path):
 
     assert torch.isfinite(y[[1, 2, 3]]).all()
     expected = _reference(p, torch.zeros_like(y))
-    torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=1e-5, atol=1e-5)
+    rtol, atol = _tolerances(p, torch.zeros_like(y), rows=[1, 2, 3])
+    torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=rtol, atol=atol)
 
 
 def test_plan_counts_the_real_ranks_of_the_resident_slots():

@@ -27,19 +27,16 @@ from kernels.lora_expand import lora_expand
 from kernels.lora_launch import Tiles
 from kernels.lora_meta import LoraMeta, LoraMetaBuilder
 from kernels.lora_shrink import lora_shrink
+from tests.tolerances import magnitude, tolerances
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_RANK = 64
 NUM_SLOTS = 5
 Y_PAD = 5  # columns past y in its storage, which expand must not write
-# (rtol, atol): y is rounded once to its dtype (the interpreter rounds fp32 -> bf16 toward zero,
-# the GPU to nearest), expand carries buf in two halves of the weight dtype, and sums run in
-# another order than torch's.
-TOLERANCES = {
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1e-2),
-    torch.float32: (1e-5, 1e-5),
-}
+# Compared with tests.tolerances.tolerances: y is rounded once to its dtype (the interpreter rounds
+# fp32 -> bf16 toward zero, the GPU to nearest), expand carries buf in two halves of the weight
+# dtype, and sums run in another order than torch's.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -96,7 +93,7 @@ TOKEN_COUNTS = (1, 3, 7, 133)
 def _cases():
     """Every (token count, mix) pair once. Each token count meets every (layer, dtype) pair once,
     and each mix a different pair at each token count: coverage without the cartesian product."""
-    pairs = list(itertools.product(LAYERS, TOLERANCES))
+    pairs = list(itertools.product(LAYERS, DTYPES))
     for j, n in enumerate(TOKEN_COUNTS):
         for i, mix in enumerate(MIXES):
             layer, dtype = pairs[(i + j) % len(pairs)]
@@ -197,7 +194,9 @@ def _check_shrink(p: Problem, dtype: torch.dtype, blocks: str) -> None:
 
     expected = torch.full_like(buf, float("nan"))
     reference.lora_shrink(p.x, p.lora_a, p.ranks, p.meta, expected)
-    rtol, atol = TOLERANCES[dtype]
+    abs_sums = torch.full_like(buf, float("nan"))  # |x| @ |A|ᵀ: what the sums add up in absolute value
+    reference.lora_shrink(p.x.abs(), p.lora_a.abs(), p.ranks, p.meta, abs_sums)
+    rtol, atol = tolerances(dtype, depth=p.layer.in_features, scale=magnitude(abs_sums))
     torch.testing.assert_close(buf, expected, rtol=rtol, atol=atol, equal_nan=True)
     outside = torch.ones_like(p.meta.buffer, dtype=torch.bool)
     outside[: buf.shape[0], : buf.shape[1]] = False
@@ -213,7 +212,10 @@ def _check_expand(p: Problem, dtype: torch.dtype, blocks: str, seed: int) -> Non
     lora_expand(wide[:, :out_features], buf, p.lora_b, p.ranks, p.slice_offsets, p.meta, tiles=BLOCKS[blocks][1])
 
     reference.lora_expand(wide_ref[:, :out_features], buf, p.lora_b, p.ranks, p.layer.offsets, p.meta)
-    rtol, atol = TOLERANCES[dtype]
+    abs_sums = wide0[:, :out_features].float().abs()  # |y0| + |buf| @ |B|ᵀ
+    reference.lora_expand(abs_sums, buf.abs(), p.lora_b.abs(), p.ranks, p.layer.offsets, p.meta)
+    # buf is the same float32 input on both sides: the sums are the rank terms and the add to y0
+    rtol, atol = tolerances(dtype, depth=p.lora_a.shape[2] + 1, scale=magnitude(abs_sums))
     torch.testing.assert_close(wide, wide_ref, rtol=rtol, atol=atol)
     _assert_untouched(wide, wide0, p.untouched())
 
@@ -275,13 +277,16 @@ def test_shrink_then_expand_adds_the_lora_delta():
     lora_shrink(p.x, p.lora_a, p.ranks, p.meta, buf, tiles=BLOCKS["tiled"][0])
     lora_expand(y, buf, p.lora_b, p.ranks, p.slice_offsets, p.meta, tiles=BLOCKS["tiled"][1])
 
-    expected = torch.zeros_like(y)
+    expected, abs_sums = torch.zeros_like(y), torch.zeros_like(y)
     for t, slot in enumerate(token_slots):
         for s, (lo, hi) in enumerate(itertools.pairwise(layer.offsets)):
             r = layer.ranks[s][slot] if slot >= 0 else 0
             a, b = p.lora_a[s, slot, :r], p.lora_b[slot, lo:hi, :r]  # [r, in], [n_s, r]
             expected[t, lo:hi] = b @ (a @ p.x[t]) if r else 0.0
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+            abs_sums[t, lo:hi] = b.abs() @ (a.abs() @ p.x[t].abs()) if r else 0.0
+    depth = layer.in_features + MAX_RANK + 1  # shrink, expand, the add to y
+    rtol, atol = tolerances(torch.float32, depth=depth, scale=magnitude(abs_sums))
+    torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
 
 
 def test_launchers_reject_buffers_that_do_not_match():

@@ -7,6 +7,7 @@ import pytest
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.model import load_model
 from tests.lora.conftest import forward_rows, peft_row_logits, runtime_with_adapters
+from tests.tolerances import logits_atol, longest_sum, magnitude
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,8 @@ def test_mixed_batch_of_demo_adapters_equals_peft_per_row(demo_model_dir, hf_dem
     got = forward_rows(model, runtime, rows)
     for (adapter, ids), logits in zip(rows, got, strict=True):
         expected = reference(adapter, ids)
-        assert (logits - expected).abs().max().item() < 1e-3, adapter
+        # rank 64: runtime_with_adapters' max_rank, which bounds the demo adapters' ranks
+        atol = logits_atol(longest_sum(model.config, rank=64, tokens=len(ids)), magnitude(expected))
+        assert (logits - expected).abs().max().item() < atol, adapter
         if adapter is not None:  # the comparison is not vacuous: each adapter moves the logits
             assert (expected - reference(None, ids)).abs().max().item() > 0.1, adapter
