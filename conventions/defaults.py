@@ -1,6 +1,6 @@
-"""The defaults that more than one place states, stated once: the pod's and the control plane's flags,
-the ``lorafleet`` command line, ``lorafleet up``, the Dockerfiles' EXPOSE lines and the chart's
-values.yaml all agree with these (tests/test_defaults.py fails when one drifts). Where lorafleet keeps
+"""The defaults that more than one place states, stated once: the pod's, the control plane's and the
+router's flags, the ``lorafleet`` command line, ``lorafleet up``, the Dockerfiles' EXPOSE lines and the
+chart's values.yaml all agree with these (tests/test_defaults.py fails when one drifts). Where lorafleet keeps
 its files (the admin token among them) is in conventions/home.py. Torch-free and import-free."""
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ CONTROL_PLANE_METRICS_PORT = 9100
 POD_PORT = 50052
 # A data-plane pod's Prometheus /metrics port.
 POD_METRICS_PORT = 9101
+# The router's gRPC port: Generation (forwarded to the pods), grpc.health.v1, reflection.
+ROUTER_PORT = 50050
+# The router's Prometheus /metrics port.
+ROUTER_METRICS_PORT = 9102
+# The router's OpenAI-compatible HTTP API: the port OpenAI-compatible servers commonly use.
+ROUTER_HTTP_PORT = 8000
 # The port of the Redis that `lorafleet up` starts; the chart's Redis listens on the same one.
 REDIS_PORT = 6379
 

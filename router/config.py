@@ -9,12 +9,6 @@ from pathlib import Path
 from conventions import defaults
 from conventions.errors import ConfigError
 
-# The router's own ports, beside the control plane's and a pod's (conventions/defaults.py).
-ROUTER_PORT = 50050
-ROUTER_METRICS_PORT = 9102
-# The OpenAI-compatible HTTP API: the port OpenAI-compatible servers commonly use.
-ROUTER_HTTP_PORT = 8000
-
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
     """(host, port) of a ``host:port`` string; ConfigError naming ``flag`` otherwise."""
@@ -32,9 +26,9 @@ class RouterConfig:
     control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
     control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
     host: str = defaults.HOST
-    port: int = ROUTER_PORT
-    metrics_port: int = ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
-    http_port: int = ROUTER_HTTP_PORT  # the OpenAI-compatible HTTP API; 0 disables it
+    port: int = defaults.ROUTER_PORT
+    metrics_port: int = defaults.ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
+    http_port: int = defaults.ROUTER_HTTP_PORT  # the OpenAI-compatible HTTP API; 0 disables it
     api_key_file: Path | None = None  # bearer keys the HTTP API accepts, one a line; None = no keys asked
     # Largest HTTP request body: far above any prompt a pod's context holds, small enough to refuse a flood.
     http_max_body_bytes: int = 4 * 1024 * 1024

@@ -66,14 +66,19 @@ def test_the_command_line_dials_where_bare_servers_listen():
         == f"{control_plane.host}:{control_plane.port}"
 
 
-def test_the_router_dials_the_default_control_plane_and_listens_beside_the_others():
+def test_a_bare_router_dials_the_default_control_plane_and_listens_on_the_default_ports():
     from router.config import RouterConfig
 
     router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     assert (router["control_plane"], router["host"]) == (defaults.CONTROL_PLANE_ENDPOINT, defaults.HOST)
-    taken = {defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT, defaults.POD_PORT,
-             defaults.POD_METRICS_PORT, defaults.REDIS_PORT}
-    assert not {router["port"], router["metrics_port"]} & taken
+    assert (router["port"], router["metrics_port"], router["http_port"]) \
+        == (defaults.ROUTER_PORT, defaults.ROUTER_METRICS_PORT, defaults.ROUTER_HTTP_PORT)
+
+
+def test_no_two_processes_share_a_default_port():
+    ports = {name: value for name, value in vars(defaults).items() if name.endswith("_PORT")}
+    assert len(ports) == 8, f"a port was added or removed; update this count: {sorted(ports)}"
+    assert len(set(ports.values())) == len(ports), ports
 
 
 def test_up_starts_the_servers_the_command_line_dials(tmp_path):
