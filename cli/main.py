@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for a prompt, streamed as it is produced")
     gen.add_argument("prompt", help="the user's message (rendered with the model's chat template unless --raw)")
     gen.add_argument("--adapter", help="adapter name (server) or PEFT directory (--local); default: base model")
-    gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", defaults.POD_ENDPOINT),
-                     help="data-plane pod host:port (env LORAFLEET_ENDPOINT)")
+    gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", defaults.ROUTER_ENDPOINT),
+                     help="router or data-plane pod host:port (env LORAFLEET_ENDPOINT; "
+                          f"default: the router of lorafleet up, {defaults.ROUTER_ENDPOINT})")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")
@@ -136,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.up import config as up_config
 
     admin_commands.add_parsers(sub)
-    up = sub.add_parser("up", help="run Redis, a control plane and a CPU pod with the demo adapters; Ctrl-C stops")
+    up = sub.add_parser("up", help="run Redis, a control plane, a CPU pod with the demo adapters and a router; "
+                                   "Ctrl-C stops")
     up_config.add_arguments(up)
     up.set_defaults(func=_cmd_up)
     return parser

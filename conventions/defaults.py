@@ -29,8 +29,10 @@ REDIS_PORT = 6379
 # The control plane the admin commands dial without --control-plane or $LORAFLEET_CONTROL_PLANE:
 # the one `lorafleet up` starts.
 CONTROL_PLANE_ENDPOINT = f"{HOST}:{CONTROL_PLANE_PORT}"
-# The pod `lorafleet generate` dials without --endpoint or $LORAFLEET_ENDPOINT: the one `lorafleet up` starts.
+# The pod `lorafleet up` starts; `lorafleet generate --endpoint` names it (or another) to bypass the router.
 POD_ENDPOINT = f"{HOST}:{POD_PORT}"
+# What `lorafleet generate` dials without --endpoint or $LORAFLEET_ENDPOINT: the router `lorafleet up` starts.
+ROUTER_ENDPOINT = f"{HOST}:{ROUTER_PORT}"
 
 # Compute device and weights dtype of a pod, of `lorafleet up`'s pod and of `lorafleet generate --local`.
 # The chart passes its own (cuda, bfloat16) as flags, for a GPU node pool.

@@ -42,6 +42,12 @@ def _control_plane_flags() -> argparse.Namespace:
     return control_plane_parser().parse_args(["--redis-url", "redis://r:1/0", "--admin-token-file", "token"])
 
 
+def _router_flags() -> argparse.Namespace:
+    from router.config import build_parser as router_parser
+
+    return router_parser().parse_args(["--admin-token-file", "token"])
+
+
 def test_a_bare_pod_listens_on_the_default_ports_with_the_default_limits():
     args = _pod_flags()
     assert (args.host, args.port, args.metrics_port) == (defaults.HOST, defaults.POD_PORT, defaults.POD_METRICS_PORT)
@@ -57,9 +63,9 @@ def test_a_bare_control_plane_listens_on_the_default_ports():
 
 
 def test_the_command_line_dials_where_bare_servers_listen():
-    pod, control_plane = _pod_flags(), _control_plane_flags()
+    control_plane, router = _control_plane_flags(), _router_flags()
     generate = cli_parser().parse_args(["generate", "hello"])
-    assert generate.endpoint == defaults.POD_ENDPOINT == f"{pod.host}:{pod.port}"
+    assert generate.endpoint == defaults.ROUTER_ENDPOINT == f"{router.host}:{router.port}"
     assert (generate.device, generate.dtype) == (defaults.DEVICE, defaults.DTYPE)
     pods = cli_parser().parse_args(["pods"])
     assert control_plane_target(pods.control_plane) == defaults.CONTROL_PLANE_ENDPOINT \
@@ -87,7 +93,10 @@ def test_up_starts_the_servers_the_command_line_dials(tmp_path):
     assert (stack.control_plane_port, stack.control_plane_metrics_port, stack.pod_port, stack.pod_metrics_port) \
         == (defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT, defaults.POD_PORT,
             defaults.POD_METRICS_PORT)
-    assert (stack.control_plane, stack.pod) == (defaults.CONTROL_PLANE_ENDPOINT, defaults.POD_ENDPOINT)
+    assert (stack.router_port, stack.router_metrics_port, stack.router_http_port) \
+        == (defaults.ROUTER_PORT, defaults.ROUTER_METRICS_PORT, defaults.ROUTER_HTTP_PORT)
+    assert (stack.control_plane, stack.pod, stack.router) \
+        == (defaults.CONTROL_PLANE_ENDPOINT, defaults.POD_ENDPOINT, defaults.ROUTER_ENDPOINT)
     assert (stack.device, stack.dtype, stack.max_loras) == (defaults.DEVICE, defaults.DTYPE, defaults.MAX_LORAS)
     assert stack.resolved_token_file == default_token_file() == tmp_path.resolve() / "up" / "admin-token"
 

@@ -26,6 +26,9 @@ class StackConfig:
     control_plane_metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT
     pod_port: int = defaults.POD_PORT
     pod_metrics_port: int = defaults.POD_METRICS_PORT
+    router_port: int = defaults.ROUTER_PORT
+    router_metrics_port: int = defaults.ROUTER_METRICS_PORT
+    router_http_port: int = defaults.ROUTER_HTTP_PORT
     model: Path | None = None  # None: the demo model, fetched by the pod on first start
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
@@ -49,9 +52,8 @@ class StackConfig:
             raise StackError(f"--token-file {self.token_file} is not a file")
 
     def ports(self) -> dict[str, int]:
-        return {"--redis-port": self.redis_port, "--control-plane-port": self.control_plane_port,
-                "--control-plane-metrics-port": self.control_plane_metrics_port, "--pod-port": self.pod_port,
-                "--pod-metrics-port": self.pod_metrics_port}
+        """Each port by its flag."""
+        return {_flag(name): getattr(self, name) for name in PORTS}
 
     @property
     def resolved_token_file(self) -> Path:
@@ -65,20 +67,40 @@ class StackConfig:
     def pod(self) -> str:
         return f"{self.host}:{self.pod_port}"
 
+    @property
+    def router(self) -> str:
+        return f"{self.host}:{self.router_port}"
+
+    @property
+    def router_base_url(self) -> str:
+        """The router's OpenAI-compatible API, as the ``openai`` client's base_url takes it."""
+        return f"http://{self.host}:{self.router_http_port}/v1"
+
+
+# Every port the stack listens on, by its StackConfig field (the flag is the field's name, dashed).
+PORTS = {
+    "redis_port": "Redis port",
+    "control_plane_port": "control plane gRPC port",
+    "control_plane_metrics_port": "control plane /metrics port",
+    "pod_port": "data-plane pod gRPC port",
+    "pod_metrics_port": "data-plane pod /metrics port",
+    "router_port": "router gRPC port, the clients' Generate endpoint",
+    "router_metrics_port": "router /metrics port",
+    "router_http_port": "router OpenAI-compatible HTTP API port",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = StackConfig(data_dir=Path("."))
     p.add_argument("--data-dir", type=Path, help="Redis's append-only file, logs, pid file and admin token "
                                                  "(default: $LORAFLEET_HOME/up)")
     p.add_argument("--host", default=d.host, help=f"address every server listens on (default {d.host})")
-    p.add_argument("--redis-port", type=int, default=d.redis_port, help=f"Redis port (default {d.redis_port})")
-    p.add_argument("--control-plane-port", type=int, default=d.control_plane_port,
-                   help=f"control plane gRPC port (default {d.control_plane_port})")
-    p.add_argument("--control-plane-metrics-port", type=int, default=d.control_plane_metrics_port,
-                   help=f"control plane /metrics port (default {d.control_plane_metrics_port})")
-    p.add_argument("--pod-port", type=int, default=d.pod_port, help=f"data-plane pod gRPC port (default {d.pod_port})")
-    p.add_argument("--pod-metrics-port", type=int, default=d.pod_metrics_port,
-                   help=f"data-plane pod /metrics port (default {d.pod_metrics_port})")
+    for name, what in PORTS.items():
+        p.add_argument(_flag(name), type=int, default=getattr(d, name), help=f"{what} (default {getattr(d, name)})")
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: the demo model)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="the pod's compute device")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -96,9 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
-        data_dir=(args.data_dir or up_dir()).resolve(), host=args.host, redis_port=args.redis_port,
-        control_plane_port=args.control_plane_port, control_plane_metrics_port=args.control_plane_metrics_port,
-        pod_port=args.pod_port, pod_metrics_port=args.pod_metrics_port,
+        data_dir=(args.data_dir or up_dir()).resolve(), host=args.host,
+        **{name: getattr(args, name) for name in PORTS},
         model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
         max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root),
         token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,

@@ -1,10 +1,10 @@
 """``lorafleet up``: the whole stack on this machine, in the foreground.
 
-It starts a ``redis-server`` (append-only file in the data directory), a control plane and one CPU
-data-plane pod on the demo model as child processes, registers and pins the demo adapters, prints
-the endpoints, reports every adapter placement as it moves from LOADING to READY, and on Ctrl-C or
-SIGTERM stops the pod, the control plane and Redis, in that order. The parent never imports torch:
-only the pod loads the model.
+It starts a ``redis-server`` (append-only file in the data directory), a control plane, one CPU
+data-plane pod on the demo model and a router in front of it as child processes, registers and pins
+the demo adapters, prints the endpoints, reports every adapter placement as it moves from LOADING to
+READY, and on Ctrl-C or SIGTERM stops the router, the pod, the control plane and Redis, in that order.
+The parent never imports torch: only the pod loads the model.
 """
 
 from __future__ import annotations
@@ -153,6 +153,17 @@ class Stack:
         with grpc.insecure_channel(c.pod) as channel:
             wait_serving(channel, proc, c.start_timeout_s, what="data-plane pod", log_tail=log_tail)
 
+    def start_router(self) -> None:
+        """The router, once the pod has joined the control plane, so that its first read of the fleet
+        already holds the pod. It reads the fleet with the admin token."""
+        c = self.config
+        proc, log_tail = self.start_child("router", [
+            sys.executable, "-m", "router.server", "--host", c.host, "--port", str(c.router_port),
+            "--metrics-port", str(c.router_metrics_port), "--http-port", str(c.router_http_port),
+            "--control-plane", c.control_plane, "--admin-token-file", str(c.resolved_token_file)], "router.log")
+        with grpc.insecure_channel(c.router) as channel:
+            wait_serving(channel, proc, 60, what="router", log_tail=log_tail)
+
     def check_children(self) -> None:
         for what, proc, log in self.children:
             if proc.poll() is not None:
@@ -203,6 +214,7 @@ def _serve(stack: Stack, token_file: Path) -> None:
     stack.start_pod()
     with AdminClient(c.control_plane, read_token(token_file)) as admin:
         base_model = _wait_for_pod(stack, admin)
+        stack.start_router()
         names = _register_demo_adapters(stack, admin, base_model)
         _print_endpoints(stack, token_file, base_model)
         _watch(stack, admin, names)
@@ -244,13 +256,16 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
               f"metrics http://{c.host}:{c.control_plane_metrics_port}/metrics")
     stack.say(f"  data-plane pod {c.pod}  pid {pids['data-plane pod']}  "
               f"metrics http://{c.host}:{c.pod_metrics_port}/metrics  model {base_model}")
+    stack.say(f"  router         {c.router}  pid {pids['router']}  "
+              f"metrics http://{c.host}:{c.router_metrics_port}/metrics  (gRPC Generate, the clients' endpoint)")
+    stack.say(f"  OpenAI API     {c.router_base_url}  (served by the router)")
     stack.say(f"  admin token    {token_file}")
     stack.say(f"  logs           {stack.logs}")
     env = []
     if c.control_plane != defaults.CONTROL_PLANE_ENDPOINT:
         env.append(f"LORAFLEET_CONTROL_PLANE={c.control_plane}")
-    if c.pod != defaults.POD_ENDPOINT:
-        env.append(f"LORAFLEET_ENDPOINT={c.pod}")
+    if c.router != defaults.ROUTER_ENDPOINT:
+        env.append(f"LORAFLEET_ENDPOINT={c.router}")
     if token_file != default_token_file():
         env.append(f"LORAFLEET_TOKEN_FILE={token_file}")
     cli = _cli_command()
@@ -260,6 +275,16 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
     stack.say(f"  {cli} generate \"What is the capital of France?\"")
     stack.say(f"  {cli} generate --adapter pirate \"Where is the treasure?\"")
     stack.say(f"  {cli} adapters list")
+    stack.say(f"  curl -s {c.router_base_url}/chat/completions -H 'Content-Type: application/json' \\")
+    stack.say(f"    -d '{{\"model\": \"pirate\", \"messages\": [{_QUESTION}], \"max_tokens\": 32}}'")
+    stack.say("or in Python, with the openai package:")
+    stack.say("    from openai import OpenAI")
+    stack.say(f"    client = OpenAI(base_url=\"{c.router_base_url}\", api_key=\"unused\")")
+    stack.say(f"    reply = client.chat.completions.create(model=\"pirate\", max_tokens=32, messages=[{_QUESTION}])")
+    stack.say("    print(reply.choices[0].message.content)")
+
+
+_QUESTION = '{"role": "user", "content": "Where is the treasure?"}'
 
 
 def _cli_command() -> str:
