@@ -16,20 +16,16 @@ import argparse
 import hashlib
 import platform
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
+from lorafleet.v1 import adapter_admin_pb2 as pb
+from processes import FLEET_BASE_MODEL as BASE_MODEL  # benchmarks/processes.py
+from processes import Fleet
 
-from lorafleet.v1 import adapter_admin_pb2 as pb  # noqa: E402
-
-from data_plane.demo_adapters import demo_adapter_dir  # noqa: E402
-from tests.control_plane.conftest import auth  # noqa: E402
-from tests.processes import FLEET_BASE_MODEL as BASE_MODEL  # noqa: E402
-from tests.processes import Fleet  # noqa: E402
+from data_plane.demo_adapters import demo_adapter_dir
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -38,7 +34,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def register_to_ready(fleet: Fleet, n: int, sha: str) -> list[float]:
-    admin, pods = fleet.admin(), set(fleet.pods)
+    admin, auth, pods = fleet.admin(), fleet.auth, set(fleet.pods)
     latencies = []
     for i in range(n):
         name = f"bench-{i:03d}"
@@ -57,7 +53,7 @@ def register_to_ready(fleet: Fleet, n: int, sha: str) -> list[float]:
 
 
 def throughput(fleet: Fleet, clients: int, seconds: float, sha: str) -> dict[str, float]:
-    admin = fleet.admin()
+    admin, auth = fleet.admin(), fleet.auth
     for i in range(50):
         admin.RegisterAdapter(pb.RegisterAdapterRequest(name=f"list-{i:02d}", source="file:///x", sha256=sha,
                                                         base_model=BASE_MODEL), metadata=auth(), timeout=5)

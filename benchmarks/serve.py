@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from processes import PodProcess  # benchmarks/processes.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
@@ -191,9 +191,6 @@ def main() -> None:
     if args.device == "cpu":  # a GPU run leaves the host's threads to torch (writing 15 GB of weights)
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
-    from tests.processes import PodProcess
-
     rounds: list[list[Run]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, roots, cycle, mix = prepare(args, Path(tmp))

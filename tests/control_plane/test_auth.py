@@ -14,10 +14,11 @@ from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import membership_pb2 as mpb
 from lorafleet.v1 import membership_pb2_grpc as mpb_grpc
 
+from benchmarks.processes import TOKEN
 from control_plane.errors import ConfigError
 from conventions.auth import read_token
 from data_plane.membership import MembershipClient
-from tests.control_plane.conftest import TOKEN, auth, serving
+from tests.control_plane.conftest import auth, serving
 
 SHA = "0123456789abcdef" * 4
 

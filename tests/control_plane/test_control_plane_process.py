@@ -17,11 +17,11 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
+from benchmarks.processes import BASE_MODEL, REPO, TOKEN, ControlPlaneProcess
 from control_plane.store import Store
 from data_plane.errors import AdapterNotFound
 from data_plane.membership import MembershipClient
-from tests.control_plane.conftest import TOKEN, auth
-from tests.processes import BASE_MODEL, REPO, ControlPlaneProcess
+from tests.control_plane.conftest import auth
 
 pytestmark = pytest.mark.slow
 SHA = "0123456789abcdef" * 4

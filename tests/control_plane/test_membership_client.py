@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
+from benchmarks.processes import TOKEN, free_port
 from data_plane.errors import ControlPlaneUnavailable, StaleCommand
 from data_plane.membership import FencingGuard, MembershipClient
-from tests.control_plane.conftest import TOKEN, free_port
 
 
 def test_fencing_guard_refuses_tokens_older_than_the_newest_seen():

@@ -10,9 +10,9 @@ import pytest
 from lorafleet.v1 import data_plane_admin_pb2 as pb
 from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
 
+from benchmarks.processes import TOKEN
 from control_plane.plan import Action, Command
 from control_plane.pod_client import PodClients, read_answer
-from tests.control_plane.conftest import TOKEN
 
 C = grpc.StatusCode
 

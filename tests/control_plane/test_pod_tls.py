@@ -16,9 +16,10 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
+from benchmarks.processes import TOKEN
 from data_plane.config import DataPlaneConfig, add_arguments
 from data_plane.membership import MembershipClient
-from tests.control_plane.conftest import TOKEN, auth, self_signed_cert
+from tests.control_plane.conftest import auth, self_signed_cert
 
 
 def pod_config(control_plane: str, token_file, *extra: str) -> DataPlaneConfig:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.processes import PodProcess
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from tests.processes import PodProcess
 
 # name -> LoraConfig kwargs of random adapters for the demo model, beside the demo adapters.
 RANDOM_ADAPTERS = {

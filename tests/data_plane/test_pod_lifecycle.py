@@ -9,8 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
-from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import PodProcess
+from benchmarks.processes import PodProcess, wait_until
+from tests.grpc_helpers import collect, request
 
 pytestmark = pytest.mark.slow
 

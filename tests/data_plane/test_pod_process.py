@@ -10,8 +10,9 @@ from grpc_health.v1 import health_pb2
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import generation_pb2 as g
 
+from benchmarks.processes import wait_until
 from data_plane.model.config import ModelConfig
-from tests.grpc_helpers import collect, request, wait_until
+from tests.grpc_helpers import collect, request
 from tests.tolerances import logits_atol, longest_sum
 
 pytestmark = pytest.mark.slow

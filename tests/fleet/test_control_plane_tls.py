@@ -10,9 +10,8 @@ import pytest
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 
-from tests.control_plane.conftest import TOKEN, RedisServer, auth, self_signed_cert
-from tests.grpc_helpers import wait_until
-from tests.processes import FLEET_BASE_MODEL, ControlPlaneProcess, PodProcess
+from benchmarks.processes import FLEET_BASE_MODEL, TOKEN, ControlPlaneProcess, PodProcess, RedisServer, wait_until
+from tests.control_plane.conftest import auth, self_signed_cert
 
 pytestmark = pytest.mark.slow
 

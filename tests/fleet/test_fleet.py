@@ -12,9 +12,9 @@ import grpc
 import pytest
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
+from benchmarks.processes import Fleet, copy_demo_adapters, wait_until
 from tests.control_plane.conftest import auth
-from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import Fleet, copy_demo_adapters
+from tests.grpc_helpers import collect, request
 
 pytestmark = pytest.mark.slow
 READY_WITHIN_S = 60

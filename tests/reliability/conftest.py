@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.processes import FLEET_BASE_MODEL, TOKEN, ControlPlaneProcess, PodProcess, RedisServer
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from tests.control_plane.conftest import TOKEN, RedisServer
-from tests.processes import FLEET_BASE_MODEL, ControlPlaneProcess, PodProcess
 
 # The leak tests cycle through more adapters than the pod's caches hold: COPIES copies of each demo adapter.
 COPIES = 2

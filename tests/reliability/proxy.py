@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 
-from tests.control_plane.conftest import free_port
+from benchmarks.processes import free_port
 
 
 class TcpProxy:

@@ -10,8 +10,9 @@ from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc as dpa_grpc
 from lorafleet.v1 import membership_pb2_grpc as mpb_grpc
 
+from benchmarks.processes import TOKEN
 from data_plane.demo_adapters import DEMO_ADAPTERS
-from tests.control_plane.conftest import TOKEN, auth
+from tests.control_plane.conftest import auth
 from tests.control_plane.test_auth import CALLS as CONTROL_PLANE_CALLS
 
 pytestmark = pytest.mark.slow

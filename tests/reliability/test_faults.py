@@ -14,10 +14,18 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
+from benchmarks.processes import (
+    FLEET_BASE_MODEL,
+    TOKEN,
+    ControlPlaneProcess,
+    Fleet,
+    RedisServer,
+    copy_demo_adapters,
+    wait_until,
+)
 from data_plane.demo_adapters import DEMO_ADAPTERS
-from tests.control_plane.conftest import TOKEN, RedisServer, auth
-from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import FLEET_BASE_MODEL, ControlPlaneProcess, Fleet, copy_demo_adapters
+from tests.control_plane.conftest import auth
+from tests.grpc_helpers import collect, request
 from tests.reliability.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow

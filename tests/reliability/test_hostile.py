@@ -18,11 +18,11 @@ from lorafleet.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc, data_plane_a
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from safetensors.torch import load_file
 
+from benchmarks.processes import TOKEN, PodProcess
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from tests.control_plane.conftest import TOKEN, auth
+from tests.control_plane.conftest import auth
 from tests.grpc_helpers import collect, request
 from tests.lora.conftest import WEIGHTS, RunsCode, edit_config, edit_tensors
-from tests.processes import PodProcess
 from tests.reliability.conftest import POD_MAX_ADAPTER_BYTES, POD_MAX_RANK, pod_args
 from tests.reliability.fuzz import call_rpc, request_strategy, rpcs
 

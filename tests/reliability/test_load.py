@@ -13,8 +13,9 @@ import grpc
 import pytest
 from lorafleet.v1 import generation_pb2_grpc
 
+from benchmarks.processes import wait_until
 from data_plane.demo_adapters import DEMO_ADAPTERS
-from tests.grpc_helpers import collect, request, wait_until
+from tests.grpc_helpers import collect, request
 from tests.reliability.conftest import POD_MAX_WAITING, rss_bytes
 
 pytestmark = pytest.mark.slow

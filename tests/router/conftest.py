@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.grpc_helpers import wait_until
-from tests.processes import Fleet, copy_demo_adapters
+from benchmarks.processes import Fleet, copy_demo_adapters, wait_until
 from tests.router.processes import RouterProcess
 
 READY_WITHIN_S = 60

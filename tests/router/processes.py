@@ -10,9 +10,8 @@ from pathlib import Path
 import grpc
 from lorafleet.v1 import generation_pb2_grpc
 
+from benchmarks.processes import REPO, free_port, scrape
 from cli.up.child_process import spawn, stop_process, tail, wait_serving
-from tests.control_plane.conftest import free_port
-from tests.processes import REPO, scrape
 
 
 class RouterProcess:

@@ -13,13 +13,13 @@ import pytest
 from lorafleet.v1 import generation_pb2 as g
 from lorafleet.v1 import generation_pb2_grpc
 
+from benchmarks.processes import free_port
 from conventions.status import ErrorStatusInterceptor
 from router.channels import PodChannels
 from router.forwarder import GENERATE, Forwarder
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
 from router.view import FleetView, PodView, Tier
-from tests.control_plane.conftest import free_port
 
 
 class ScriptedPod(generation_pb2_grpc.GenerationServicer):

@@ -13,8 +13,8 @@ import openai
 import pytest
 from lorafleet.v1 import generation_pb2 as g
 
-from tests.grpc_helpers import collect, request, wait_until
-from tests.processes import FLEET_BASE_MODEL, PodProcess
+from benchmarks.processes import FLEET_BASE_MODEL, PodProcess, wait_until
+from tests.grpc_helpers import collect, request
 from tests.router.conftest import API_KEY
 
 pytestmark = pytest.mark.slow

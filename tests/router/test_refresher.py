@@ -11,6 +11,7 @@ from lorafleet.v1 import adapter_admin_pb2 as admin_pb
 from lorafleet.v1 import adapter_admin_pb2_grpc, data_plane_admin_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
 
+from benchmarks.processes import free_port
 from conventions.auth import BearerAuthInterceptor
 from router.channels import PodChannels
 from router.config import RouterConfig
@@ -18,7 +19,6 @@ from router.metrics import RouterMetrics
 from router.picker import PodPicker
 from router.refresher import StateRefresher
 from router.view import Tier
-from tests.control_plane.conftest import free_port
 
 TOKEN = "router-test-token"
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from benchmarks.processes import PodProcess
 from tests.grpc_helpers import collect, request
-from tests.processes import PodProcess
 from tests.router.processes import RouterProcess
 
 pytestmark = pytest.mark.slow

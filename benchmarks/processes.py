@@ -1,13 +1,16 @@
-"""Real processes for integration tests, on loopback ports: data-plane pods (``python -m data_plane.server``,
-waited on through the gRPC health service) and control-plane replicas (``python -m control_plane.server``)."""
+"""lorafleet's processes on loopback ports, as the benchmarks and the integration tests start them: a
+redis-server, control-plane replicas (``python -m control_plane.server``), data-plane pods
+(``python -m data_plane.server``, waited on through the gRPC health service) and a fleet of all three."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -19,12 +22,12 @@ from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
 from cli.admin_client import sha256_of
 from cli.up.child_process import spawn, stop_process, tail, wait_listening, wait_serving
+from cli.up.stack import find_redis_server
 from conventions.auth import bearer_metadata
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from tests.control_plane.conftest import TOKEN, RedisServer, auth, free_port
-from tests.grpc_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
+TOKEN = "s3cret-token-for-tests"  # what control planes started here, and a fleet's pods, accept
 POD_TOKEN = "pod-admin-token-for-tests"
 BASE_MODEL = "smollm2-135m"
 FLEET_BASE_MODEL = "SmolLM2-135M-Instruct"  # the demo model's directory name, which pods report as their base model
@@ -34,6 +37,54 @@ def scrape(port: int) -> str:
     """The Prometheus text a process serves on ``port``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return r.read().decode()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    """Polls ``predicate`` until it returns something truthy, and returns that; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")
+
+
+class RedisServer:
+    """A redis-server child process with an append-only file fsynced on every write."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.dir = directory
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_listening("127.0.0.1", self.port, self.proc, 10, what="redis-server")
+
+    def kill(self) -> None:
+        """Kills the server without warning (no shutdown save), as a crash would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
 
 
 class PodProcess:
@@ -183,21 +234,26 @@ class Fleet:
     def admin(self) -> pb_grpc.AdapterAdminStub:
         return pb_grpc.AdapterAdminStub(self.channel)
 
+    def auth(self) -> tuple[tuple[str, str]]:
+        """Call metadata the control plane accepts."""
+        return bearer_metadata(TOKEN)
+
     def pod_ids(self) -> list[str]:
         """The pods the control plane lists."""
-        return [p.id for p in self.admin().ListPods(pb.ListPodsRequest(), metadata=auth(), timeout=5).pods]
+        return [p.id for p in self.admin().ListPods(pb.ListPodsRequest(), metadata=self.auth(), timeout=5).pods]
 
     def adapter(self, name: str) -> pb.Adapter:
-        return self.admin().GetAdapter(pb.GetAdapterRequest(name=name), metadata=auth(), timeout=5)
+        return self.admin().GetAdapter(pb.GetAdapterRequest(name=name), metadata=self.auth(), timeout=5)
 
     def register(self, name: str, directory: Path | None = None, sha256: str | None = None) -> pb.Adapter:
         directory = directory or self.adapter_root / name
         return self.admin().RegisterAdapter(pb.RegisterAdapterRequest(
             name=name, source=f"file://{directory}", sha256=sha256 or sha256_of(directory),
-            base_model=FLEET_BASE_MODEL), metadata=auth(), timeout=5)
+            base_model=FLEET_BASE_MODEL), metadata=self.auth(), timeout=5)
 
     def pin(self, name: str, replicas: int) -> pb.Adapter:
-        return self.admin().PinAdapter(pb.PinAdapterRequest(name=name, replicas=replicas), metadata=auth(), timeout=5)
+        return self.admin().PinAdapter(pb.PinAdapterRequest(name=name, replicas=replicas), metadata=self.auth(),
+                                       timeout=5)
 
     def placements(self, name: str, state: int = pb.READY) -> set[str]:
         return {p.pod for p in self.adapter(name).placements if p.state == state}
