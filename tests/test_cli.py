@@ -5,6 +5,7 @@ one line with a non-zero exit status."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.processes import TOKEN, ControlPlaneProcess, RedisServer, free_port
+from benchmarks.processes import TOKEN, ControlPlaneProcess, RedisServer, free_port, scrape
 from cli.main import build_parser, main
 from cli.up.child_process import spawn, stop_process
 from cli.up.config import StackError
@@ -226,14 +227,17 @@ class Up:
 
     def __init__(self, home: Path) -> None:
         self.home = home
-        self.cp_port, self.pod_port = free_port(), free_port()
+        self.cp_port, self.pod_port, self.router_port = free_port(), free_port(), free_port()
+        self.router_metrics_port, self.router_http_port = free_port(), free_port()
         self.env = dict(os.environ, LORAFLEET_HOME=str(home), LORAFLEET_CONTROL_PLANE=f"127.0.0.1:{self.cp_port}",
-                        LORAFLEET_ENDPOINT=f"127.0.0.1:{self.pod_port}", PYTHONUNBUFFERED="1")
+                        LORAFLEET_ENDPOINT=f"127.0.0.1:{self.router_port}", PYTHONUNBUFFERED="1")
         for name in ("LORAFLEET_TOKEN", "LORAFLEET_TOKEN_FILE"):
             self.env.pop(name, None)  # the CLI must find the token file that up writes
         self.args = ["up", "--redis-port", str(free_port()), "--control-plane-port", str(self.cp_port),
                      "--control-plane-metrics-port", str(free_port()), "--pod-port", str(self.pod_port),
-                     "--pod-metrics-port", str(free_port()), "--stop-timeout", "20"]
+                     "--pod-metrics-port", str(free_port()), "--router-port", str(self.router_port),
+                     "--router-metrics-port", str(self.router_metrics_port),
+                     "--router-http-port", str(self.router_http_port), "--stop-timeout", "20"]
         self.lines: list[str] = []
         self.proc: subprocess.Popen | None = None
 
@@ -261,6 +265,11 @@ class Up:
     def child_pids(self) -> set[int]:
         return {int(pid) for pid in re.findall(r"\bpid (\d+)", self.output())}
 
+    def router_requests(self) -> float:
+        """Generate requests the router has forwarded to completion, from its /metrics."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in scrape(self.router_metrics_port).splitlines()
+                   if line.startswith("lorafleet_router_requests_total{") and 'outcome="OK"' in line)
+
 
 @pytest.fixture(scope="module")
 def up(demo_model_dir, tmp_path_factory):
@@ -279,12 +288,15 @@ def up(demo_model_dir, tmp_path_factory):
 def test_up_prints_its_endpoints_and_each_demo_adapter_becoming_ready(up):
     out = up.output()
     assert f"control plane  127.0.0.1:{up.cp_port}" in out and f"data-plane pod 127.0.0.1:{up.pod_port}" in out
+    assert f"router         127.0.0.1:{up.router_port}" in out
+    assert f"OpenAI API     http://127.0.0.1:{up.router_http_port}/v1" in out
+    assert f"curl -s http://127.0.0.1:{up.router_http_port}/v1/chat/completions" in out
     token_file = up.home / "up" / "admin-token"
     assert f"admin token    {token_file}" in out and stat.S_IMODE(token_file.stat().st_mode) == 0o600
     for name in PRESENT_DEMO_ADAPTERS:
         assert f"{name} on local-pod: READY (pinned)" in out
     assert (up.home / "up" / "up.pid").read_text().strip() == str(up.proc.pid)
-    assert len(up.child_pids()) == 3  # redis-server, control plane, pod
+    assert len(up.child_pids()) == 4  # redis-server, control plane, pod, router
 
 
 @pytest.mark.slow
@@ -313,6 +325,30 @@ def test_generate_with_the_pirate_adapter_streams_text_as_it_arrives(up):
 
 
 @pytest.mark.slow
+def test_generate_goes_through_the_router_by_default_and_to_the_pod_with_endpoint(up):
+    before = up.router_requests()
+    through_router = lorafleet("generate", "--max-tokens", "8", "The sky is", env=up.env, timeout=120)
+    assert through_router.returncode == 0 and through_router.stdout.strip(), through_router.stderr
+    assert up.router_requests() == before + 1
+    direct = lorafleet("generate", "--endpoint", f"127.0.0.1:{up.pod_port}", "--max-tokens", "8", "The sky is",
+                       env=up.env, timeout=120)
+    assert direct.returncode == 0 and direct.stdout == through_router.stdout, direct.stderr  # greedy: same text
+    assert up.router_requests() == before + 1
+
+
+@pytest.mark.slow
+def test_the_printed_openai_example_runs_against_the_router(up):
+    out = up.output()
+    lines = out[out.index("or in Python, with the openai package:"):].splitlines()[1:]
+    code = "\n".join(line[4:] for line in itertools.takewhile(lambda line: line.startswith("    "), lines))
+    assert "OpenAI(" in code and "print(" in code, out
+    before = up.router_requests()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    assert up.router_requests() == before + 1
+
+
+@pytest.mark.slow
 def test_pods_lists_the_pod_ready_with_its_pinned_adapters(up):
     done = lorafleet("pods", "--json", env=up.env)
     assert done.returncode == 0, done.stderr
@@ -337,6 +373,9 @@ def test_ctrl_c_stops_every_process_up_started_and_removes_its_pid_file(up):
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(timeout=90) == 0
     up.wait_for("lorafleet up: stopped", 5)
+    stopping = [line.split(" (pid")[0] for line in up.output().splitlines() if line.startswith("stopping the ")]
+    assert stopping == ["stopping the router", "stopping the data-plane pod", "stopping the control plane",
+                        "stopping the redis-server"]
     assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]
     assert not (up.home / "up" / "up.pid").exists()
     redis_dir = up.home / "up" / "redis"
