@@ -30,6 +30,7 @@ def test_without_the_flag_the_pod_dials_the_control_plane_in_plaintext(token_fil
     assert pod.control_plane_ca is None and pod.control_plane_root_cert() is None
 
 
+@pytest.mark.slow  # runs openssl
 def test_the_flag_gives_the_certificates_the_pod_trusts(tmp_path, token_file):
     cert, _ = self_signed_cert(tmp_path)
     pod = config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(cert))
@@ -39,7 +40,8 @@ def test_the_flag_gives_the_certificates_the_pod_trusts(tmp_path, token_file):
 @pytest.mark.parametrize(("make", "message"), [
     (lambda d: d / "missing.pem", r"cannot read it \(No such file or directory\)"),
     (lambda d: d, r"cannot read it \(Is a directory\)"),
-    (lambda d: self_signed_cert(d)[1], "holds no PEM certificate"),  # the private key given by mistake
+    pytest.param(lambda d: self_signed_cert(d)[1], "holds no PEM certificate",  # the private key given by mistake
+                 marks=pytest.mark.slow),  # runs openssl
 ])
 def test_a_ca_file_that_cannot_be_used_is_refused_when_the_config_is_built(tmp_path, token_file, make, message):
     path = make(tmp_path)
@@ -47,6 +49,7 @@ def test_a_ca_file_that_cannot_be_used_is_refused_when_the_config_is_built(tmp_p
         config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(path))
 
 
+@pytest.mark.slow  # runs openssl
 def test_a_ca_without_a_control_plane_is_refused(tmp_path):
     cert, _ = self_signed_cert(tmp_path)
     with pytest.raises(ValueError, match="--control-plane-ca needs --control-plane"):
