@@ -6,8 +6,12 @@
         - a ServiceMonitor (monitoring.coreos.com/v1, a CRD that kubernetes-validate has no schema for)
           against the fields the Prometheus Operator defines, and that it selects a rendered Service
           with the named port, whose pods expose it;
-        - every Service, PodDisruptionBudget and NetworkPolicy selector matches a rendered pod template;
-        - images are pinned, pods run as non-root, containers have resources;
+        - every Service, PodDisruptionBudget and NetworkPolicy selector matches a rendered pod template,
+          and every Service port targets a port those pods expose;
+        - images are pinned, pods run as non-root, containers have resources; every container with a
+          "grpc" port has gRPC readiness and liveness probes on it;
+        - only the router and the control plane may reach the data-plane pods' gRPC port (Generate);
+        - a HorizontalPodAutoscaler scales a rendered workload that leaves its replicas to it;
         - the Grafana dashboard ConfigMap holds valid JSON that queries the metrics it promises.
         Any other kind that kubernetes-validate would only warn about is an error here.
 
@@ -33,6 +37,9 @@ import yaml
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 CRD_KINDS = {SERVICE_MONITOR}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+COMPONENT = "app.kubernetes.io/component"
+# The components the data-plane pods' gRPC port admits: routers (Generate, GetState) and the control plane.
+POD_GRPC_PEERS = {"router", "control-plane"}
 # Fields of ServiceMonitor.spec and of one endpoint, as the Prometheus Operator's CRD defines them.
 SM_SPEC_FIELDS = set(
     "attachMetadata bodySizeLimit endpoints fallbackScrapeProtocol jobLabel keepDroppedTargets "
@@ -139,6 +146,71 @@ class Checker:
                 if not (c.get("resources") or {}).get("requests"):
                     self.fail(f"{where}: no resource requests")
 
+    def selected_pods(self, selector: dict, namespace: str | None) -> list[dict]:
+        return [t for _, t in self.pod_templates(namespace) if _selects(selector, t["metadata"].get("labels", {}))]
+
+    def check_service_ports(self) -> None:
+        for svc in (d for d in self.docs if d.get("kind") == "Service" and d["spec"].get("selector")):
+            pods = self.selected_pods(svc["spec"]["selector"], svc["metadata"].get("namespace"))
+            for port in svc["spec"].get("ports") or []:
+                target = port.get("targetPort", port["port"])
+                for t in pods:
+                    cports = [p for c in t["spec"]["containers"] for p in c.get("ports") or []]
+                    if not any(p.get("name") == target or p.get("containerPort") == target for p in cports):
+                        self.fail(f"{_name(svc)}: port {port.get('name')} targets {target!r}, which the pods of "
+                                  f"{t['metadata']['labels'].get(COMPONENT)} do not expose")
+
+    def check_probes(self) -> None:
+        for w, t in self.pod_templates():
+            for c in t["spec"]["containers"]:
+                grpc_port = next((p["containerPort"] for p in c.get("ports") or [] if p.get("name") == "grpc"), None)
+                if grpc_port is None:
+                    continue
+                for probe in ("readinessProbe", "livenessProbe"):
+                    if ((c.get(probe) or {}).get("grpc") or {}).get("port") != grpc_port:
+                        self.fail(f"{_name(w)} container {c['name']}: {probe} is not a gRPC health check on "
+                                  f"port {grpc_port}")
+
+    def check_pod_grpc_ingress(self) -> None:
+        """The data-plane pods' gRPC port admits the router and the control plane of this release, no one else."""
+        for policy in (d for d in self.docs if d.get("kind") == "NetworkPolicy"):
+            ns = policy["metadata"].get("namespace")
+            pods = self.selected_pods(policy["spec"].get("podSelector") or {}, ns)
+            grpc_ports = {p["containerPort"] for t in pods if t["metadata"]["labels"].get(COMPONENT) == "data-plane"
+                          for c in t["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == "grpc"}
+            if not grpc_ports:
+                continue
+            admitted: set[str] = set()
+            for rule in policy["spec"].get("ingress") or []:
+                ports = {p.get("port") for p in rule.get("ports") or []}
+                if rule.get("ports") and not ports & grpc_ports:
+                    continue
+                peers = rule.get("from") or []
+                if not peers:
+                    self.fail(f"{_name(policy)}: the data-plane gRPC port {sorted(grpc_ports)} is open to any source")
+                for peer in peers:
+                    selected = self.selected_pods(peer.get("podSelector") or {}, ns) \
+                        if "podSelector" in peer and "namespaceSelector" not in peer else []
+                    components = {t["metadata"]["labels"].get(COMPONENT) for t in selected}
+                    if not selected or not components <= POD_GRPC_PEERS:
+                        self.fail(f"{_name(policy)}: peer {peer} may reach the data-plane gRPC port; only "
+                                  f"{sorted(POD_GRPC_PEERS)} may")
+                    admitted |= components
+            if admitted != POD_GRPC_PEERS:
+                self.fail(f"{_name(policy)}: the data-plane gRPC port admits {sorted(admitted)}, "
+                          f"not {sorted(POD_GRPC_PEERS)}")
+
+    def check_autoscalers(self) -> None:
+        for hpa in (d for d in self.docs if d.get("kind") == "HorizontalPodAutoscaler"):
+            ref = hpa["spec"]["scaleTargetRef"]
+            target = next((w for w in self.pods if w["kind"] == ref["kind"]
+                           and w["metadata"]["name"] == ref["name"]
+                           and w["metadata"].get("namespace") == hpa["metadata"].get("namespace")), None)
+            if target is None:
+                self.fail(f"{_name(hpa)}: scales {ref['kind']}/{ref['name']}, which is not rendered")
+            elif "replicas" in target["spec"]:
+                self.fail(f"{_name(hpa)}: {_name(target)} sets replicas, which each upgrade would reset")
+
     def check_service_monitor(self, sm: dict) -> None:
         where = _name(sm)
         meta, spec = sm.get("metadata") or {}, sm.get("spec")
@@ -223,7 +295,11 @@ def manifests(rendered: Path, core_out: Path) -> int:
     core_out.write_text(yaml.safe_dump_all(core, sort_keys=False))
     checker = Checker(docs)
     checker.check_selectors()
+    checker.check_service_ports()
     checker.check_pods()
+    checker.check_probes()
+    checker.check_pod_grpc_ingress()
+    checker.check_autoscalers()
     checker.check_dashboards()
     for doc in crds:
         checker.check_service_monitor(doc)

@@ -3,7 +3,9 @@
 #   1. helm lint --strict, with the default values and with each file in helm/values/;
 #   2. helm template for the same values and a few --set variants, each rendering validated by
 #      kubernetes-validate --strict against Kubernetes 1.30 and by helm/chart_checks.py (the
-#      ServiceMonitor CRD, selectors, pinned images, non-root pods, the Grafana dashboard);
+#      ServiceMonitor CRD, selectors and Service ports, pinned images, non-root pods, gRPC probes, only
+#      the router and the control plane let in to the pods' Generate port, the router's autoscaler,
+#      the Grafana dashboard);
 #   3. renderings that the chart must refuse (an unpinned image, no Redis at all, ...);
 #   4. every value documented in values.yaml and in the README's values table;
 #   5. hadolint on helm/images/*.Dockerfile.
@@ -131,7 +133,7 @@ done
 # The branches the values files above do not take.
 render model-none-no-persistence \
   --set model.fetch=none --set model.name=Llama-3.1-8B-Instruct \
-  --set dataPlane.persistence.enabled=false --set dataPlane.clientService.enabled=false \
+  --set dataPlane.persistence.enabled=false --set dataPlane.clientService.enabled=true \
   --set redis.auth.enabled=false --set networkPolicy.enabled=true \
   --set 'networkPolicy.clientsFrom[0].podSelector.matchLabels.role=gateway' \
   --set 'networkPolicy.adminFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=ops'
@@ -144,7 +146,9 @@ render model-custom-existing-secrets-cpu \
   --set dataPlane.sharedAdapters.existingClaim=lorafleet-adapters \
   --set dataPlane.device=cpu --set dataPlane.gpus=0 --set dataPlane.dtype=float32 \
   --set controlPlane.image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef \
-  --set metrics.serviceMonitor.enabled=true --set networkPolicy.enabled=false
+  --set metrics.serviceMonitor.enabled=true --set networkPolicy.enabled=false \
+  --set router.autoscaling.enabled=true --set router.apiKeys.existingSecret=lorafleet-api-keys \
+  --set router.pdb.enabled=false
 
 refuse latest-tag "must be a pinned version" --set dataPlane.image.tag=latest
 refuse no-redis "set externalRedis.url or externalRedis.existingSecret" --set redis.enabled=false
@@ -152,6 +156,9 @@ refuse two-redises "set redis.enabled=false" --set externalRedis.url=redis://els
 refuse demo-other-name "leave model.name at SmolLM2-135M-Instruct" --set model.name=other
 refuse cuda-without-gpu "needs dataPlane.gpus >= 1" --set dataPlane.gpus=0
 refuse bad-fsync "appendfsync must be" --set redis.persistence.appendfsync=sometimes
+refuse router-unpinned "router.image.tag must be a pinned version" --set router.image.tag=latest
+refuse router-autoscaling-bounds "minReplicas <= maxReplicas" \
+  --set router.autoscaling.enabled=true --set router.autoscaling.minReplicas=9
 
 echo "== values documentation"
 "$PY" "$ROOT/helm/chart_checks.py" values-docs "$CHART/values.yaml" "$CHART/README.md"

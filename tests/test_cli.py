@@ -100,6 +100,14 @@ def test_the_control_plane_command_needs_neither_the_data_plane_nor_the_kernels(
     assert done.returncode == 0 and "--redis-url" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
+def test_the_router_command_needs_neither_plane_nor_the_kernels():
+    # What the router image holds: cli, conventions, router and the stubs (helm/images/router.Dockerfile).
+    done = _run_without(("torch", "data_plane", "kernels", "control_plane"),
+                        "from cli.main import main\nsys.exit(main(['router', '--help']))\n")
+    assert done.returncode == 0 and "--admin-token-file" in done.stdout, done.stderr
+
+
 def test_generate_renders_the_chat_template_by_default_and_sends_raw_text_on_request():
     parser = build_parser()
     assert parser.parse_args(["generate", "hi"]).chat is True

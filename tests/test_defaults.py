@@ -115,6 +115,7 @@ def test_engine_limits_have_no_defaults_of_their_own():
 @pytest.mark.parametrize(("dockerfile", "ports"), [
     ("control-plane.Dockerfile", {defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT}),
     ("data-plane.Dockerfile", {defaults.POD_PORT, defaults.POD_METRICS_PORT}),
+    ("router.Dockerfile", {defaults.ROUTER_PORT, defaults.ROUTER_METRICS_PORT, defaults.ROUTER_HTTP_PORT}),
 ])
 def test_the_images_expose_the_default_ports(dockerfile, ports):
     text = (ROOT / "helm" / "images" / dockerfile).read_text()
@@ -128,6 +129,8 @@ def test_the_chart_serves_on_the_default_ports():
         == (defaults.CONTROL_PLANE_PORT, defaults.CONTROL_PLANE_METRICS_PORT)
     assert (values["dataPlane"]["port"], values["dataPlane"]["metricsPort"]) \
         == (defaults.POD_PORT, defaults.POD_METRICS_PORT)
+    assert (values["router"]["port"], values["router"]["metricsPort"], values["router"]["httpPort"]) \
+        == (defaults.ROUTER_PORT, defaults.ROUTER_METRICS_PORT, defaults.ROUTER_HTTP_PORT)
     assert values["redis"]["port"] == defaults.REDIS_PORT
 
 
@@ -147,6 +150,8 @@ def _template_flags(template: str) -> dict[str, str]:
                          "--dtype": "{{ $dp.dtype }}", "--max-loras": "{{ $dp.maxLoras | quote }}",
                          "--max-cpu-loras": "{{ $dp.maxCpuLoras | quote }}",
                          "--max-lora-rank": "{{ $dp.maxLoraRank | quote }}"}),
+    ("router.yaml", {"--host": "0.0.0.0", "--port": "{{ $r.port | quote }}",
+                     "--metrics-port": "{{ $r.metricsPort | quote }}", "--http-port": "{{ $r.httpPort | quote }}"}),
 ])
 def test_the_chart_passes_its_own_choices_as_flags(template, flags):
     passed = _template_flags(template)

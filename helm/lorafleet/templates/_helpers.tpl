@@ -27,6 +27,9 @@
 {{- define "lorafleet.dataPlane.headless" -}}
 {{- printf "%s-pods" (include "lorafleet.dataPlane.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+{{- define "lorafleet.router.fullname" -}}
+{{- printf "%s-router" (include "lorafleet.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
 {{- define "lorafleet.redis.fullname" -}}
 {{- printf "%s-redis" (include "lorafleet.fullname" .) | trunc 52 | trimSuffix "-" }}
 {{- end }}
@@ -98,9 +101,13 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
-{{/* Where the token is mounted in control-plane and data-plane containers. */}}
+{{/* Where the token is mounted in control-plane, data-plane and router containers. */}}
 {{- define "lorafleet.tokenDir" -}}/etc/lorafleet/token{{- end }}
 {{- define "lorafleet.tokenFile" -}}/etc/lorafleet/token/token{{- end }}
+
+{{/* Where the router's HTTP API keys are mounted (router.apiKeys.existingSecret). */}}
+{{- define "lorafleet.router.apiKeyDir" -}}/etc/lorafleet/api-keys{{- end }}
+{{- define "lorafleet.router.apiKeyFile" -}}/etc/lorafleet/api-keys/keys{{- end }}
 
 {{/* The Redis password Secret (in-release Redis with auth). */}}
 {{- define "lorafleet.redis.secretName" -}}
@@ -158,6 +165,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- if and (eq .Values.dataPlane.device "cuda") (lt (int .Values.dataPlane.gpus) 1) }}
 {{- fail "dataPlane.device=cuda needs dataPlane.gpus >= 1" }}
+{{- end }}
+{{- $as := .Values.router.autoscaling }}
+{{- if and $as.enabled (or (lt (int $as.minReplicas) 1) (gt (int $as.minReplicas) (int $as.maxReplicas))) }}
+{{- fail (printf "router.autoscaling needs 1 <= minReplicas <= maxReplicas (got %v and %v)" $as.minReplicas $as.maxReplicas) }}
 {{- end }}
 {{- if not (has .Values.dataPlane.dtype (list "bfloat16" "float16" "float32")) }}
 {{- fail (printf "dataPlane.dtype must be bfloat16, float16 or float32 (got %q)" .Values.dataPlane.dtype) }}
