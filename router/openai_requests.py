@@ -160,7 +160,7 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
             max_tokens: int, logprobs: int | None) -> ApiRequest:
     """The fields both endpoints share, then the request."""
     sampling = g.SamplingParams(
-        max_tokens=max_tokens, logprobs=logprobs or 0,
+        max_tokens=max_tokens, logprobs=logprobs or 0, token_text=logprobs is not None,
         temperature=f.number("temperature", 0.0, 2.0, 1.0),
         top_p=f.number("top_p", 0.0, 1.0, 1.0, low_open=True),
         top_k=f.integer("top_k", 0, _UINT32, 0),  # an extension, as in vLLM; 0 disables it

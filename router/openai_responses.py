@@ -1,8 +1,9 @@
 """OpenAI response bodies built from a pod's GenerateResponse messages: the whole completion, or one
 server-sent-event chunk per message. Pure.
 
-The router holds no tokenizer, so a token in ``logprobs`` is named by its id, as ``token_id:<id>`` (the
-form vLLM's ``--return-tokens-as-token-ids`` uses), with ``bytes`` null; the text is the pod's own."""
+The router holds no tokenizer: it asks the pod for each token's text (``SamplingParams.token_text``) when
+logprobs are wanted and names tokens by it; a pod that sent none is answered with ``token_id:<id>`` (the
+form vLLM's ``--return-tokens-as-token-ids`` uses) and ``bytes`` null."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ OWNER = "lorafleet"
 _FINISH = {g.STOP: "stop", g.LENGTH: "length"}
 
 
-def token_name(token_id: int) -> str:
-    return f"token_id:{token_id}"
+def token_name(token: g.Token | g.TopLogprob) -> str:
+    """The token's text as the pod decoded it; a pod that sent none is named by id, as vLLM's
+    ``--return-tokens-as-token-ids`` does."""
+    return token.text or f"token_id:{token.id}"
+
+
+def token_bytes(token: g.Token | g.TopLogprob) -> list[int] | None:
+    return list(token.text.encode()) if token.text else None
 
 
 def usage(u: g.Usage) -> dict:
@@ -100,8 +107,9 @@ class ResponseBuilder:
         if self._request.logprobs is None:
             return None
         if self._chat:
-            return {"content": [{"token": token_name(t.id), "logprob": t.logprob, "bytes": None,
-                                 "top_logprobs": [{"token": token_name(a.id), "logprob": a.logprob, "bytes": None}
-                                                  for a in t.top_logprobs]} for t in tokens]}
-        return {"tokens": [token_name(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{token_name(a.id): a.logprob for a in t.top_logprobs} for t in tokens]}
+            return {"content": [{"token": token_name(t), "logprob": t.logprob, "bytes": token_bytes(t),
+                                 "top_logprobs": [{"token": token_name(a), "logprob": a.logprob,
+                                                   "bytes": token_bytes(a)} for a in t.top_logprobs]}
+                                for t in tokens]}
+        return {"tokens": [token_name(t) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{token_name(a): a.logprob for a in t.top_logprobs} for t in tokens]}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lorafleet.v1 import generation_pb2, generation_pb2_grpc
 
 from data_plane.engine.engine import Engine, StepOutput
@@ -21,8 +23,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine = self._handle.get()
         prompt_ids = _prompt_ids(engine, request)
         params = sampling_params(request.sampling)
+        text_of = _token_text(engine) if request.sampling.token_text else None
         async for out in engine.generate(prompt_ids, params, request.adapter or None, request.request_id or None):
-            yield _response(out, request.request_id)
+            yield _response(out, request.request_id, text_of)
 
 
 def _prompt_ids(engine: Engine, request: generation_pb2.GenerateRequest) -> list[int]:
@@ -49,9 +52,17 @@ def sampling_params(p: generation_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def _response(out: StepOutput, request_id: str) -> generation_pb2.GenerateResponse:
-    tokens = [generation_pb2.Token(id=t.id, logprob=t.logprob,
-                                   top_logprobs=[generation_pb2.TopLogprob(id=i, logprob=lp) for i, lp in t.top])
+def _token_text(engine: Engine) -> Callable[[int], str]:
+    """Each token's own text, special tokens included (a logprob row names the token it scores)."""
+    return lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _response(out: StepOutput, request_id: str,
+              text_of: Callable[[int], str] | None = None) -> generation_pb2.GenerateResponse:
+    text = text_of or (lambda _: "")
+    tokens = [generation_pb2.Token(id=t.id, logprob=t.logprob, text=text(t.id),
+                                   top_logprobs=[generation_pb2.TopLogprob(id=i, logprob=lp, text=text(i))
+                                                 for i, lp in t.top])
               for t in out.tokens]
     response = generation_pb2.GenerateResponse(text=out.text, tokens=tokens, request_id=request_id)
     if out.finish_reason is not None:

@@ -72,12 +72,13 @@ def test_chat_whole_and_streamed_equals_the_pods_own_greedy_answer(stack, client
 def test_completions_whole_and_streamed_equal_the_pods_own_greedy_answer_with_logprobs(stack, client, model):
     adapter = "" if model == FLEET_BASE_MODEL else model
     prompt = "The treasure is buried"
-    text, tokens, last = collect(holder(stack), request(prompt, adapter, max_tokens=10, chat=False, logprobs=2))
+    text, tokens, last = collect(holder(stack), request(prompt, adapter, max_tokens=10, chat=False, logprobs=2,
+                                                        token_text=True))
 
     whole = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
     choice = whole.choices[0]
     assert choice.text == text and text
-    assert choice.logprobs.tokens == [f"token_id:{t.id}" for t in tokens]
+    assert choice.logprobs.tokens == [t.text for t in tokens] and "".join(choice.logprobs.tokens) == text
     assert choice.logprobs.token_logprobs == pytest.approx([t.logprob for t in tokens], abs=1e-5)
     assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(tokens)
     assert whole.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens

@@ -29,7 +29,7 @@ def test_a_completion_body_becomes_a_prompt_request_with_its_sampling():
                             "presence_penalty": 0.0, "n": 1, "echo": False, "best_of": 1, "logit_bias": {}})
     req = api.generate_request("pirate", "cmpl-1")
     assert req == g.GenerateRequest(request_id="cmpl-1", adapter="pirate", prompt="Hi", sampling=g.SamplingParams(
-        max_tokens=7, temperature=0, top_p=0.5, seed=3, stop=["\n"], logprobs=2, top_k=5))
+        max_tokens=7, temperature=0, top_p=0.5, seed=3, stop=["\n"], logprobs=2, top_k=5, token_text=True))
     assert (api.endpoint, api.stream, api.logprobs) == (Endpoint.COMPLETIONS, False, 2)
 
 
@@ -62,6 +62,12 @@ def test_chat_takes_max_tokens_too_and_defaults_to_the_context_limit():
 def test_chat_logprobs_without_top_logprobs_returns_only_the_chosen_tokens():
     assert parse_chat({**CHAT, "logprobs": True}).logprobs == 0
     assert parse_chat({**CHAT, "logprobs": False}).logprobs is None
+
+
+def test_token_texts_are_asked_of_the_pod_only_when_logprobs_are_wanted():
+    assert parse_chat({**CHAT, "logprobs": True}).sampling.token_text
+    assert parse_completion({**COMPLETION, "logprobs": 0}).sampling.token_text
+    assert not parse_chat(CHAT).sampling.token_text and not parse_completion(COMPLETION).sampling.token_text
 
 
 def test_json_null_counts_as_absent():

@@ -36,12 +36,24 @@ def test_a_whole_chat_completion_holds_the_text_finish_reason_and_usage():
                     "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
 
 
-def test_chat_logprobs_name_each_token_by_id_with_its_alternatives():
+def test_chat_logprobs_name_each_token_by_id_when_the_pod_sent_no_text():
     content = whole(parse_chat({**CHAT, "logprobs": True, "top_logprobs": 2}))["choices"][0]["logprobs"]["content"]
     assert content[0] == {"token": "token_id:7", "logprob": -0.5, "bytes": None, "top_logprobs": [
         {"token": "token_id:7", "logprob": -0.5, "bytes": None}, {"token": "token_id:9", "logprob": -1.5,
                                                                   "bytes": None}]}
     assert [c["token"] for c in content] == ["token_id:7", "token_id:8"]
+
+
+def test_logprobs_name_a_token_by_the_text_the_pod_sent_with_its_utf8_bytes():
+    texted = [g.GenerateResponse(text="é!", tokens=[g.Token(id=7, logprob=-0.5, text="é", top_logprobs=[
+        g.TopLogprob(id=7, logprob=-0.5, text="é"), g.TopLogprob(id=9, logprob=-1.5, text="e")])],
+        finish_reason=g.STOP, usage=g.Usage(prompt_tokens=5, completion_tokens=1))]
+    builder = ResponseBuilder(parse_chat({**CHAT, "logprobs": True, "top_logprobs": 2}), "id-1", 1700000000)
+    for message in texted:
+        builder.add(message)
+    content = builder.complete()["choices"][0]["logprobs"]["content"]
+    assert content == [{"token": "é", "logprob": -0.5, "bytes": [0xC3, 0xA9], "top_logprobs": [
+        {"token": "é", "logprob": -0.5, "bytes": [0xC3, 0xA9]}, {"token": "e", "logprob": -1.5, "bytes": [0x65]}]}]
 
 
 def test_a_whole_text_completion_holds_legacy_logprobs():
