@@ -25,13 +25,14 @@ class OutputText:
         return text
 
     def _release(self, final: bool = False) -> tuple[str, bool]:
-        for stop in self._stop:
-            # search from just before the unreleased text: a stop string may straddle the boundary
-            at = self._text.find(stop, max(0, self._emitted - len(stop) + 1))
-            if at != -1:
-                delta = self._text[self._emitted : at]
-                self._emitted = len(self._text)
-                return delta, True
+        # Search from just before the unreleased text (a stop string may straddle the boundary), and
+        # cut at the earliest match: two stop strings can complete on one token ("B" and "AB" on "xAB").
+        found = [at for stop in self._stop
+                 if (at := self._text.find(stop, max(0, self._emitted - len(stop) + 1))) != -1]
+        if found:
+            delta = self._text[self._emitted : min(found)]
+            self._emitted = len(self._text)
+            return delta, True
         hold = 0 if final else self._longest_stop_prefix_suffix()
         end = len(self._text) - hold
         delta = self._text[self._emitted : end] if end > self._emitted else ""

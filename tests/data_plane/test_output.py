@@ -96,6 +96,12 @@ def test_any_of_several_stop_strings_stops_the_text(tokenizer):
     assert stopped and "".join(pieces) == "one"
 
 
+@pytest.mark.parametrize("stop", [("B", "AB"), ("AB", "B")])
+def test_the_text_ends_before_the_earliest_stop_string_whatever_their_order(tokenizer, stop):
+    pieces, stopped, _ = stream(tokenizer, "xABy", stop=stop)
+    assert stopped and "".join(pieces) == "x"
+
+
 def test_a_stop_string_of_multi_byte_characters_is_found_across_split_tokens(tokenizer):
     pieces, stopped, _ = stream(tokenizer, "fin 🚀🚀 rest", stop=("🚀🚀",))
     assert stopped and "".join(pieces) == "fin "
