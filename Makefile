@@ -53,6 +53,7 @@ bench: setup
 	$(PY) benchmarks/model_cpu.py
 	$(PY) benchmarks/adapter_load.py
 	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/router.py
 	$(PY) benchmarks/control_plane.py
 
 # The reliability suite at full size (60 s of load, 2,000 load/unload cycles, ...); its measured figures

@@ -1,6 +1,7 @@
 """lorafleet's processes on loopback ports, as the benchmarks and the integration tests start them: a
 redis-server, control-plane replicas (``python -m control_plane.server``), data-plane pods
-(``python -m data_plane.server``, waited on through the gRPC health service) and a fleet of all three."""
+(``python -m data_plane.server``, waited on through the gRPC health service), a fleet of all three
+and a router in front of a fleet (``python -m router.server``)."""
 
 from __future__ import annotations
 
@@ -155,6 +156,54 @@ class PodProcess:
             stop_process(self.proc, timeout_s=30)
 
 
+class RouterProcess:
+    """``python -m router.server`` reading the fleet from ``control_plane``, its OpenAI HTTP API on
+    ``http_port``; stderr (JSON logs) goes to ``log_path``."""
+
+    def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str) -> None:
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
+        self.log_path = workdir / "router.log"
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+                     "--http-port", str(self.http_port),
+                     "--control-plane", control_plane, "--admin-token-file", str(token_file), *extra_args]
+        self.proc: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> RouterProcess:
+        self.proc = spawn([sys.executable, "-m", "router.server", *self.args], self.log_path, cwd=REPO,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.channel = grpc.insecure_channel(self.address)
+        wait_serving(self.channel, self.proc, timeout_s, what="router", log_tail=lambda: tail(self.log_path))
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API's base URL, as the ``openai`` client takes it."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def generation(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of the router's /metrics, 0 when absent."""
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        key = f"{name}{{{want}}}" if want else name
+        for line in scrape(self.metrics_port).splitlines():
+            if line.rsplit(" ", 1)[0] == key:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s=20)
+
+
 class ControlPlaneProcess:
     """``python -m control_plane.server`` as a child process."""
 
@@ -196,12 +245,14 @@ def copy_demo_adapters(root: Path) -> Path:
 
 
 class Fleet:
-    """A redis-server, a control plane and two CPU pods on the demo model that heartbeat to it.
-    ``pod_args`` are added to every pod's command line; a subclass may route a pod's control-plane
-    traffic elsewhere by overriding ``control_plane_for``."""
+    """A redis-server, a control plane and ``pods`` CPU pods (two unless told) on the demo model that
+    heartbeat to it. ``pod_args`` are added to every pod's command line (a flag given again overrides
+    the default); a subclass may route a pod's control-plane traffic elsewhere by overriding
+    ``control_plane_for``."""
 
-    def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str) -> None:
+    def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str, pods: int = 2) -> None:
         self.workdir, self.adapter_root, self.pod_args = workdir, adapter_root, pod_args
+        self.pod_names = [f"pod-{chr(ord('a') + i)}" for i in range(pods)]
         self.redis = RedisServer(workdir)
         self.token_file = workdir / "token"
         self.token_file.write_text(TOKEN + "\n")
@@ -211,14 +262,14 @@ class Fleet:
     def start(self) -> Fleet:
         self.redis.start()
         self.start_control_plane()
-        for name in ("pod-a", "pod-b"):
+        for name in self.pod_names:
             self.pods[name] = PodProcess(
                 self.workdir, "--control-plane", self.control_plane_for(name), "--heartbeat-interval", "0.3",
                 "--max-loras", "4", "--max-cpu-loras", "6", "--max-num-seqs", "4", "--num-kv-blocks", "64",
                 "--adapter-root", str(self.adapter_root), *self.pod_args, name=name, token=TOKEN).launch()
         for pod in self.pods.values():
             pod.wait_serving(180)
-        wait_until(lambda: len(self.pod_ids()) == 2, timeout_s=20, what="both pods registered")
+        wait_until(lambda: len(self.pod_ids()) == len(self.pod_names), timeout_s=20, what="every pod registered")
         return self
 
     def control_plane_for(self, pod_name: str) -> str:

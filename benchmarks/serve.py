@@ -30,81 +30,18 @@ import os
 import platform
 import statistics
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from processes import PodProcess  # benchmarks/processes.py
+from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.model.demo_model import ensure_demo_model
 
-PROMPTS = [
-    "Explain why the sky is blue.", "Write a short poem about autumn.", "How do vaccines work?",
-    "Give me three tips for learning to cook.", "What is a black hole?", "Describe a day at the beach.",
-    "Why do cats purr?", "How does a bicycle stay upright?",
-]
 EXTRA_ADAPTER = "bench-r16"  # a random rank-16 adapter on all seven projections, beside the demo adapters
-
-
-@dataclass
-class Run:
-    label: str
-    wall_s: float
-    tokens: int
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        return self.tokens / self.wall_s
-
-
-def _pct(values: list[float], q: float) -> str:
-    if not values:
-        return "–"
-    values = sorted(values)
-    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.0f}"
-
-
-def drive_pod(pod, label: str, adapters: list[str | None], prompts: list[str], new_tokens: int) -> Run:
-    from lorafleet.v1 import generation_pb2 as g
-
-    stub = pod.generation()
-    run = Run(label, 0.0, 0)
-    lock = threading.Lock()
-
-    def one(prompt: str, adapter: str | None) -> None:
-        req = g.GenerateRequest(adapter=adapter or "", sampling=g.SamplingParams(max_tokens=new_tokens,
-                                                                                  ignore_eos=True))
-        req.messages.messages.append(g.ChatMessage(role="user", content=prompt))
-        start = last = time.perf_counter()
-        ttft, gaps, n = None, [], 0
-        for response in stub.Generate(req, timeout=1800):
-            now = time.perf_counter()
-            if response.tokens:
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    gaps.append((now - last) / len(response.tokens))
-                last = now
-                n += len(response.tokens)
-        with lock:
-            run.tokens += n
-            run.ttft.append(ttft)
-            run.itl.extend(gaps)
-
-    threads = [threading.Thread(target=one, args=(p, a)) for p, a in zip(prompts, adapters, strict=True)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    run.wall_s = time.perf_counter() - start
-    return run
 
 
 class PeftRunner:
@@ -210,11 +147,12 @@ def main() -> None:
             pod_args += ["--adapter-root", str(root)]
         pod = PodProcess(Path(tmp), *pod_args, name="bench")
         pod.start(timeout_s=1800)
+        stub = pod.generation()
         try:
-            drive_pod(pod, "warm-up", cycle, [PROMPTS[0]] * len(cycle), 4)  # loads every adapter
+            drive(stub, "warm-up", cycle, [PROMPTS[0]] * len(cycle), 4)  # loads every adapter
             for _ in range(args.rounds):
-                runs = [drive_pod(pod, f"lorafleet, {mix}", adapters, prompts, args.new_tokens),
-                        drive_pod(pod, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
+                runs = [drive(stub, f"lorafleet, {mix}", adapters, prompts, args.new_tokens),
+                        drive(stub, "lorafleet, base only", [None] * len(prompts), prompts, args.new_tokens)]
                 if peft is not None:
                     runs.append(peft.run(args.new_tokens))
                 rounds.append(runs)
@@ -233,8 +171,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for i, runs in enumerate(rounds, 1):
         for r in runs:
-            print(f"| {i} | {r.label} | {r.throughput:.1f} | {_pct(r.ttft, 0.5)} | {_pct(r.ttft, 0.99)} "
-                  f"| {_pct(r.itl, 0.5)} | {_pct(r.itl, 0.99)} | {r.wall_s:.1f} |")
+            print(f"| {i} | {r.label} | {r.throughput:.1f} | {percentile_ms(r.ttft, 0.5)} "
+                  f"| {percentile_ms(r.ttft, 0.99)} | {percentile_ms(r.itl, 0.5)} | {percentile_ms(r.itl, 0.99)} "
+                  f"| {r.wall_s:.1f} |")
     lora_base = [runs[0].throughput / runs[1].throughput for runs in rounds]
     print(f"\nLoRA / base-only throughput per round: {', '.join(f'{x:.2f}' for x in lora_base)}; "
           f"median {statistics.median(lora_base):.2f}")

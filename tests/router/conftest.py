@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.processes import Fleet, copy_demo_adapters, wait_until
-from tests.router.processes import RouterProcess
+from benchmarks.processes import Fleet, RouterProcess, copy_demo_adapters, wait_until
 
 READY_WITHIN_S = 60
 API_KEY = "sk-router-tests"

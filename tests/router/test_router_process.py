@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from benchmarks.processes import PodProcess
+from benchmarks.processes import PodProcess, RouterProcess
 from tests.grpc_helpers import collect, request
-from tests.router.processes import RouterProcess
 
 pytestmark = pytest.mark.slow
 
