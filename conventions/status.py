@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -47,37 +48,44 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                with _Outcome(method, context, self._observe) as outcome:
-                    try:
-                        return await inner(request, context)
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as e:
-                        outcome.code = status_of(e)
-                        await _abort(context, method, e)
-
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(self._awaited(method, handler.unary_unary),
+                                                       handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def stream(request, context):
-                with _Outcome(method, context, self._observe) as outcome:
-                    try:
-                        async for item in inner_stream(request, context):
-                            yield item
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as e:
-                        outcome.code = status_of(e)
-                        await _abort(context, method, e)
-
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+            inner = handler.unary_stream
+            # A streaming handler is an async generator, or a coroutine that writes with context.write()
+            # (grpc's own Health.Watch): the one is iterated, the other awaited.
+            wrapped = self._iterated(method, inner) if inspect.isasyncgenfunction(inner) \
+                else self._awaited(method, inner)
+            return grpc.unary_stream_rpc_method_handler(wrapped, handler.request_deserializer,
                                                         handler.response_serializer)
         return handler
+
+    def _awaited(self, method: str, inner):
+        async def call(request, context):
+            with _Outcome(method, context, self._observe) as outcome:
+                try:
+                    return await inner(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    outcome.code = status_of(e)
+                    await _abort(context, method, e)
+
+        return call
+
+    def _iterated(self, method: str, inner):
+        async def stream(request, context):
+            with _Outcome(method, context, self._observe) as outcome:
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    outcome.code = status_of(e)
+                    await _abort(context, method, e)
+
+        return stream
 
 
 class _Outcome:

@@ -77,8 +77,11 @@ class Forwarder:
         adapter_class = "adapter" if adapter else "base"
         outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
         try:
-            async for message in self._forward(request, adapter, adapter_class, timeout, arrived):
-                yield message
+            # aclosing: when our caller stops early, the pod's call is cancelled now, not at garbage collection
+            async with contextlib.aclosing(self._forward(request, adapter, adapter_class, timeout,
+                                                         arrived)) as messages:
+                async for message in messages:
+                    yield message
             outcome = "OK"
         except LorafleetError as e:
             outcome = e.status

@@ -51,7 +51,10 @@ class StateRefresher:
         """Refreshes every interval until ``stop`` is set."""
         while not stop.is_set():
             started = time.monotonic()
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a failed read must not stop every later one
+                log.exception("refreshing the fleet view failed; keeping the last view")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self._config.refresh_interval_s -
                                                         (time.monotonic() - started)))

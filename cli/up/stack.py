@@ -31,7 +31,7 @@ from conventions.auth import read_token
 from conventions.home import default_token_file
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root: children run from there
 POD_ID = "local-pod"
 _POLL_S = 0.5
 
