@@ -24,7 +24,9 @@ def token_name(token: g.Token | g.TopLogprob) -> str:
 
 
 def token_bytes(token: g.Token | g.TopLogprob) -> list[int] | None:
-    return list(token.text.encode()) if token.text else None
+    """The text's UTF-8 bytes; None for a token holding part of a character (its text is U+FFFD, whose
+    bytes would not be the token's own)."""
+    return list(token.text.encode()) if token.text and "\ufffd" not in token.text else None
 
 
 def usage(u: g.Usage) -> dict:

@@ -113,6 +113,9 @@ class AdapterLoader:
                 error = e
                 log.warning("adapter load failed", extra={"adapter": name, "error": str(e)})
             else:
+                # Still an outcome the waiting requests get (INTERNAL), so that nothing retries it unasked.
+                error = LorafleetError(f"loading adapter {name!r} failed unexpectedly ({type(e).__name__}); "
+                                       "see the pod's logs")
                 log.exception("adapter load failed", extra={"adapter": name})
             raise
         finally:

@@ -10,7 +10,7 @@ import pytest
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.engine.engine import Engine, EngineLimits
 from data_plane.engine.sequence import SamplingParams
-from data_plane.errors import AdapterNotFound, InvalidAdapter
+from data_plane.errors import AdapterNotFound, InvalidAdapter, LorafleetError
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
 from data_plane.model import load_model
@@ -137,3 +137,30 @@ def test_an_unknown_adapter_is_refused_before_the_request_is_queued_and_counts_n
     assert state.waiting == 0
     assert sample(metrics, "lorafleet_adapter_loads_total", tier="cpu", outcome="error") == 0
     assert sample(metrics, "lorafleet_adapter_load_seconds_count", outcome="error") == 0
+
+
+def test_a_load_that_crashes_ends_its_requests_with_internal_once_instead_of_retrying(model, demo_tokenizer):
+    metrics = PodMetrics()
+
+    async def go():
+        resolver = GatedResolver()
+        resolver.gate.set()
+        engine = engine_on(model, demo_tokenizer, resolver, metrics)
+
+        def crash(*args):
+            raise RuntimeError("disk on fire")
+
+        engine.lora.read = crash  # a fault no domain check foresaw, inside the load's worker thread
+        engine.start()
+        try:
+            result = await asyncio.wait_for(asyncio.gather(drain(engine, "pirate"), return_exceptions=True), 30)
+            await asyncio.sleep(0.5)  # time for a retry loop to show, were there one
+            await settle()
+            return result[0]
+        finally:
+            await engine.stop()
+
+    error = asyncio.run(go())
+    assert isinstance(error, LorafleetError) and error.status == "INTERNAL", error
+    assert "RuntimeError" in str(error) and "disk on fire" not in str(error)
+    assert sample(metrics, "lorafleet_adapter_loads_total", tier="cpu", outcome="error") == 1
