@@ -16,8 +16,10 @@ round to round (direct first in odd rounds) so that a shared machine's drifting 
 
 Every run also reports the CPU time (utime + stime from /proc/<pid>/stat; this process's from
 os.times) that the router, the pods and the client spent, as a share of one core, and the router's CPU
-time per forwarded message. The router is one asyncio process: when it is well under 100% of a core,
-the message rate is bound by the pods (or the client), not by the router.
+time per forwarded message above its idle rate (its CPU per second during the same round's direct run
+of the same load, when it forwards nothing but still refreshes its view of the fleet). The router is
+one asyncio process: when it is well under 100% of a core, the message rate is bound by the pods (or
+the client), not by the router.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from data_plane.demo_adapters import DEMO_ADAPTERS
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 QUICK = {"requests": 8, "concurrency": 4, "max_tokens": 8, "rounds": 1,
-         "flood_requests": 32, "flood_streams": 16, "flood_max_tokens": 2}
+         "flood_requests": 16, "flood_streams": 16, "flood_max_tokens": 4}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -78,8 +80,10 @@ class Measured:
     def share(self, cpu_s: float) -> str:
         return f"{100 * cpu_s / self.run.wall_s:.0f}"
 
-    def router_us_per_message(self) -> str:
-        return f"{1e6 * self.router_cpu_s / self.run.messages:.0f}" if self.path == "router" else "–"
+    def router_s_per_message(self, idle: Measured) -> float:
+        """The router's CPU seconds per forwarded message above its rate during ``idle`` (a direct run)."""
+        idle_rate = idle.router_cpu_s / idle.run.wall_s
+        return (self.router_cpu_s - idle_rate * self.run.wall_s) / self.run.messages
 
 
 def measure(load: str, path: str, stub, adapters: list[str | None], prompts: list[str], max_tokens: int,
@@ -112,19 +116,23 @@ def print_report(rounds: list[list[Measured]], args: argparse.Namespace, started
     print(f"load: {args.requests} requests, {args.concurrency} streams open, {args.max_tokens} tokens each; "
           f"flood: {args.flood_requests} requests, {args.flood_streams} streams open, {args.flood_max_tokens} "
           f"tokens each; {args.pods} pod(s) on the demo model\n")
+    def pair(runs: list[Measured], load: str, path: str) -> Measured:
+        return next(m for m in runs if (m.load, m.path) == (load, path))
+
+    def pick(runs: list[Measured], load: str, path: str) -> Run:
+        return pair(runs, load, path).run
+
     print("| round | load | path | output tok/s | messages/s | TTFT p50 ms | TTFT p99 ms | router CPU % "
-          "| router CPU µs/message | pods CPU % | client CPU % | wall s |")
+          "| router CPU µs/message above idle | pods CPU % | client CPU % | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, runs in enumerate(rounds, 1):
         for m in sorted(runs, key=lambda m: (m.load != "load", m.path)):
             r = m.run
+            per_message = (f"{1e6 * m.router_s_per_message(pair(runs, m.load, 'direct')):.0f}"
+                           if m.path == "router" else "–")
             print(f"| {i} | {m.load} | {m.path} | {r.throughput:.1f} | {r.message_rate:.0f} "
                   f"| {percentile_ms(r.ttft, 0.5)} | {percentile_ms(r.ttft, 0.99)} | {m.share(m.router_cpu_s)} "
-                  f"| {m.router_us_per_message()} | {m.share(m.pods_cpu_s)} | {m.share(m.client_cpu_s)} "
-                  f"| {r.wall_s:.1f} |")
-
-    def pick(runs: list[Measured], load: str, path: str) -> Run:
-        return next(m.run for m in runs if (m.load, m.path) == (load, path))
+                  f"| {per_message} | {m.share(m.pods_cpu_s)} | {m.share(m.client_cpu_s)} | {r.wall_s:.1f} |")
 
     def pct(values: list[float], q: float) -> float:
         return float(percentile_ms(values, q))
@@ -140,13 +148,14 @@ def print_report(rounds: list[list[Measured]], args: argparse.Namespace, started
     line("Throughput lost through the router (1 - router/direct)",
          [100 * (1 - pick(r, "load", "router").throughput / pick(r, "load", "direct").throughput) for r in rounds],
          "%")
-    floods = [next(m for m in r if (m.load, m.path) == ("flood", "router")) for r in rounds]
+    floods = [pair(r, "flood", "router") for r in rounds]
     rate = statistics.median(m.run.message_rate for m in floods)
     direct = statistics.median(pick(r, "flood", "direct").message_rate for r in rounds)
     busy = statistics.median(m.router_cpu_s / m.run.wall_s for m in floods)
-    per_message = statistics.median(m.router_cpu_s / m.run.messages for m in floods)
+    per_message = statistics.median(pair(r, "flood", "router").router_s_per_message(pair(r, "flood", "direct"))
+                                    for r in rounds)
     print(f"Flood: {rate:.0f} messages/s through the router, {direct:.0f} direct (medians); the router used "
-          f"{100 * busy:.0f}% of one core, {1e6 * per_message:.0f} µs of CPU per message "
+          f"{100 * busy:.0f}% of one core, {1e6 * per_message:.0f} µs of CPU per message above idle "
           f"({1 / per_message:.0f} messages per router CPU-second); "
           f"{'router-bound' if busy >= 0.9 else 'not router-bound: the pods or the client set the rate'}")
 
@@ -156,9 +165,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
     parser.add_argument("--concurrency", type=int, default=8, help="streams open at once in a load run")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens each load request generates")
-    parser.add_argument("--flood-requests", type=int, default=256, help="requests per flood run")
+    parser.add_argument("--flood-requests", type=int, default=64, help="requests per flood run")
     parser.add_argument("--flood-streams", type=int, default=64, help="streams open at once in a flood run")
-    parser.add_argument("--flood-max-tokens", type=int, default=4, help="tokens each flood request generates")
+    parser.add_argument("--flood-max-tokens", type=int, default=16, help="tokens each flood request generates")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of (direct, router) for both loads, the paths' order alternating")
     parser.add_argument("--pods", type=int, default=1, choices=[1, 2], help="CPU pods behind the router")
