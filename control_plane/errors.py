@@ -9,7 +9,7 @@ from __future__ import annotations
 from conventions.errors import ConfigError, LorafleetError
 
 __all__ = ["AdapterExists", "AdapterNotFound", "BaseModelMismatch", "ConfigError", "ControlPlaneError",
-           "InvalidArgument", "StoreUnavailable", "Unauthenticated", "VersionConflict"]
+           "InvalidArgument", "NotLeader", "StoreUnavailable", "Unauthenticated", "VersionConflict"]
 
 
 class ControlPlaneError(LorafleetError):
@@ -56,3 +56,9 @@ class StoreUnavailable(ControlPlaneError):
     """Redis cannot be reached or failed to answer."""
 
     status = "UNAVAILABLE"
+
+
+class NotLeader(ControlPlaneError):
+    """Redis refused a reconciler write: the writer's fencing token is no longer the lease's."""
+
+    status = "ABORTED"

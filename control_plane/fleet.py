@@ -52,6 +52,7 @@ class Fleet:
         pods = await self._store.list_pods(heard_since=now - self.lease_ttl_s - self.grace_s)
         return [PodView(p, p.reported_ready and p.is_live(now, self.lease_ttl_s)) for p in pods]
 
-    async def remove_lost(self) -> list[str]:
-        """Removes pods silent for longer than lease plus grace; returns their ids."""
-        return await self._store.remove_pods_silent_since(self._store.now() - self.lease_ttl_s - self.grace_s)
+    async def remove_lost(self, token: int) -> list[str]:
+        """Removes pods silent for longer than lease plus grace; returns their ids. Only the leader
+        holding fencing token ``token`` may (NotLeader otherwise)."""
+        return await self._store.remove_pods_silent_since(self._store.now() - self.lease_ttl_s - self.grace_s, token)

@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 
 from control_plane.config import ControlPlaneConfig
-from control_plane.errors import StoreUnavailable
+from control_plane.errors import NotLeader, StoreUnavailable
 from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
@@ -26,7 +26,9 @@ _MAX_POD_BACKOFF_S = 60.0
 class Reconciler:
     """Each pass: remove lost pods, place pins, record unsatisfiable ones, send the commands
     that make the pods agree. Passes run every ``reconcile_interval_s`` and at once after a
-    registry change; they do nothing unless this replica holds the leader lease."""
+    registry change; they do nothing unless this replica holds the leader lease. Every write a
+    pass makes to Redis carries the lease's fencing token, and a write Redis refuses (NotLeader:
+    another replica leads now) ends the pass and steps this replica down."""
 
     def __init__(self, config: ControlPlaneConfig, store: Store, fleet: Fleet, lease: LeaderLease,
                  pods: PodClients, metrics: ControlPlaneMetrics) -> None:
@@ -60,10 +62,21 @@ class Reconciler:
                     await asyncio.wait_for(stop.wait(), self._config.reconcile_interval_s)
 
     async def reconcile_once(self) -> list[Action]:
-        """One pass; returns the actions it sent."""
+        """One pass as leader; returns the actions it planned (none while this replica does not
+        lead). Steps down, ending the pass, when Redis refuses one of its writes as stale."""
+        token = self._lease.token
+        if not token:
+            return []
+        try:
+            return await self._reconcile(token)
+        except NotLeader as e:
+            self._lease.step_down(str(e))
+            return []
+
+    async def _reconcile(self, token: int) -> list[Action]:
         started = time.perf_counter()
         cfg = self._config
-        removed = await self._fleet.remove_lost()
+        removed = await self._fleet.remove_lost(token)
         if removed:
             self._metrics.pods_removed.inc(len(removed))
             log.warning("pods removed after lease and grace", extra={"pods": removed})
@@ -77,7 +90,7 @@ class Reconciler:
                           frozenset(r.name for r in v.pod.residents if r.pinned), v.ready) for v in views]
         pins = [Pin(a.name, a.pin_replicas) for a in adapters if a.pinned]
         assignment = place(pins, slots, failed)
-        await self._store.set_pin_status(assignment.unsatisfied)
+        await self._store.set_pin_status(assignment.unsatisfied, token)
         for name, why in assignment.unsatisfied.items():
             if self._unsatisfied_logged.get(name) != why:  # once per change, not once per pass
                 log.warning("pin not satisfied", extra={"adapter": name, "reason": why})
@@ -107,14 +120,20 @@ class Reconciler:
         """Sends one pod's actions in order, recording each load's outcome. A load the pod refuses
         fails only that adapter; an unreachable pod or a refused unpin/unload stops the pod's
         list (a later pass retries, after a per-pod backoff that doubles with each failed pass).
-        Steps down on a stale fencing token."""
+        Steps down on a stale fencing token, whether a pod or Redis refused it."""
+        try:
+            await self._send(actions, attempts)
+        except NotLeader as e:
+            self._lease.step_down(str(e))
+
+    async def _send(self, actions: list[Action], attempts: dict[tuple[str, str], int]) -> None:
         for action in actions:
             token = self._lease.token
             if not token:
                 return
             key = (action.adapter, action.pod)
             if action.command is Command.LOAD_AND_PIN:
-                await self._record(action, PlacementState.LOADING, "", attempts.get(key, 0))
+                await self._record(action, token, PlacementState.LOADING, "", attempts.get(key, 0))
             result = await self._pods.execute(action, token)
             outcome = "ok" if result.ok else result.code.name.lower()
             self._metrics.pod_commands.labels(action.command.value, outcome).inc()
@@ -126,17 +145,17 @@ class Reconciler:
                 return
             if action.command in (Command.LOAD_AND_PIN, Command.PIN):
                 if result.ok:
-                    await self._record(action, PlacementState.READY, "", 0)
+                    await self._record(action, token, PlacementState.READY, "", 0)
                 elif result.transient:
-                    await self._record(action, PlacementState.LOADING, f"pod unreachable, will retry: {result.error}",
-                                       attempts.get(key, 0))
+                    await self._record(action, token, PlacementState.LOADING,
+                                       f"pod unreachable, will retry: {result.error}", attempts.get(key, 0))
                 else:
                     failures = attempts.get(key, 0) + 1
-                    await self._record(action, PlacementState.FAILED,
+                    await self._record(action, token, PlacementState.FAILED,
                                        f"{result.error} (attempt {failures} of {self._config.max_load_attempts})",
                                        failures)
             elif action.command is Command.UNLOAD and result.ok:
-                await self._store.delete_placement(action.adapter, action.pod)
+                await self._store.delete_placement(action.adapter, action.pod, token)
             if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
                 continue  # the adapter's own fault, recorded above: the pod's other commands still go out
             if not result.ok:
@@ -147,6 +166,6 @@ class Reconciler:
         if actions:
             self._pod_retry.pop(actions[0].pod, None)
 
-    async def _record(self, action: Action, state: PlacementState, error: str, attempts: int) -> None:
+    async def _record(self, action: Action, token: int, state: PlacementState, error: str, attempts: int) -> None:
         await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
-                                                        self._store.now()))
+                                                        self._store.now()), token)

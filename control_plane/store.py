@@ -11,6 +11,10 @@ Key layout, all under ``{prefix}:``
     leader             string "{replica}|{fencing token}" with a TTL: the reconciler lease
     fencing            int    last fencing token issued (INCR; never decreases)
 
+The reconciler's writes (placements, pin status, removing lost pods) are fenced: each is a Lua
+script that first checks that the lease key still holds the writer's fencing token, so Redis
+itself refuses the write of a deposed leader (NotLeader), however late it arrives.
+
 Adapter writes are compare-and-set on the record's version: WATCH the hash, read, check, then
 MULTI/EXEC the new record, its index and its change event together; a concurrent writer aborts
 the EXEC and the change is retried on the fresh record, so no acknowledged write is lost.
@@ -28,7 +32,14 @@ import redis.asyncio as redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, WatchError
 
-from control_plane.errors import AdapterExists, AdapterNotFound, InvalidArgument, StoreUnavailable, VersionConflict
+from control_plane.errors import (
+    AdapterExists,
+    AdapterNotFound,
+    InvalidArgument,
+    NotLeader,
+    StoreUnavailable,
+    VersionConflict,
+)
 from control_plane.records import AdapterRecord, Event, PlacementRecord, PodRecord
 
 _CAS_ATTEMPTS = 32
@@ -57,14 +68,37 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: pods, pod:{id}, events. ARGV: id, cutoff, maxlen. Removes the pod only if no heartbeat
-# arrived since the caller decided it was dead.
-_REMOVE_POD = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
+# The preamble of every fenced script. KEYS[1]: leader. ARGV[1]: the writer's fencing token.
+# Returns -1 (and writes nothing) unless the lease is held, unexpired, with that token; the
+# script after it returns a count >= 0.
+_FENCE = """
+local lease = redis.call('GET', KEYS[1])
+if not lease or string.sub(lease, string.find(lease, '|', 1, true) + 1) ~= ARGV[1] then return -1 end
+"""
+
+# KEYS: leader, placement:{adapter}. ARGV: token, pod, JSON PlacementRecord.
+_PUT_PLACEMENT = _FENCE + "return redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])"
+
+# KEYS: leader, placement:{adapter}. ARGV: token, pod.
+_DELETE_PLACEMENT = _FENCE + "return redis.call('HDEL', KEYS[2], ARGV[2])"
+
+# KEYS: leader, pin_status. ARGV: token, then adapter name, status, name, status, ...
+_SET_PIN_STATUS = _FENCE + """
 redis.call('DEL', KEYS[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'kind', 'pod_removed', 'name', ARGV[1], 'version', '0')
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+return 0
+"""
+
+# KEYS: leader, pods, pod:{id}, events, then placement:{name} of every adapter. ARGV: token, id,
+# cutoff, maxlen. Removes the pod and its placements only if no heartbeat arrived since the
+# caller decided it was dead.
+_REMOVE_POD = _FENCE + """
+local score = redis.call('ZSCORE', KEYS[2], ARGV[2])
+if not score or tonumber(score) > tonumber(ARGV[3]) then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+for i = 5, #KEYS do redis.call('HDEL', KEYS[i], ARGV[2]) end
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'pod_removed', 'name', ARGV[2], 'version', '0')
 return 1
 """
 
@@ -82,6 +116,9 @@ class Store:
         self._acquire = self._r.register_script(_ACQUIRE)
         self._release = self._r.register_script(_RELEASE)
         self._remove_pod = self._r.register_script(_REMOVE_POD)
+        self._put_placement = self._r.register_script(_PUT_PLACEMENT)
+        self._delete_placement = self._r.register_script(_DELETE_PLACEMENT)
+        self._set_pin_status = self._r.register_script(_SET_PIN_STATUS)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -237,32 +274,29 @@ class Store:
             rows = await self._r.mget([self._k("pod", i) for i in ids])
         return sorted((PodRecord.from_json(row) for row in rows if row), key=lambda p: p.id)
 
-    async def remove_pods_silent_since(self, cutoff: float) -> list[str]:
-        """Removes every pod with no heartbeat after ``cutoff``, with its placements; returns their ids."""
+    async def remove_pods_silent_since(self, cutoff: float, token: int) -> list[str]:
+        """Removes every pod with no heartbeat after ``cutoff``, with its placements; returns their
+        ids. Fenced by the leader's ``token`` (NotLeader once it is not the current one)."""
         async with _available():
             ids = await self._r.zrangebyscore(self._k("pods"), "-inf", cutoff)
-            removed = []
-            for pod_id in ids:
-                keys = [self._k("pods"), self._k("pod", pod_id), self._k("events")]
-                if await self._remove_pod(keys=keys, args=[pod_id, cutoff, self._maxlen]):
-                    removed.append(pod_id)
-            if removed:
-                names = await self._r.zrange(self._k("adapters"), 0, -1)
-                async with self._r.pipeline(transaction=False) as pipe:
-                    for n in names:
-                        pipe.hdel(self._k("placement", n), *removed)
-                    await pipe.execute()
+            names = await self._r.zrange(self._k("adapters"), 0, -1) if ids else []
+        removed = []
+        for pod_id in ids:
+            keys = [self._k("pods"), self._k("pod", pod_id), self._k("events"),
+                    *(self._k("placement", n) for n in names)]
+            if await self._fenced(self._remove_pod, token, keys, [pod_id, cutoff, self._maxlen]):
+                removed.append(pod_id)
         return removed
 
     # ---- placements and pin status --------------------------------------------------------
 
-    async def put_placement(self, rec: PlacementRecord) -> None:
-        async with _available():
-            await self._r.hset(self._k("placement", rec.adapter), rec.pod, rec.to_json())
+    async def put_placement(self, rec: PlacementRecord, token: int) -> None:
+        """Records what the leader holding ``token`` asked of a pod (NotLeader when it no longer leads)."""
+        await self._fenced(self._put_placement, token, [self._k("placement", rec.adapter)], [rec.pod, rec.to_json()])
 
-    async def delete_placement(self, adapter: str, pod: str) -> None:
-        async with _available():
-            await self._r.hdel(self._k("placement", adapter), pod)
+    async def delete_placement(self, adapter: str, pod: str, token: int) -> None:
+        """Forgets a placement, fenced like put_placement."""
+        await self._fenced(self._delete_placement, token, [self._k("placement", adapter)], [pod])
 
     async def placements(self, names: list[str]) -> dict[str, list[PlacementRecord]]:
         """The placement records of each named adapter, by pod id."""
@@ -273,13 +307,22 @@ class Store:
         return {n: sorted(map(PlacementRecord.from_json, row.values()), key=lambda p: p.pod)
                 for n, row in zip(names, rows, strict=True)}
 
-    async def set_pin_status(self, statuses: dict[str, str]) -> None:
-        """Replaces every adapter's pin status at once (adapters absent here are fully placed)."""
-        async with _available(), self._r.pipeline(transaction=True) as pipe:
-            pipe.delete(self._k("pin_status"))
-            if statuses:
-                pipe.hset(self._k("pin_status"), mapping=statuses)
-            await pipe.execute()
+    async def set_pin_status(self, statuses: dict[str, str], token: int) -> None:
+        """Replaces every adapter's pin status at once (adapters absent here are fully placed),
+        fenced like put_placement."""
+        await self._fenced(self._set_pin_status, token, [self._k("pin_status")],
+                           [x for item in statuses.items() for x in item])
+
+    async def _fenced(self, script, token: int, keys: list[str], args: list) -> int:
+        """Runs a fenced script (one that starts with _FENCE); returns its count, or raises
+        NotLeader when Redis refused the write because ``token`` is not the lease's."""
+        async with _available():
+            result = int(await script(keys=[self._k("leader"), *keys], args=[token, *args]))
+        if result < 0:
+            raise NotLeader(f"fencing token {token} is no longer the reconciler lease's (it lapsed or another "
+                            "replica took it): Redis refused the write; this replica stops reconciling until "
+                            "it holds the lease again")
+        return result
 
     async def pin_status(self, names: list[str]) -> dict[str, str]:
         if not names:

@@ -24,14 +24,18 @@ SHA = "ab" * 32
 
 class ScriptedPods:
     """Answers every command OK unless ``refuse`` names its (pod, command) or its (pod, adapter)
-    with a (status code, details) answer; reads answers as PodClients does; records each call."""
+    with a (status code, details) answer; reads answers as PodClients does; records each call;
+    awaits ``while_running`` (when set) before answering, as if it ran while the pod worked."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Command, str, int]] = []
         self.refuse: dict[tuple[str, Command | str], tuple[grpc.StatusCode, str]] = {}
+        self.while_running = None
 
     async def execute(self, action: Action, token: int) -> CommandResult:
         self.calls.append((action.pod, action.command, action.adapter, token))
+        if self.while_running is not None:
+            await self.while_running()
         answer = self.refuse.get((action.pod, action.command),
                                  self.refuse.get((action.pod, action.adapter), (grpc.StatusCode.OK, "")))
         return read_answer(action.command, *answer)
@@ -180,8 +184,8 @@ def test_an_unpin_of_an_adapter_already_gone_does_not_hold_up_the_pods_loads(con
         await h.adapter("new", replicas=1)
         h.pods.refuse[("p0", Command.UNPIN)] = (grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
         h.pods.refuse[("p0", Command.UNLOAD)] = (grpc.StatusCode.NOT_FOUND, "'old' is not loaded")
-        await h.store.put_placement(PlacementRecord("old", "p0", PlacementState.READY, "", 0, 1.0))
-        await h.lease.renew()
+        await h.store.put_placement(PlacementRecord("old", "p0", PlacementState.READY, "", 0, 1.0),
+                                    await h.lease.renew())
         return await h.sent(), await h.store.placements(["old"])
 
     sent, placements = run(config, redis_server, body)
@@ -257,3 +261,41 @@ def test_an_unreachable_pod_does_not_use_up_load_attempts(config, redis_server, 
     [placement] = run(config, redis_server, body)["a"]
     assert (placement.state, placement.attempts) == (PlacementState.LOADING, 0)
     assert "pod unreachable, will retry" in placement.error
+
+
+def test_a_replica_whose_lease_another_replica_took_writes_nothing_sends_nothing_and_steps_down(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0")
+        token = await h.lease.renew()
+        await h.store.release_leadership("me", token)  # the lease lapsed while this replica was paused
+        await LeaderLease(h.store, "successor", 30.0, ControlPlaneMetrics()).renew()
+        return await h.sent(), h.lease.token, await h.store.placements(["a"]), await h.store.pin_status(["a"])
+
+    sent, token, placements, status = run(config, redis_server, body)
+    assert (sent, token, placements, status) == ([], 0, {"a": []}, {})
+
+
+def test_a_leader_deposed_during_a_pass_has_its_placement_write_refused_and_steps_down(config, redis_server):
+    async def body(h):
+        await h.adapter("a", replicas=0)
+        await h.adapter("b", replicas=0)
+        await h.pod("p0")
+        token = await h.lease.renew()
+        successor = LeaderLease(h.store, "successor", 30.0, ControlPlaneMetrics())
+
+        async def deposed_meanwhile():
+            h.pods.while_running = None
+            await h.store.release_leadership("me", token)
+            await successor.renew()
+            await h.store.put_placement(PlacementRecord("a", "p0", PlacementState.READY, "", 0, 5.0), successor.token)
+
+        h.pods.while_running = deposed_meanwhile
+        sent = await h.sent()
+        return token, successor.token, sent, h.lease.token, await h.store.placements(["a", "b"])
+
+    token, successor_token, sent, token_after, placements = run(config, redis_server, body)
+    assert successor_token > token
+    assert sent == [("p0", Command.LOAD_AND_PIN, "a")]  # "b" is never sent: the pass ended at the refused write
+    assert token_after == 0
+    assert placements == {"a": [PlacementRecord("a", "p0", PlacementState.READY, "", 0, 5.0)], "b": []}

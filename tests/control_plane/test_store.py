@@ -186,7 +186,8 @@ def test_change_feed_records_every_change_in_order(redis_server):
 def test_unregistering_removes_record_index_and_placements(redis_server):
     async def body(store):
         await store.create_adapter(adapter("a"))
-        await store.put_placement(PlacementRecord("a", "pod-1", PlacementState.FAILED, "bad sha", 1, 1.0))
+        token = await store.acquire_leadership("r1", 5)
+        await store.put_placement(PlacementRecord("a", "pod-1", PlacementState.FAILED, "bad sha", 1, 1.0), token)
         await store.delete_adapter("a")
         return await store.list_adapters(10), await store.placements(["a"])
 
@@ -212,8 +213,9 @@ def test_pods_silent_past_the_cutoff_are_removed_with_their_placements(redis_ser
         await store.put_pod(PodRecord("old", "127.0.0.1:1", last_heartbeat=100.0,
                                       residents=(Residency("a", pinned=True),)))
         await store.put_pod(PodRecord("new", "127.0.0.1:2", last_heartbeat=200.0))
-        await store.put_placement(PlacementRecord("a", "old", PlacementState.READY))
-        removed = await store.remove_pods_silent_since(150.0)
+        token = await store.acquire_leadership("r1", 5)
+        await store.put_placement(PlacementRecord("a", "old", PlacementState.READY), token)
+        removed = await store.remove_pods_silent_since(150.0, token)
         return removed, await store.list_pods(), await store.placements(["a"])
 
     removed, pods, placements = with_store(redis_server, body)
