@@ -42,8 +42,11 @@ class RssSampler(threading.Thread):
 
 
 async def _stream_worker(stub, seed: int, until: float, stats: dict) -> None:
+    """Streams until ``until``, and past it until this worker has been served once: how many streams a
+    pod serves in a given time depends on the machine, that every client is served in the end does not."""
     rng = random.Random(seed)
-    while time.monotonic() < until:
+    served = 0
+    while time.monotonic() < until or not served:
         req = request(rng.choice(QUESTIONS), rng.choice(ADAPTERS), max_tokens=rng.randint(2, 6))
         started, first, tokens = time.monotonic(), None, 0
         try:
@@ -59,6 +62,7 @@ async def _stream_worker(stub, seed: int, until: float, stats: dict) -> None:
         if tokens == 0:  # an OK stream must carry at least one token
             stats["codes"]["EMPTY_STREAM"] += 1
             continue
+        served += 1
         stats["codes"]["OK"] += 1
         stats["ttft"].append(first)
         stats["tokens"] += tokens
@@ -69,6 +73,8 @@ async def _load(target: str, streams: int, seconds: float) -> dict:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         until = time.monotonic() + seconds
+        # Each worker goes on past ``until`` until it has been served once: a stream the pod never serves
+        # fails the test here, by this bound.
         await asyncio.wait_for(asyncio.gather(*(_stream_worker(stub, i, until, stats) for i in range(streams))),
                                timeout=seconds + 120)
     return stats
@@ -96,7 +102,6 @@ def test_concurrent_streams_fail_only_with_back_pressure_and_memory_stays_steady
     codes = stats["codes"]
     unexpected = {code: n for code, n in codes.items() if code not in ("OK", "RESOURCE_EXHAUSTED")}
     assert not unexpected, f"streams failed: {dict(codes)}"
-    assert codes["OK"] >= sizes.load_streams, f"too few streams served: {dict(codes)}"
     # memory steady: the last quarter of the run holds no more than the second quarter did, within the bound
     samples = sampler.samples
     warm = [rss for t, rss in samples if started + took / 4 <= t <= started + took / 2]
