@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -68,7 +68,9 @@ class _Stream:
 
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
-                 resolver: Resolver, metrics: PodMetrics) -> None:
+                 resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None) -> None:
+        """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
+        names the base model)."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -79,18 +81,26 @@ class Engine:
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
-                                   self.blocks, lora.cache, self.adapters.is_resident)
+                                   self.blocks, lora.cache, self.adapters.is_resident, weights)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
         self._streams: dict[str, _Stream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._last_progress = time.monotonic()  # see last_progress
         self.accepting = True
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    @property
+    def last_progress(self) -> float:
+        """``time.monotonic()`` when the step loop last began an iteration: it finished a step, or
+        found nothing it could run (then it waits at most half a second). The pod's watchdog
+        compares it with now while requests are running or waiting."""
+        return self._last_progress
 
     async def drain(self, grace_s: float) -> None:
         """Stops accepting requests and waits up to ``grace_s`` for in-flight ones to finish."""
@@ -117,8 +127,8 @@ class Engine:
         stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
         if adapter is not None:
             await self.adapters.ensure(adapter)  # NOT_FOUND surfaces here, before anything is queued
+        self.scheduler.add(seq)  # CapacityExceeded if every slot holds another pinned adapter
         self._streams[request_id] = stream
-        self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self._wakeup.set()
         outcome = "aborted"
@@ -160,7 +170,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
-        if len(self.scheduler.waiting) >= self.limits.max_waiting:
+        if self.scheduler.num_waiting >= self.limits.max_waiting:
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later")
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total)
@@ -175,6 +185,9 @@ class Engine:
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
+            self._last_progress = time.monotonic()
+            for seq, error in self.scheduler.refused():  # pins changed: these can never get a slot now
+                self.abort(seq.request_id, error)
             # an adapter evicted from the CPU tier while its requests waited is loaded again
             self.adapters.reload_missing(seq.adapter for seq in self.scheduler.waiting if seq.adapter is not None)
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []
@@ -268,6 +281,6 @@ class Engine:
         return EngineState(
             slots=cache.slot_usage(), cpu=cache.cpu_usage(), adapters=tuple(cache.list()), loads=loads,
             evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting), kv_usage=self.blocks.usage,
+            waiting=self.scheduler.num_waiting, kv_usage=self.blocks.usage,
             preemptions=self.scheduler.num_preemptions,
         )

@@ -1,22 +1,33 @@
 """Decides which sequences run in the next step and how many of their tokens.
 
-Running sequences go first (decodes, then unfinished prefill chunks); waiting ones are
-admitted in arrival order while the token budget, KV blocks, sequence limit and adapter slots
-allow. When blocks run out, the most recently admitted running sequence is preempted: its
-blocks are freed and it is recomputed later from its prompt plus what it has generated.
+Running sequences go first, in the order they were admitted. Waiting ones are then admitted by
+fair share while the token budget, KV blocks and sequence limit allow: each tenant (an adapter,
+or the base model) has a virtual token counter (``fair_share.py``), and the next request is the
+oldest one of the least-served tenant that can run now; within a tenant, arrival order. When
+that request's KV blocks do not fit, nothing else is admitted this step, so it is not overtaken.
 
-Starvation bound: when the oldest admissible waiting request cannot get an adapter slot, no
-later request that needs a slot is admitted until it does; running requests finish (bounded by
-their max_tokens), their slots become evictable, and it is admitted.
+A tenant whose adapter is still loading, or cannot get a slot (every slot pinned or serving), is
+passed over for the step: requests of the base model and of adapters in slots go ahead of it.
+
+Slot bound: a tenant that cannot get a slot reserves the unpinned adapter in a slot with the
+fewest running requests; that adapter admits nothing new until the waiting tenant holds a slot,
+so its running requests finish (bounded by their max_tokens), its slot becomes evictable, and
+the waiting tenant takes it. A request that can never get a slot, because every slot holds
+another pinned adapter, is refused (``refusal``) instead of waiting for ever.
+
+Preemption: when blocks run out, the most recently admitted running sequence of the most-served
+tenant gives its blocks back (so fair admission is not undone by preempting the newcomer it let
+in); it is recomputed later from its prompt plus what it has generated, first of its tenant.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.fair_share import FairShare, Tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -41,17 +52,53 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
-                 adapter_ready: Callable[[str], bool]) -> None:
+                 adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None) -> None:
+        """``weights``: a tenant's share relative to the others (default 1.0); None names the base model."""
         self.limits = limits
         self.blocks = blocks
         self.cache = cache
         self._adapter_ready = adapter_ready  # False while the adapter is still being loaded
-        self.waiting: deque[Sequence] = deque()
+        self.shares = FairShare(weights)
+        self._queues: dict[Tenant, deque[Sequence]] = {}  # backlogged tenants only
         self.running: list[Sequence] = []
+        self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
         self.num_preemptions = 0
 
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Every waiting request, tenant by tenant, each tenant's in the order they will be admitted."""
+        return [seq for queue in self._queues.values() for seq in queue]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queues ``seq``; raises CapacityExceeded, queuing nothing, if it could never run (``refusal``)."""
+        error = self.refusal(seq.adapter)
+        if error is not None:
+            raise error
+        self._queues.setdefault(seq.adapter, deque()).append(seq)
+        self.shares.join(seq.adapter)
+
+    def refusal(self, adapter: str | None) -> CapacityExceeded | None:
+        """The error a request for ``adapter`` ends with because it can never run here (every slot
+        holds another pinned adapter), else None. Checked by ``add`` and, as pins change, ``refused``."""
+        if adapter is None or self.cache is None or not self.cache.pinned_out(adapter):
+            return None
+        return CapacityExceeded(
+            f"adapter {adapter!r} cannot run on this pod: all {self.cache.max_loras} adapter slots hold pinned "
+            "adapters; unpin one or raise --max-loras, or send the request to a pod that serves it"
+        )
+
+    def refused(self) -> list[tuple[Sequence, CapacityExceeded]]:
+        """Waiting requests that can never run since pins changed, with their errors; the caller ends them."""
+        out = []
+        for tenant, queue in self._queues.items():
+            error = self.refusal(tenant)
+            if error is not None:
+                out += [(seq, error) for seq in queue]
+        return out
 
     def has_work(self) -> bool:
         return bool(self.running) or any(self._admissible(s) for s in self.waiting)
@@ -66,38 +113,32 @@ class Scheduler:
             if num_new <= 0:
                 break
             while not self.blocks.can_allocate(seq, num_new):
-                if self._preempt_latest(keep={seq, *(s.seq for s in batch)}) is None:
+                if self._preempt_one(keep={seq, *(s.seq for s in batch)}) is None:
                     break
             if not self.blocks.can_allocate(seq, num_new):
                 self._preempt(seq)
                 continue
-            self.blocks.allocate(seq, num_new)
-            batch.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        slot_blocked = False
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+            budget -= self._take(batch, seq, num_new)
+        self._forget_stale_reservations()
+        passed: set[Tenant] = set()
+        while budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self._next_in_fair_order(passed)
+            if seq is None:
                 break
-            if not self._admissible(seq):
-                continue
-            needs_slot = seq.adapter is not None
-            if needs_slot and slot_blocked:
+            tenant = seq.adapter
+            if not self._can_run(tenant):
+                passed.add(tenant)
                 continue
             num_new = min(seq.num_uncomputed, budget)
             if not self.blocks.can_allocate(seq, num_new):
-                break  # keep arrival order for KV blocks: later requests must not overtake
-            if needs_slot:
-                try:
-                    seq.slot = self.cache.acquire(seq.adapter)
-                except CapacityExceeded:
-                    slot_blocked = True
-                    continue
-            self.waiting.remove(seq)
-            self.blocks.allocate(seq, num_new)
+                break  # the next request in fair order keeps its turn for KV blocks
+            if tenant is not None:
+                seq.slot = self.cache.acquire(tenant)
+                self._reserved.pop(tenant, None)
+            self._dequeue(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            budget -= self._take(batch, seq, num_new)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -105,13 +146,59 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self._release(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self.shares.leave(seq.adapter)
+        elif seq in self._queues.get(seq.adapter, ()):
+            self._dequeue(seq)
+            self.shares.leave(seq.adapter)
         seq.status = SequenceStatus.FINISHED
+
+    # ---- admission -------------------------------------------------------------------------
+    def _next_in_fair_order(self, passed: set[Tenant]) -> Sequence | None:
+        """The oldest waiting request of the least-served tenant not yet passed over (ties: oldest first)."""
+        heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
+        return min(heads, key=lambda seq: (self.shares.served(seq.adapter), seq.arrival), default=None)
+
+    def _can_run(self, tenant: Tenant) -> bool:
+        if tenant is None:
+            return True
+        if not self._adapter_ready(tenant) or tenant in self._reserved.values():
+            return False
+        if self.cache.can_acquire(tenant):
+            return True
+        self._reserve_slot(tenant)
+        return False
+
+    def _reserve_slot(self, tenant: str) -> None:
+        if tenant in self._reserved:
+            return
+        taken = set(self._reserved.values())
+        candidates = [name for name in self.cache.unpinned_in_slots() if name not in taken]
+        if candidates:
+            running = Counter(seq.adapter for seq in self.running)
+            self._reserved[tenant] = min(candidates, key=lambda name: running[name])
+
+    def _forget_stale_reservations(self) -> None:
+        for tenant, victim in list(self._reserved.items()):
+            if (tenant not in self._queues or self.cache.slot_of(tenant) is not None
+                    or self.cache.slot_of(victim) is None or self.cache.is_pinned(victim)):
+                del self._reserved[tenant]
 
     def _admissible(self, seq: Sequence) -> bool:
         return seq.adapter is None or self._adapter_ready(seq.adapter)
 
+    def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int) -> int:
+        self.blocks.allocate(seq, num_new)
+        batch.append(ScheduledSeq(seq, num_new))
+        self.shares.charge(seq.adapter, num_new)
+        return num_new
+
+    def _dequeue(self, seq: Sequence) -> None:
+        queue = self._queues[seq.adapter]
+        queue.remove(seq)
+        if not queue:
+            del self._queues[seq.adapter]
+
+    # ---- release and preemption ------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         if seq.slot >= 0:
@@ -122,12 +209,13 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queues.setdefault(seq.adapter, deque()).appendleft(seq)
         self.num_preemptions += 1
 
-    def _preempt_latest(self, keep: set[Sequence]) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq not in keep:
-                self._preempt(seq)
-                return seq
-        return None
+    def _preempt_one(self, keep: set[Sequence]) -> Sequence | None:
+        candidates = [seq for seq in reversed(self.running) if seq not in keep]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda seq: self.shares.served(seq.adapter))  # the first max: latest admitted
+        self._preempt(victim)
+        return victim

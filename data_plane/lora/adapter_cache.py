@@ -98,6 +98,17 @@ class AdapterCache:
     def in_use(self, name: str) -> bool:
         return self._in_use[name] > 0
 
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pinned
+
+    def pinned_out(self, name: str) -> bool:
+        """True when every slot holds a pinned adapter other than ``name``: it gets none until one is unpinned."""
+        return name not in self._pinned and len(self._pinned) >= self.max_loras
+
+    def unpinned_in_slots(self) -> list[str]:
+        """Adapters in a slot that a waiting adapter may take once they are idle, least recently used first."""
+        return [name for name in self._slots if name not in self._pinned]
+
     # ---- CPU tier ------------------------------------------------------------------------
     def insert(self, adapter: LoraAdapter) -> Residency:
         """Adds a validated adapter to the CPU tier, evicting the least recently used unpinned,

@@ -1,23 +1,28 @@
 """Which requests run in each step and how many of their tokens: running ones first, then waiting
-ones in arrival order within the token budget, the sequence limit, the free KV blocks and the
-adapter slots; preemption when blocks run out; and the bound on waiting for an adapter slot."""
+ones by fair share across adapters (arrival order within one) within the token budget, the sequence
+limit, the free KV blocks and the adapter slots; preemption when blocks run out; the bound on
+waiting for an adapter slot, and the refusal of a request no slot can ever serve."""
 
 from __future__ import annotations
+
+import pytest
 
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.scheduler import Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
 from data_plane.lora.peft_adapter import LoraAdapter
 
 
 def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, block_size: int = 4,
-              max_loras: int = 2, ready=lambda adapter: True) -> Scheduler:
-    """A scheduler over real KV blocks and a real adapter cache holding adapters ``x`` and ``y``."""
-    cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=2)  # no layers: slots hold no weights
-    for name in ("x", "y"):
+              max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None) -> Scheduler:
+    """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``."""
+    cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
+    for name in adapters:
         cache.insert(LoraAdapter(name, name * 64, 8, {}, 0))
-    return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready)
+    return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
+                     weights)
 
 
 def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100) -> Sequence:
@@ -39,6 +44,16 @@ def step(s: Scheduler) -> list[tuple[str, int]]:
             if item.seq.num_tokens >= item.seq.max_total:
                 s.finish(item.seq)
     return [(item.seq.request_id, item.num_new) for item in batch]
+
+
+def admission_order(s: Scheduler, steps: int = 1000) -> list[str]:
+    """Steps until nothing is left (or ``steps`` ran); the requests in the order they first ran."""
+    order: list[str] = []
+    for _ in range(steps):
+        if not s.has_work():
+            break
+        order += [name for name, _ in step(s) if name not in order]
+    return order
 
 
 def test_waiting_requests_are_admitted_in_arrival_order():
@@ -153,3 +168,120 @@ def test_finish_frees_blocks_and_slot_and_may_be_called_again():
     assert running not in s.running and running not in s.waiting
     s.finish(waiting)
     assert waiting.status is SequenceStatus.FINISHED and not s.waiting
+
+
+# ---- fair shares across adapters ----------------------------------------------------------------
+
+def test_a_flooding_adapter_does_not_starve_another_that_asks_later():
+    s = scheduler(max_num_seqs=2)
+    for i in range(20):
+        request(s, f"x{i}", 8, adapter="x")
+    request(s, "y", 8, adapter="y")
+    assert step(s) == [("x0", 8), ("y", 8)]  # in arrival order y would wait for all twenty
+
+
+def test_a_waiting_adapter_goes_before_one_that_has_had_more_tokens():
+    s = scheduler(max_num_seqs=2)
+    request(s, "x-long", 4, adapter="x", max_tokens=30)
+    step(s)
+    for _ in range(10):
+        step(s)  # x-long decodes: x has had 14 tokens
+    request(s, "x-next", 4, adapter="x")
+    request(s, "base", 4)  # arrived later, but the base model has had nothing
+    assert step(s) == [("x-long", 1), ("base", 4)]
+
+
+def test_requests_of_one_adapter_run_in_arrival_order_between_the_others():
+    s = scheduler(max_num_seqs=1)
+    for i in range(3):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=2)
+        request(s, f"y{i}", 4, adapter="y", max_tokens=2)
+    request(s, "base", 4, max_tokens=2)
+    assert admission_order(s) == ["x0", "y0", "base", "x1", "y1", "x2", "y2"]
+
+
+def test_weights_shift_the_shares():
+    s = scheduler(max_num_seqs=1, weights={"x": 3.0})
+    for i in range(12):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=2)
+    for i in range(4):
+        request(s, f"y{i}", 4, adapter="y", max_tokens=2)
+    first = admission_order(s)[:12]
+    assert (sum(n.startswith("x") for n in first), sum(n.startswith("y") for n in first)) == (9, 3)
+
+
+def test_an_adapter_back_from_idling_gets_no_credit_for_the_idle_time():
+    s = scheduler(max_num_seqs=1)
+    request(s, "y-early", 4, adapter="y", max_tokens=2)
+    admission_order(s)
+    for i in range(8):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=2)
+    assert admission_order(s, steps=10) == [f"x{i}" for i in range(5)]  # x has had 5 times y's tokens
+    request(s, "y0", 4, adapter="y", max_tokens=2)
+    request(s, "y1", 4, adapter="y", max_tokens=2)
+    assert admission_order(s) == ["x5", "y0", "x6", "y1", "x7"]  # turns from now on, not a catch-up for y
+
+
+def test_when_blocks_run_out_the_most_served_adapter_gives_back_its_latest_request():
+    s = scheduler(num_blocks=6, block_size=4)
+    x1, x2 = request(s, "x1", 8, adapter="x"), request(s, "x2", 4, adapter="x", max_tokens=2)
+    y = request(s, "y", 8, adapter="y")
+    assert step(s) == [("x1", 8), ("y", 8), ("x2", 4)]  # all 6 blocks held; x has had 12 tokens, y 8
+    assert step(s) == [("x1", 1), ("y", 1)]  # x1's and y's 9th tokens need a block each: x2, not y, gives back
+    assert x2.status is SequenceStatus.WAITING and y.status is SequenceStatus.RUNNING
+    assert s.num_preemptions == 1 and x1.status is SequenceStatus.RUNNING
+
+
+# ---- adapter slots ------------------------------------------------------------------------------
+
+def test_a_request_that_cannot_get_a_slot_does_not_hold_back_the_base_model_or_adapters_in_slots():
+    s = scheduler(max_loras=2, adapters="xyz")
+    s.cache.pin("z")
+    request(s, "x-first", 3, adapter="x")
+    step(s)  # x holds the other slot
+    request(s, "y", 3, adapter="y")  # no slot until x's requests finish
+    request(s, "z", 3, adapter="z")  # z's slot is pinned: it runs at once
+    request(s, "base", 3)
+    assert step(s) == [("x-first", 1), ("z", 3), ("base", 3)]
+    assert [seq.request_id for seq in s.waiting] == ["y"]
+
+
+def test_a_request_waiting_for_a_slot_holds_back_only_the_adapter_with_fewest_running_requests():
+    s = scheduler(max_loras=2, adapters="xyz")
+    request(s, "x1", 3, adapter="x")
+    request(s, "x2", 3, adapter="x")
+    z_first = request(s, "z-first", 3, adapter="z")
+    step(s)  # x and z hold both slots
+    request(s, "y", 3, adapter="y")
+    request(s, "x-later", 3, adapter="x")  # x keeps being served
+    request(s, "z-later", 3, adapter="z")  # z, with one request running, drains so that y gets its slot
+    assert step(s) == [("x1", 1), ("z-first", 1), ("x2", 1), ("x-later", 3)]
+    s.finish(z_first)
+    assert step(s) == [("x1", 1), ("x2", 1), ("x-later", 1), ("y", 3)]
+    assert [seq.request_id for seq in s.waiting] == ["z-later"]
+
+
+def test_with_every_slot_pinned_a_request_for_another_adapter_is_refused_at_once():
+    s = scheduler(max_loras=1)
+    s.cache.pin("x")
+    with pytest.raises(CapacityExceeded) as e:
+        request(s, "y", 3, adapter="y")
+    assert e.value.status == "RESOURCE_EXHAUSTED"
+    assert "'y'" in str(e.value) and "pinned" in str(e.value) and "--max-loras" in str(e.value)
+    assert not s.waiting
+    request(s, "x", 3, adapter="x")
+    request(s, "base", 3)
+    assert step(s) == [("x", 3), ("base", 3)]
+
+
+def test_a_waiting_request_is_refused_once_pins_fill_every_slot():
+    loaded = {"x", "z"}
+    s = scheduler(max_loras=2, adapters="xyz", ready=lambda adapter: adapter in loaded)
+    y = request(s, "y", 3, adapter="y")  # waits for its adapter to load
+    assert s.refused() == []
+    s.cache.pin("x")
+    s.cache.pin("z")
+    [(seq, error)] = s.refused()
+    assert seq is y and isinstance(error, CapacityExceeded) and "unpin" in str(error)
+    s.cache.unpin("z")
+    assert s.refused() == []
