@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -163,6 +164,37 @@ def test_pinning_beyond_the_slots_is_refused_and_evicts_nothing(pod):
     assert pod.state().slots.pinned == 0
     _, _, last = collect(pod, request("Say hello.", "rand2", max_tokens=3))
     assert last.usage.completion_tokens == 3
+
+
+def test_with_every_slot_pinned_an_unpinned_adapter_is_refused_at_once_while_base_requests_flow(pod):
+    admin, auth = pod.admin(), pod.auth()
+    pinned = ["pirate", "shouty", "signoff", "rand16"]
+    for name in [*pinned, "rand2"]:
+        admin.LoadAdapter(dpa.LoadAdapterRequest(name=name, source=name), metadata=auth)
+    base = pod.generation().Generate(request("Tell me a long story.", max_tokens=40, ignore_eos=True), timeout=120)
+    tokens = len(next(base).tokens)  # a base stream is running
+    try:
+        for name in pinned:
+            admin.PinAdapter(dpa.PodPinAdapterRequest(name=name), metadata=auth)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(pod, request("Say hello.", "rand2", max_tokens=3), timeout=30)
+        refused_after = time.monotonic() - start
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "rand2" in e.value.details() and "pinned" in e.value.details() and "--max-loras" in e.value.details()
+        assert refused_after < 1.0
+        # the base stream and the pinned adapters keep being served
+        _, _, last = collect(pod, request("Say hello.", "pirate", max_tokens=3))
+        assert last.usage.completion_tokens == 3
+        tokens += sum(len(m.tokens) for m in base)
+        assert tokens == 40
+    finally:
+        base.cancel()
+        for name in pinned:
+            admin.UnpinAdapter(dpa.PodUnpinAdapterRequest(name=name), metadata=auth)
+    _, _, last = collect(pod, request("Say hello.", "rand2", max_tokens=3))
+    assert last.usage.completion_tokens == 3
+    wait_until(lambda: idle(pod), what="pod idle after the pins are gone")
 
 
 def test_unloading_an_adapter_in_use_is_refused(pod):
