@@ -1,5 +1,10 @@
 """The control-plane process: wiring, start-up and graceful shutdown.
 
+Health: readiness (service "" and each served service) is SERVING exactly while Redis answers,
+since every RPC needs the registry; liveness (``conventions.health.LIVENESS``) is SERVING while the
+process runs, through a Redis outage too, so an outage takes replicas out of rotation without
+restarting them all at once.
+
 Run with ``python -m control_plane.server --help`` (or ``lorafleet control-plane``).
 """
 
@@ -30,6 +35,7 @@ from control_plane.store import Store
 from conventions import logs
 from conventions.auth import BearerAuthInterceptor, read_token
 from conventions.errors import LorafleetError
+from conventions.health import LIVENESS
 from conventions.status import ErrorStatusInterceptor
 
 log = logging.getLogger("control_plane.server")  # not "__main__" under python -m
@@ -70,6 +76,7 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
         server.add_insecure_port(address)
 
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     log.info("control plane serving", extra={"address": address, "tls": config.tls, "replica": lease.replica,
                                              "key_prefix": config.key_prefix, "metrics_port": config.metrics_port})
@@ -102,13 +109,14 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
+    """Sets readiness; liveness stays as it is."""
     for name in ("", *SERVICES):
         await servicer.set(name, status)
 
 
 async def _watch_redis(store: Store, servicer: health.aio.HealthServicer, metrics: ControlPlaneMetrics,
                        stop: asyncio.Event) -> None:
-    """SERVING exactly while Redis answers: every RPC needs the registry."""
+    """Readiness SERVING exactly while Redis answers: every RPC needs the registry."""
     up = None
     while not stop.is_set():
         try:
@@ -117,14 +125,15 @@ async def _watch_redis(store: Store, servicer: health.aio.HealthServicer, metric
         except StoreUnavailable as e:
             now_up = False
             if up is not False:
-                log.warning("Redis unreachable; health is NOT_SERVING", extra={"error": str(e)})
+                log.warning("Redis unreachable; readiness is NOT_SERVING (liveness stays SERVING)",
+                            extra={"error": str(e)})
         if now_up != up:
             up = now_up
             metrics.redis_up.set(1 if up else 0)
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await _set_health(servicer, status)
             if up:
-                log.info("Redis reachable; health is SERVING")
+                log.info("Redis reachable; readiness is SERVING")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), _REDIS_PING_INTERVAL_S)
 

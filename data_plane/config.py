@@ -39,6 +39,8 @@ class DataPlaneConfig:
     gpu_memory_utilization: float = 0.9
     drain_grace_s: float = 30.0
     heartbeat_interval_s: float = 3.0
+    # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
+    stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -61,6 +63,8 @@ class DataPlaneConfig:
             raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
 
     def control_plane_root_cert(self) -> bytes | None:
         """The PEM certificates of --control-plane-ca, to verify the control plane's TLS
@@ -105,7 +109,7 @@ class DataPlaneConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
-            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
         )
 
 
@@ -152,3 +156,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s,
                    help="seconds between heartbeats to the control plane")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds the engine loop may make no progress while requests wait before the pod's "
+                        "health (readiness and lorafleet.liveness) turns NOT_SERVING")

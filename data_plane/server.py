@@ -10,7 +10,7 @@ import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from lorafleet.v1 import data_plane_admin_pb2, data_plane_admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
@@ -19,6 +19,7 @@ from conventions import logs
 from conventions.auth import BearerAuthInterceptor, read_token
 from conventions.status import ErrorStatusInterceptor
 from data_plane.config import DataPlaneConfig, add_arguments
+from data_plane.health import PodHealth
 from data_plane.membership import FencingGuard, MembershipClient
 from data_plane.metrics import PodMetrics
 from data_plane.model.demo_model import demo_model_dir
@@ -29,8 +30,6 @@ from data_plane.servicers.generation import GenerationServicer
 
 log = logging.getLogger("lorafleet.data_plane")
 
-_SERVICES = ("lorafleet.v1.Generation", "lorafleet.v1.DataPlaneAdmin")
-
 
 async def serve(config: DataPlaneConfig) -> None:
     """Runs the pod until SIGTERM/SIGINT, then drains in-flight requests and exits."""
@@ -39,10 +38,9 @@ async def serve(config: DataPlaneConfig) -> None:
         interceptors.insert(0, BearerAuthInterceptor(read_token(config.admin_token_file),
                                                      protected=("/lorafleet.v1.DataPlaneAdmin/",)))
     server = grpc.aio.server(interceptors=interceptors)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", *_SERVICES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    pod_health = PodHealth(config.stall_timeout_s)
+    health_pb2_grpc.add_HealthServicer_to_server(pod_health.servicer, server)
+    await pod_health.set_ready(False)  # live, not ready: the model loads
     reflection.enable_server_reflection(
         (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          data_plane_admin_pb2.DESCRIPTOR.services_by_name["DataPlaneAdmin"].full_name,
@@ -68,15 +66,16 @@ async def serve(config: DataPlaneConfig) -> None:
         membership = MembershipClient(
             config.control_plane, token, config.resolved_pod_id, config.resolved_endpoint, model_id,
             lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
-            is_ready=lambda: engine is not None and engine.accepting, tls_root_cert=config.control_plane_root_cert())
+            is_ready=lambda: engine is not None and engine.accepting and not pod_health.stalled,
+            tls_root_cert=config.control_plane_root_cert())
 
     engine = await asyncio.to_thread(build_engine, config, metrics, membership.resolve if membership else None)
     metrics.watch(engine.snapshot)
     engine.start()
     handle.engine = engine
     heartbeats = asyncio.get_running_loop().create_task(membership.run()) if membership else None
-    for name in ("", *_SERVICES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watchdog = asyncio.get_running_loop().create_task(pod_health.watch(engine))
+    await pod_health.set_ready(True)
     log.info("serving", extra={"address": f"{config.host}:{config.port}", "pod_id": config.resolved_pod_id})
 
     stop = asyncio.Event()
@@ -85,12 +84,13 @@ async def serve(config: DataPlaneConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", extra={"grace_s": config.drain_grace_s})
-    await health_servicer.enter_graceful_shutdown()
+    await pod_health.shutdown()
     await engine.drain(config.drain_grace_s)
-    if heartbeats:
-        heartbeats.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeats
+    for task in (watchdog, heartbeats):
+        if task:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     await server.stop(grace=1.0)
     await engine.stop()
     log.info("stopped")

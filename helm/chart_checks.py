@@ -9,7 +9,9 @@
         - every Service, PodDisruptionBudget and NetworkPolicy selector matches a rendered pod template,
           and every Service port targets a port those pods expose;
         - images are pinned, pods run as non-root, containers have resources; every container with a
-          "grpc" port has gRPC readiness and liveness probes on it;
+          "grpc" port has gRPC startup, readiness and liveness probes on it; startup and readiness check
+          the overall health (service ""), and the liveness of the control plane and the data plane
+          checks their liveness service, which a Redis outage, a model load or a drain leaves SERVING;
         - only the router and the control plane may reach the data-plane pods' gRPC port (Generate);
         - a HorizontalPodAutoscaler scales a rendered workload that leaves its replicas to it;
         - the Grafana dashboard ConfigMap holds valid JSON that queries the metrics it promises.
@@ -38,6 +40,10 @@ SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 CRD_KINDS = {SERVICE_MONITOR}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 COMPONENT = "app.kubernetes.io/component"
+# The health service that is SERVING while a process is not wedged (conventions/health.py), and the
+# components that report it.
+LIVENESS_SERVICE = "lorafleet.liveness"
+LIVENESS_COMPONENTS = {"control-plane", "data-plane"}
 # The components the data-plane pods' gRPC port admits: routers (Generate, GetState) and the control plane.
 POD_GRPC_PEERS = {"router", "control-plane"}
 # Fields of ServiceMonitor.spec and of one endpoint, as the Prometheus Operator's CRD defines them.
@@ -162,14 +168,20 @@ class Checker:
 
     def check_probes(self) -> None:
         for w, t in self.pod_templates():
+            component = t["metadata"].get("labels", {}).get(COMPONENT)
             for c in t["spec"]["containers"]:
                 grpc_port = next((p["containerPort"] for p in c.get("ports") or [] if p.get("name") == "grpc"), None)
                 if grpc_port is None:
                     continue
-                for probe in ("readinessProbe", "livenessProbe"):
-                    if ((c.get(probe) or {}).get("grpc") or {}).get("port") != grpc_port:
+                liveness = LIVENESS_SERVICE if component in LIVENESS_COMPONENTS else ""
+                for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", liveness)):
+                    check = (c.get(probe) or {}).get("grpc") or {}
+                    if check.get("port") != grpc_port:
                         self.fail(f"{_name(w)} container {c['name']}: {probe} is not a gRPC health check on "
                                   f"port {grpc_port}")
+                    elif check.get("service", "") != service:
+                        self.fail(f"{_name(w)} container {c['name']}: {probe} checks health service "
+                                  f"{check.get('service', '')!r}, not {service!r}")
 
     def check_pod_grpc_ingress(self) -> None:
         """The data-plane pods' gRPC port admits the router and the control plane of this release, no one else."""

@@ -18,7 +18,9 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
 from benchmarks.processes import BASE_MODEL, REPO, TOKEN, ControlPlaneProcess
+from control_plane.server import SERVICES
 from control_plane.store import Store
+from conventions.health import LIVENESS
 from data_plane.errors import AdapterNotFound
 from data_plane.membership import MembershipClient
 from tests.control_plane.conftest import auth
@@ -204,6 +206,39 @@ def test_a_redis_crash_under_a_running_control_plane_loses_no_acknowledged_write
 
     adapter = asyncio.run(go())
     assert (adapter.version, adapter.pinned, adapter.pin_replicas) == (2, True, 2)
+
+
+def test_a_redis_outage_takes_the_control_plane_out_of_readiness_but_keeps_it_live(start_control_plane, redis_server):
+    cp = start_control_plane()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    readiness = ("", *SERVICES)
+
+    async def go():
+        async with grpc.aio.insecure_channel(cp.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service: str) -> int:
+                return (await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)).status
+
+            async def statuses() -> dict[str, int]:
+                return {name: await status(name) for name in (*readiness, LIVENESS)}
+
+            await eventually(lambda: _is(status(""), serving), 10, "ready with Redis up")
+            up = await statuses()
+            redis_server.kill()
+            await eventually(lambda: _is(status(""), not_serving), 5, "readiness NOT_SERVING")
+            during = []
+            for _ in range(20):  # 4 s: past the leader lease (1.5 s) and many failed pings and passes
+                during.append(await statuses())
+                await asyncio.sleep(0.2)
+            redis_server.start()
+            await eventually(lambda: _is(status(""), serving), 5, "ready again")
+            return up, during, await statuses()
+
+    up, during, after = asyncio.run(go())
+    assert up == after == {name: serving for name in (*readiness, LIVENESS)}
+    assert all(d == {**{name: not_serving for name in readiness}, LIVENESS: serving} for d in during), during
+    assert cp.proc.poll() is None
 
 
 async def _is(value, expected) -> bool:

@@ -192,9 +192,14 @@ app.kubernetes.io/component: {{ index . 1 }}
       {{- include "lorafleet.componentSelector" . | nindent 6 }}
 {{- end }}
 
-{{/* A gRPC health probe: (list .Values.x.startupProbe port). Kubernetes' native grpc probe calls grpc.health.v1.Health/Check with service "". */}}
+{{/* A gRPC health probe: (list .Values.x.startupProbe port) checks readiness, Kubernetes' native grpc probe
+calling grpc.health.v1.Health/Check with service ""; (list .Values.x.livenessProbe port "lorafleet.liveness")
+checks that health service instead (see conventions/health.py). */}}
 {{- define "lorafleet.grpcProbe" -}}
 grpc:
   port: {{ index . 1 }}
+  {{- if gt (len .) 2 }}
+  service: {{ index . 2 }}
+  {{- end }}
 {{ toYaml (index . 0) }}
 {{- end }}
