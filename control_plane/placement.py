@@ -40,7 +40,8 @@ def place(pins: list[Pin], pods: list[PodSlots], failed: frozenset[tuple[str, st
 
     Promises: no pod gets more pins than its capacity; an adapter is never assigned to a pod in
     ``failed`` ((adapter, pod) pairs that gave up loading it); pins already held stay where they
-    are while that is allowed; new replicas go to the pods with the most free capacity, one
+    are while that is allowed, on a pod in its grace period too (for replicas=0 it counts among
+    "every pod" while it holds the pin); new replicas go to the pods with the most free capacity, one
     replica per adapter per round so that scarce capacity is shared across adapters; a pin that
     gets fewer pods than asked is in ``unsatisfied`` with the reason. Deterministic.
     """
@@ -49,7 +50,7 @@ def place(pins: list[Pin], pods: list[PodSlots], failed: frozenset[tuple[str, st
     free = {p.id: p.capacity for p in pods}
     chosen: dict[str, list[str]] = {p.adapter: [] for p in pins}
     schedulable = [p for p in pods if p.schedulable]
-    want = {p.adapter: p.replicas or len(schedulable) for p in pins}
+    want = {p.adapter: p.replicas or len(schedulable) + _held_in_grace(p.adapter, pods, failed) for p in pins}
 
     for pin in pins:  # keep what is already pinned
         for pod in sorted(by_id.values(), key=lambda p: p.id):
@@ -77,6 +78,10 @@ def place(pins: list[Pin], pods: list[PodSlots], failed: frozenset[tuple[str, st
     unsatisfied = {p.adapter: _reason(p, len(chosen[p.adapter]), want[p.adapter], schedulable, failed)
                    for p in pins if len(chosen[p.adapter]) < want[p.adapter] or want[p.adapter] == 0}
     return Assignment({a: tuple(sorted(ids)) for a, ids in chosen.items()}, unsatisfied)
+
+
+def _held_in_grace(adapter: str, pods: list[PodSlots], failed: frozenset[tuple[str, str]]) -> int:
+    return sum(1 for p in pods if not p.schedulable and adapter in p.pinned and (adapter, p.id) not in failed)
 
 
 def _reason(pin: Pin, placed: int, want: int, pods: list[PodSlots], failed: frozenset[tuple[str, str]]) -> str:

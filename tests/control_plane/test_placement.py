@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +87,15 @@ def test_a_pod_in_its_grace_period_keeps_its_pins_but_gets_no_new_ones():
     result = place([Pin("a", 2), Pin("b", 1)], slots)
     assert result.pods["a"] == ("p0", "p1")
     assert result.pods["b"] == ("p1",)
+
+
+@pytest.mark.parametrize("in_grace", ["p0", "p1"])
+def test_a_pin_on_every_pod_stays_on_both_pods_while_one_is_in_its_grace_period(in_grace):
+    # After a control-plane restart one pod heartbeats before the other: neither may lose its pin meanwhile.
+    slots = [PodSlots(p, 2, frozenset({"a"}), schedulable=p != in_grace) for p in ("p0", "p1")]
+    result = place([Pin("a", 0)], slots)
+    assert result.pods["a"] == ("p0", "p1")
+    assert result.unsatisfied == {}
 
 
 def test_a_pod_where_loading_failed_for_good_is_avoided_and_the_failure_is_reported():
