@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 
 from benchmarks.processes import PodProcess, wait_until
+from conventions.health import LIVENESS
 from tests.grpc_helpers import collect, request
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,13 @@ def test_a_command_from_a_deposed_leader_is_refused(small_pod):
     assert e.value.code() == grpc.StatusCode.ABORTED
     assert "fencing token 6" in e.value.details()
     assert small_pod.state() == before
+
+
+def test_a_serving_pod_is_ready_and_live_on_every_health_service(small_pod):
+    health = health_pb2_grpc.HealthStub(small_pod.channel)
+    statuses = {name: health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                for name in ("", "lorafleet.v1.Generation", "lorafleet.v1.DataPlaneAdmin", LIVENESS)}
+    assert statuses == dict.fromkeys(statuses, health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits(small_pod):
