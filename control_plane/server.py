@@ -34,8 +34,8 @@ from control_plane.registry import Registry
 from control_plane.store import Store
 from conventions import logs
 from conventions.auth import BearerAuthInterceptor, read_token
-from conventions.errors import LorafleetError
 from conventions.health import LIVENESS
+from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
 
 log = logging.getLogger("control_plane.server")  # not "__main__" under python -m
@@ -141,16 +141,13 @@ async def _watch_redis(store: Store, servicer: health.aio.HealthServicer, metric
 def main(argv: list[str] | None = None) -> int:
     """``lorafleet control-plane``: parses flags, then serves until SIGTERM or Ctrl-C."""
     args = build_parser().parse_args(argv)
-    try:
+
+    async def start() -> None:
         config = config_from_args(args)
         logs.configure(args.log_level, config.replica)
-        asyncio.run(serve(config))
-    except LorafleetError as e:
-        print(f"lorafleet control-plane: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        await serve(config)
+
+    return run_server("lorafleet control-plane", start)
 
 
 if __name__ == "__main__":

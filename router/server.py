@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from conventions import logs
 from conventions.auth import read_token
-from conventions.errors import LorafleetError
+from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
 from router.channels import PodChannels
 from router.config import RouterConfig, build_parser, config_from_args
@@ -91,16 +91,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
 def main(argv: list[str] | None = None) -> int:
     """``lorafleet router``: parses flags, then serves until SIGTERM or Ctrl-C."""
     args = build_parser().parse_args(argv)
-    try:
+
+    async def start() -> None:
         config = config_from_args(args)
         logs.configure(args.log_level)
-        asyncio.run(serve(config))
-    except LorafleetError as e:
-        print(f"lorafleet router: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        await serve(config)
+
+    return run_server("lorafleet router", start)
 
 
 if __name__ == "__main__":
