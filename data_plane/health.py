@@ -42,8 +42,8 @@ class PodHealth:
         await self._publish()
 
     async def watch(self, engine: Engine) -> None:
-        """Checks the engine loop every few seconds (at most a quarter of the stall timeout) until
-        cancelled, flipping readiness and liveness when it stalls and again when it moves."""
+        """Checks the engine loop every second (every quarter of the stall timeout, if that is shorter)
+        until cancelled, flipping readiness and liveness when it stalls and again when it moves."""
         interval = min(1.0, self._stall_timeout_s / 4)
         while True:
             state = engine.snapshot()
