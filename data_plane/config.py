@@ -63,7 +63,7 @@ class DataPlaneConfig:
             raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
-        if self.stall_timeout_s <= 0:
+        if not self.stall_timeout_s > 0:  # NaN too: it would never declare a stall
             raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
 
     def control_plane_root_cert(self) -> bytes | None:

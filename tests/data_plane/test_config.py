@@ -1,5 +1,5 @@
-"""The pod's --control-plane-ca flag: the control plane's CA is checked when the config is built,
-and a file that cannot serve as one is refused with what to give instead."""
+"""The pod's flags checked when the config is built: --control-plane-ca (a file that cannot serve as the
+control plane's CA is refused with what to give instead) and --stall-timeout."""
 
 from __future__ import annotations
 
@@ -64,3 +64,13 @@ def test_the_command_line_reports_a_bad_ca_and_exits(tmp_path, token_file, capsy
               "--control-plane-ca", str(tmp_path / "missing.pem")])
     assert exited.value.code == 2
     assert f"--control-plane-ca {tmp_path / 'missing.pem'}: cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_stall_timeout_that_could_never_or_always_fire_is_refused(value):
+    with pytest.raises(ValueError, match="--stall-timeout must be positive"):
+        config("--stall-timeout", value)
+
+
+def test_the_stall_timeout_is_taken_in_seconds():
+    assert config("--stall-timeout", "2.5").stall_timeout_s == 2.5
