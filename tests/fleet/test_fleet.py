@@ -41,9 +41,15 @@ def test_register_and_pin_is_ready_on_the_targeted_pods_and_serves(fleet):
     assert last.usage.completion_tokens > 0 and text
     fleet.pin("pirate", 0)  # every pod
     wait_until(lambda: fleet.pinned_on("pirate") == set(fleet.pods), READY_WITHIN_S, "pirate pinned on every pod")
-    route = fleet.admin().Route(pb.RouteRequest(adapter="pirate"), metadata=auth(), timeout=5)
-    assert {p.pod for p in route.placements} == set(fleet.pods)
-    assert all(p.state == pb.READY and p.pinned for p in route.placements)
+
+    def routed_ready_and_pinned():
+        # The pods report their placements to the control plane on their own beat, so Route
+        # catches up with what the pods already say a moment later.
+        route = fleet.admin().Route(pb.RouteRequest(adapter="pirate"), metadata=auth(), timeout=5)
+        return {p.pod for p in route.placements if p.state == pb.READY and p.pinned}
+
+    assert wait_until(lambda: routed_ready_and_pinned() == set(fleet.pods), 10,
+                      "Route: pirate READY and pinned on every pod")
 
 
 def test_a_pod_loads_a_registered_adapter_on_demand_and_refuses_an_unregistered_one(fleet):
