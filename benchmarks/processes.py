@@ -40,6 +40,16 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text ``text``, 0 when absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    key = f"{name}{{{want}}}" if want else name
+    for line in text.splitlines():
+        if line.rsplit(" ", 1)[0] == key:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
@@ -146,6 +156,10 @@ class PodProcess:
     def metrics(self) -> str:
         return scrape(self.metrics_port)
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of the pod's /metrics, 0 when absent."""
+        return sample_value(self.metrics(), name, **labels)
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
@@ -190,12 +204,7 @@ class RouterProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of the router's /metrics, 0 when absent."""
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        key = f"{name}{{{want}}}" if want else name
-        for line in scrape(self.metrics_port).splitlines():
-            if line.rsplit(" ", 1)[0] == key:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return sample_value(scrape(self.metrics_port), name, **labels)
 
     def stop(self) -> None:
         if self.channel is not None:

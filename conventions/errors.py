@@ -9,9 +9,16 @@ from __future__ import annotations
 
 
 class LorafleetError(Exception):
-    """Base class of every error reported to a caller; an unexpected one is INTERNAL."""
+    """Base class of every error reported to a caller; an unexpected one is INTERNAL.
+
+    ``retry_after_s``, when given, tells the caller how long to wait before sending the same request
+    here again (a refusal under load); the gRPC status carries it as ``grpc-retry-pushback-ms``."""
 
     status = "INTERNAL"
+
+    def __init__(self, message: str = "", *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ConfigError(LorafleetError):

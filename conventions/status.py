@@ -17,6 +17,30 @@ log = logging.getLogger("lorafleet.rpc")
 CallObserver = Callable[[str, str, float], None]
 
 
+# The trailing-metadata key of gRPC's retry throttling: how many milliseconds a client should wait
+# before it sends the call again (gRFC A6); a refusal under load carries it.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def retry_pushback(error: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries ``error``'s retry hint, if it has one."""
+    after = getattr(error, "retry_after_s", None)
+    if after is None:
+        return ()
+    return ((RETRY_PUSHBACK_KEY, str(max(0, round(after * 1000)))),)
+
+
+def retry_after_s(metadata) -> float | None:
+    """The retry hint (seconds) in a call's trailing metadata, or None when it carries none."""
+    for key, value in metadata or ():
+        if key == RETRY_PUSHBACK_KEY:
+            try:
+                return max(0, int(value)) / 1000
+            except ValueError:
+                return None
+    return None
+
+
 def status_of(error: BaseException) -> grpc.StatusCode:
     """The status a call that raised ``error`` ends with: the error's own for a domain error,
     INTERNAL for anything else."""
@@ -29,7 +53,7 @@ async def _abort(context, method: str, error: Exception) -> None:
     code = status_of(error)
     if isinstance(error, LorafleetError):
         log.info("rpc failed", extra={"method": method, "code": code.name, "error": str(error)})
-        await context.abort(code, str(error))
+        await context.abort(code, str(error), trailing_metadata=retry_pushback(error))
     log.exception("rpc crashed", extra={"method": method}, exc_info=error)
     await context.abort(code, f"internal error in {method}: {type(error).__name__}; see the server's logs")
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from conventions import defaults
+from conventions.names import NAME_RULE, is_valid_name
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class DataPlaneConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
+    # Longest estimated wait for a first token a new request is admitted with (0 = no limit); see
+    # engine/admission.py. A caller's shorter gRPC deadline tightens it per request.
+    max_queue_delay_s: float = 10.0
+    scheduling_policy: str = "fair"  # "fair" (fair shares across adapters) or "fcfs" (arrival order)
+    adapter_weights: tuple[tuple[str, float], ...] = ()  # (adapter, fair-share weight); others weigh 1
+    base_model_weight: float = 1.0  # the base model's fair-share weight
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = sized automatically (device memory on CUDA, a fixed budget on CPU)
     gpu_memory_utilization: float = 0.9
@@ -65,6 +73,19 @@ class DataPlaneConfig:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
         if not self.stall_timeout_s > 0:  # NaN too: it would never declare a stall
             raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
+        if not 0 <= self.max_queue_delay_s < math.inf:
+            raise ValueError(f"--max-queue-delay must be a number of seconds >= 0 (0 = no limit), "
+                             f"got {self.max_queue_delay_s}")
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError(f"--scheduling-policy must be fair or fcfs, not {self.scheduling_policy!r}")
+        for name, weight in (*self.adapter_weights, ("the base model", self.base_model_weight)):
+            if not 0 < weight < math.inf:
+                raise ValueError(f"the fair-share weight of {name} must be a positive number, got {weight}")
+
+    @property
+    def fair_share_weights(self) -> dict[str | None, float]:
+        """Each tenant's fair-share weight as the scheduler takes them (None: the base model)."""
+        return {None: self.base_model_weight, **dict(self.adapter_weights)}
 
     def control_plane_root_cert(self) -> bytes | None:
         """The PEM certificates of --control-plane-ca, to verify the control plane's TLS
@@ -110,7 +131,23 @@ class DataPlaneConfig:
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
+            max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
+            adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
         )
+
+
+def adapter_weight(text: str) -> tuple[str, float]:
+    """Parses one --adapter-weight NAME=WEIGHT."""
+    name, sep, weight = text.rpartition("=")
+    if not sep or not is_valid_name(name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=WEIGHT with NAME {NAME_RULE}, e.g. pirate=2")
+    try:
+        value = float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the weight {weight!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: the weight must be a positive number")
+    return name, value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,6 +185,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one step (bounds prefill chunks)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queue-delay", type=float, default=d.max_queue_delay_s,
+                   help="refuse a new request (RESOURCE_EXHAUSTED with a grpc-retry-pushback-ms hint) when its "
+                        "estimated wait for a first token is longer, in seconds; a shorter gRPC deadline of the "
+                        "request counts instead (0 = no limit)")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],
+                   help="admission order of waiting requests: fair shares across adapters (the least-served "
+                        "adapter's oldest request next) or first come, first served")
+    p.add_argument("--adapter-weight", action="append", type=adapter_weight, metavar="NAME=WEIGHT",
+                   help="an adapter's fair-share weight relative to the others' 1.0 (repeatable)")
+    p.add_argument("--base-model-weight", type=float, default=d.base_model_weight,
+                   help="the base model's fair-share weight relative to the adapters' 1.0")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV-cache blocks (0 = automatic)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from conventions.errors import LorafleetError
 
-__all__ = ["AdapterBusy", "AdapterNotFound", "CapacityExceeded", "ControlPlaneUnavailable", "InvalidAdapter",
-           "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady", "QueueFull", "ShuttingDown",
-           "StaleCommand", "StepFailed"]
+__all__ = ["AdapterBusy", "AdapterNotFound", "CapacityExceeded", "ControlPlaneUnavailable", "DeadlineExceeded",
+           "InvalidAdapter", "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady", "Overloaded",
+           "QueueFull", "ShuttingDown", "StaleCommand", "StepFailed"]
 
 
 class ModelLoadError(LorafleetError):
@@ -52,6 +52,19 @@ class QueueFull(LorafleetError):
     """The pod's request queue is full; retry later or on another pod."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class Overloaded(LorafleetError):
+    """The pod would start the request only after its deadline or --max-queue-delay; the error's
+    ``retry_after_s`` says when this pod expects to have room."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(LorafleetError):
+    """The request's deadline passed while it waited in the queue."""
+
+    status = "DEADLINE_EXCEEDED"
 
 
 class ShuttingDown(LorafleetError):

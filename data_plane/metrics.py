@@ -35,6 +35,12 @@ class PodMetrics:
                                       "Time to read and validate an adapter into the CPU cache.",
                                       ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("lorafleet_requests", "Generate requests by outcome.", ["outcome"], registry=r)
+        self.refusals = Counter("lorafleet_requests_refused",
+                                "Requests refused for load: queue_full, deadline (would start after the caller's "
+                                "deadline), queue_delay (after --max-queue-delay), expired (deadline passed "
+                                "while queued).", ["reason"], registry=r)
+        for reason in ("queue_full", "deadline", "queue_delay", "expired"):
+            self.refusals.labels(reason)
         self.generated_tokens = Counter("lorafleet_generated_tokens", "Tokens generated.", registry=r)
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",

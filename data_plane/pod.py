@@ -10,6 +10,7 @@ import torch
 from conventions.home import lorafleet_home
 from data_plane.config import DataPlaneConfig
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
+from data_plane.engine.scheduler import Policy
 from data_plane.errors import AdapterNotFound
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
@@ -56,9 +57,10 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or _auto_kv_blocks(model, config),
-        max_model_len=model.config.max_position_embeddings,
+        max_model_len=model.config.max_position_embeddings, max_queue_delay_s=config.max_queue_delay_s,
     )
-    engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics)
+    engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
+                    config.fair_share_weights, Policy(config.scheduling_policy))
     engine.warm_up()
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": config.max_loras, "device": config.device})

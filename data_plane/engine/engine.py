@@ -17,13 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
+from data_plane.engine.admission import DelayEstimator, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
-from data_plane.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState
-from data_plane.errors import InvalidRequest, LorafleetError, QueueFull, ShuttingDown, StepFailed
+from data_plane.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    LorafleetError,
+    Overloaded,
+    QueueFull,
+    ShuttingDown,
+    StepFailed,
+)
 from data_plane.lora.adapter_cache import Tier
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
@@ -44,10 +53,13 @@ class EngineLimits:
     block_size: int
     num_kv_blocks: int
     max_model_len: int
+    max_queue_delay_s: float  # longest estimated wait for a first token a new request is admitted with; 0 = any
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:
             raise ValueError("engine limits must be positive")
+        if not self.max_queue_delay_s >= 0:
+            raise ValueError("max_queue_delay_s must be >= 0 (0 = no limit)")
 
 
 @dataclass(frozen=True)
@@ -68,9 +80,10 @@ class _Stream:
 
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
-                 resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None) -> None:
+                 resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
+                 policy: Policy = Policy.FAIR) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
-        names the base model)."""
+        names the base model); ``policy``: the order waiting requests are admitted in."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -81,7 +94,8 @@ class Engine:
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
-                                   self.blocks, lora.cache, self.adapters.is_resident, weights)
+                                   self.blocks, lora.cache, self.adapters.is_resident, weights, policy)
+        self.delays = DelayEstimator(limits.max_num_seqs, limits.max_num_batched_tokens)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
@@ -119,11 +133,14 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+                       request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
-        output for a bad request; closing the iterator aborts the request and frees its blocks."""
+        output for a bad request, or for one the pod cannot start within ``timeout_s`` (the caller's
+        deadline; None: none) or --max-queue-delay (Overloaded, with a retry hint); a request still
+        waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
+        request and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        seq = self._admit(request_id, prompt_ids, params, adapter)
+        seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
         stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
         if adapter is not None:
             await self.adapters.ensure(adapter)  # NOT_FOUND surfaces here, before anything is queued
@@ -157,7 +174,8 @@ class Engine:
             stream.queue.put_nowait(error)
         self._wakeup.set()
 
-    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None) -> Sequence:
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+               timeout_s: float | None) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("this pod is shutting down; send the request to another pod")
         if request_id in self._streams:
@@ -170,10 +188,31 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), self.scheduler.load())
         if self.scheduler.num_waiting >= self.limits.max_waiting:
-            raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later")
+            self.metrics.refusals.labels("queue_full").inc()
+            raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
+                            "another pod", retry_after_s=retry_after(wait_s, 0.0))
+        self._refuse_if_late(wait_s, timeout_s)
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
-        return Sequence(request_id, adapter, list(prompt_ids), params, max_total)
+        now = time.monotonic()
+        deadline = None if timeout_s is None else now + timeout_s
+        return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline)
+
+    def _refuse_if_late(self, wait_s: float, timeout_s: float | None) -> None:
+        """Raises Overloaded when the estimated wait for a first token exceeds the caller's deadline or
+        --max-queue-delay: the caller learns at once to go elsewhere instead of after a long wait."""
+        cap = self.limits.max_queue_delay_s
+        if timeout_s is not None and wait_s > timeout_s and (not cap or timeout_s <= cap):
+            self.metrics.refusals.labels("deadline").inc()
+            raise Overloaded(f"this pod would start the request in about {wait_s:.2f} s, after its deadline "
+                             f"({timeout_s:.2f} s from now); retry on another pod or later",
+                             retry_after_s=retry_after(wait_s, timeout_s))
+        if cap and wait_s > cap:
+            self.metrics.refusals.labels("queue_delay").inc()
+            raise Overloaded(f"this pod would start the request in about {wait_s:.2f} s, beyond its "
+                             f"--max-queue-delay of {cap:g} s; retry on another pod or later",
+                             retry_after_s=retry_after(wait_s, cap))
 
     def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
         # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again
@@ -188,6 +227,7 @@ class Engine:
             self._last_progress = time.monotonic()
             for seq, error in self.scheduler.refused():  # pins changed: these can never get a slot now
                 self.abort(seq.request_id, error)
+            self._end_expired(self._last_progress)
             # an adapter evicted from the CPU tier while its requests waited is loaded again
             self.adapters.reload_missing(seq.adapter for seq in self.scheduler.waiting if seq.adapter is not None)
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []
@@ -217,7 +257,16 @@ class Engine:
                                                                "retry the request"))
                 continue
             self._postprocess(batch, tokens)
-            self.metrics.step_duration.observe(time.monotonic() - start)
+            took = time.monotonic() - start
+            self.metrics.step_duration.observe(took)
+            self.delays.observe_step(took)
+
+    def _end_expired(self, now: float) -> None:
+        for seq in self.scheduler.expired(now):
+            self.metrics.refusals.labels("expired").inc()
+            self.abort(seq.request_id, DeadlineExceeded(
+                f"the request's deadline passed after {now - seq.arrival:.2f} s in the queue; nothing was "
+                "generated: retry with a longer deadline or on a less loaded pod"))
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None]) -> None:
         now = time.monotonic()
@@ -242,6 +291,7 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.metrics.e2e.observe(now - seq.arrival)
+                self.delays.observe_service(now - seq.first_scheduled)
             stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids), len(seq.output_ids)))
         self.metrics.generated_tokens.inc(sum(t is not None for t in tokens))
 

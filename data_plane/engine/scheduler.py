@@ -3,8 +3,9 @@
 Running sequences go first, in the order they were admitted. Waiting ones are then admitted by
 fair share while the token budget, KV blocks and sequence limit allow: each tenant (an adapter,
 or the base model) has a virtual token counter (``fair_share.py``), and the next request is the
-oldest one of the least-served tenant that can run now; within a tenant, arrival order. When
-that request's KV blocks do not fit, nothing else is admitted this step, so it is not overtaken.
+oldest one of the least-served tenant that can run now; within a tenant, arrival order. Under the
+``fcfs`` policy the next request is simply the oldest that can run now. When that request's KV
+blocks do not fit, nothing else is admitted this step, so it is not overtaken.
 
 A tenant whose adapter is still loading, or cannot get a slot (every slot pinned or serving), is
 passed over for the step: requests of the base model and of adapters in slots go ahead of it.
@@ -15,17 +16,30 @@ so its running requests finish (bounded by their max_tokens), its slot becomes e
 the waiting tenant takes it. A request that can never get a slot, because every slot holds
 another pinned adapter, is refused (``refusal``) instead of waiting for ever.
 
+Seats: under fair share, when every seat (``max_num_seqs``) is taken and a backlogged tenant that
+can run has no request running, the tenant holding the most seats (ties: the most served) gives up
+its latest admitted request, which is queued again first of its tenant: a tenant's first request
+waits one step, not for a seat to turn over behind another tenant's burst. Only a tenant with no
+seat takes one, and only from a tenant with more than one, so two busy tenants never trade seats
+back and forth.
+
 Preemption: when blocks run out, the most recently admitted running sequence of the most-served
-tenant gives its blocks back (so fair admission is not undone by preempting the newcomer it let
-in); it is recomputed later from its prompt plus what it has generated, first of its tenant.
+tenant (under FCFS: the most recently admitted one) gives its blocks back (so fair admission is not
+undone by preempting the newcomer it let in); it is recomputed later from its prompt plus what it
+has generated, first of its tenant.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
+import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from data_plane.engine.admission import Ahead, Load
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_share import FairShare, Tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
@@ -44,6 +58,16 @@ class ScheduledSeq:
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
+_NOBODY = object()  # no tenant (None is the base model's name)
+
+
+class Policy(enum.Enum):
+    """The order waiting requests are admitted in (the pod's --scheduling-policy)."""
+
+    FAIR = "fair"  # least-served tenant first, arrival order within a tenant
+    FCFS = "fcfs"  # arrival order across all tenants
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int
@@ -52,9 +76,12 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
-                 adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None) -> None:
-        """``weights``: a tenant's share relative to the others (default 1.0); None names the base model."""
+                 adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
+                 policy: Policy = Policy.FAIR) -> None:
+        """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
+        under the FAIR policy."""
         self.limits = limits
+        self.policy = policy
         self.blocks = blocks
         self.cache = cache
         self._adapter_ready = adapter_ready  # False while the adapter is still being loaded
@@ -100,12 +127,44 @@ class Scheduler:
                 out += [(seq, error) for seq in queue]
         return out
 
+    def ahead_of(self, tenant: Tenant) -> Ahead:
+        """The waiting requests a new request of ``tenant`` would be admitted after, as the policy orders
+        them: under FCFS all of them; under fair share its own tenant's, and of each other tenant as many
+        as get their turns before it (one per turn of its own, scaled by the weights)."""
+        turns = len(self._queues.get(tenant, ())) + 1
+        requests = tokens = 0
+        for other, queue in self._queues.items():
+            if self.policy is Policy.FCFS or other == tenant:
+                count = len(queue)
+            else:
+                count = min(len(queue), math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant)))
+            requests += count
+            tokens += sum(seq.num_uncomputed for seq in itertools.islice(queue, count))
+        return Ahead(requests, tokens, seat_now=self._would_take_a_seat(tenant))
+
+    def _would_take_a_seat(self, tenant: Tenant) -> bool:
+        """Whether a new request of ``tenant`` would take a seat at the next step (see Seats above)."""
+        if self.policy is not Policy.FAIR or tenant in self._queues:
+            return False
+        seats = Counter(seq.adapter for seq in self.running)
+        return tenant not in seats and max(seats.values(), default=0) >= 2
+
+    def load(self) -> Load:
+        """What is running now, for the admission estimate."""
+        return Load(len(self.running), sum(seq.num_uncomputed <= 1 for seq in self.running),
+                    tuple(seq.max_total - seq.num_tokens for seq in self.running))
+
+    def expired(self, now: float) -> list[Sequence]:
+        """Waiting requests whose deadline has passed; the caller ends them."""
+        return [seq for seq in self.waiting if seq.deadline is not None and seq.deadline <= now]
+
     def has_work(self) -> bool:
         return bool(self.running) or any(self._admissible(s) for s in self.waiting)
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        seated = self._free_a_seat_for_a_tenant_without_one() if self.policy is Policy.FAIR else _NOBODY
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue
@@ -122,7 +181,8 @@ class Scheduler:
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
         while budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self._next_in_fair_order(passed)
+            seq = self._queues[seated][0] if seated in self._queues else self._next_in_fair_order(passed)
+            seated = _NOBODY  # the freed seat is offered once, first
             if seq is None:
                 break
             tenant = seq.adapter
@@ -137,6 +197,8 @@ class Scheduler:
                 self._reserved.pop(tenant, None)
             self._dequeue(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             budget -= self._take(batch, seq, num_new)
         return batch
@@ -154,9 +216,30 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def _next_in_fair_order(self, passed: set[Tenant]) -> Sequence | None:
-        """The oldest waiting request of the least-served tenant not yet passed over (ties: oldest first)."""
+        """The oldest waiting request of the least-served tenant not yet passed over (ties: oldest first);
+        under FCFS the oldest waiting request not passed over."""
         heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
+        if self.policy is Policy.FCFS:
+            return min(heads, key=lambda seq: seq.arrival, default=None)
         return min(heads, key=lambda seq: (self.shares.served(seq.adapter), seq.arrival), default=None)
+
+    def _free_a_seat_for_a_tenant_without_one(self) -> Tenant | object:
+        """Preempts one request for the least-served backlogged tenant with no seat, when every seat is
+        taken; returns that tenant (whose head then takes the seat first), or _NOBODY."""
+        if len(self.running) < self.limits.max_num_seqs:
+            return _NOBODY
+        seats = Counter(seq.adapter for seq in self.running)
+        seatless = [t for t in self._queues if t not in seats and self._can_run_now(t)]
+        holder = max(seats, key=lambda t: (seats[t], self.shares.served(t)), default=None)
+        if not seatless or seats[holder] < 2:
+            return _NOBODY
+        self._preempt(next(seq for seq in reversed(self.running) if seq.adapter == holder))
+        return min(seatless, key=lambda t: (self.shares.served(t), self._queues[t][0].arrival))
+
+    def _can_run_now(self, tenant: Tenant) -> bool:
+        """Whether ``tenant``'s next request could start this step as far as its adapter goes (no side effects)."""
+        return tenant is None or (self._adapter_ready(tenant) and tenant not in self._reserved.values()
+                                  and self.cache.can_acquire(tenant))
 
     def _can_run(self, tenant: Tenant) -> bool:
         if tenant is None:
@@ -216,6 +299,9 @@ class Scheduler:
         candidates = [seq for seq in reversed(self.running) if seq not in keep]
         if not candidates:
             return None
-        victim = max(candidates, key=lambda seq: self.shares.served(seq.adapter))  # the first max: latest admitted
+        if self.policy is Policy.FCFS:
+            victim = candidates[0]  # the latest admitted
+        else:
+            victim = max(candidates, key=lambda seq: self.shares.served(seq.adapter))  # the first max: latest admitted
         self._preempt(victim)
         return victim

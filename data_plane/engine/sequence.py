@@ -68,6 +68,7 @@ class Sequence:
     params: SamplingParams
     max_total: int  # prompt + completion never exceeds this (max_tokens or context limit)
     arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which nobody waits for the answer
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -75,6 +76,7 @@ class Sequence:
     slot: int = -1  # adapter slot while running, -1 = base model
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    first_scheduled: float | None = None  # time.monotonic() of its first admission
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -24,7 +24,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prompt_ids = _prompt_ids(engine, request)
         params = sampling_params(request.sampling)
         text_of = _token_text(engine) if request.sampling.token_text else None
-        async for out in engine.generate(prompt_ids, params, request.adapter or None, request.request_id or None):
+        async for out in engine.generate(prompt_ids, params, request.adapter or None, request.request_id or None,
+                                         context.time_remaining()):
             yield _response(out, request.request_id, text_of)
 
 

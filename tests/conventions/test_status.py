@@ -1,6 +1,7 @@
 """The one error-to-status interceptor, on a real in-process gRPC server: a domain error ends the call
 with its own status and message, anything else is INTERNAL, streams and context-writing handlers
-(grpc's Health.Watch) alike, and the observer sees each call's final code."""
+(grpc's Health.Watch) alike, and the observer sees each call's final code. A refusal with a retry hint
+carries it as grpc-retry-pushback-ms."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from conventions.errors import LorafleetError
-from conventions.status import ErrorStatusInterceptor
+from conventions.status import ErrorStatusInterceptor, retry_after_s
 
 
 class Missing(LorafleetError):
     status = "NOT_FOUND"
+
+
+class Busy(LorafleetError):
+    status = "RESOURCE_EXHAUSTED"
 
 
 async def _unary(request: bytes, context) -> bytes:
@@ -22,6 +27,8 @@ async def _unary(request: bytes, context) -> bytes:
         raise Missing("adapter 'x' is not registered; register it first")
     if request == b"crash":
         raise KeyError("boom")
+    if request == b"busy":
+        raise Busy("come back later", retry_after_s=1.25)
     return b"ok:" + request
 
 
@@ -99,3 +106,19 @@ def test_health_watch_which_writes_to_its_context_passes_through():
 
     (status,), _ = asyncio.run(_serve_and_call([watch_once]))
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_refusal_with_a_retry_hint_carries_it_in_milliseconds_and_others_carry_none():
+    def trailing(payload):
+        async def call(channel):
+            try:
+                await channel.unary_unary("/test.Service/Unary")(payload, timeout=5)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.trailing_metadata()
+        return call
+
+    (busy, missing), _ = asyncio.run(_serve_and_call([trailing(b"busy"), trailing(b"missing")]))
+    assert busy[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("grpc-retry-pushback-ms", "1250") in tuple(busy[1])
+    assert retry_after_s(busy[1]) == 1.25
+    assert retry_after_s(missing[1]) is None

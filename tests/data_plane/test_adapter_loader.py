@@ -46,7 +46,7 @@ class GatedResolver:
 def engine_on(model, demo_tokenizer, resolver, metrics: PodMetrics) -> Engine:
     lora = LoraRuntime(model, max_loras=1, max_cpu_loras=1, max_rank=16, max_tokens=64, adapter_roots=(ROOT,))
     limits = EngineLimits(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=8, block_size=16, num_kv_blocks=16,
-                          max_model_len=2048)
+                          max_model_len=2048, max_queue_delay_s=0.0)
     engine = Engine(model, demo_tokenizer, lora, limits, resolver, metrics)
     metrics.watch(engine.snapshot)
     return engine

@@ -1,5 +1,6 @@
 """The pod's flags checked when the config is built: --control-plane-ca (a file that cannot serve as the
-control plane's CA is refused with what to give instead) and --stall-timeout."""
+control plane's CA is refused with what to give instead), --stall-timeout, and the admission and
+fair-share flags."""
 
 from __future__ import annotations
 
@@ -74,3 +75,37 @@ def test_a_stall_timeout_that_could_never_or_always_fire_is_refused(value):
 
 def test_the_stall_timeout_is_taken_in_seconds():
     assert config("--stall-timeout", "2.5").stall_timeout_s == 2.5
+
+
+def test_admission_and_fair_share_flags_build_the_config():
+    pod = config("--max-queue-delay", "2.5", "--scheduling-policy", "fcfs", "--adapter-weight", "pirate=3",
+                 "--adapter-weight", "shouty=0.5", "--base-model-weight", "2")
+    assert (pod.max_queue_delay_s, pod.scheduling_policy) == (2.5, "fcfs")
+    assert pod.fair_share_weights == {None: 2.0, "pirate": 3.0, "shouty": 0.5}
+    assert config().fair_share_weights == {None: 1.0} and config().scheduling_policy == "fair"
+    assert config("--max-queue-delay", "0").max_queue_delay_s == 0.0  # no limit
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_max_queue_delay_that_is_not_a_finite_non_negative_number_is_refused(value):
+    with pytest.raises(ValueError, match="--max-queue-delay must be a number of seconds >= 0"):
+        config("--max-queue-delay", value)
+
+
+@pytest.mark.parametrize(("flag", "words"), [
+    ("pirate", "is not NAME=WEIGHT"),
+    ("-bad=2", "is not NAME=WEIGHT"),
+    ("pirate=heavy", "is not a number"),
+    ("pirate=0", "must be a positive number"),
+    ("pirate=nan", "must be a positive number"),
+])
+def test_a_bad_adapter_weight_is_refused_with_what_to_write(flag, words, capsys):
+    with pytest.raises(SystemExit) as exited:
+        config(f"--adapter-weight={flag}")
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_base_model_weight_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="weight of the base model must be a positive number"):
+        config("--base-model-weight", "0")

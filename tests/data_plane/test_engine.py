@@ -1,5 +1,5 @@
-"""The engine in this process on the demo model: preemption under KV pressure, and the bound on
-how long a request waits for an adapter slot."""
+"""The engine in this process on the demo model: preemption under KV pressure, the bound on how
+long a request waits for an adapter slot, and admission by deadline."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.engine.sequence import SamplingParams
+from data_plane.errors import DeadlineExceeded, Overloaded
 from data_plane.metrics import PodMetrics
 from data_plane.pod import build_engine
 
@@ -129,3 +130,44 @@ def test_a_load_that_evicts_a_slot_resident_adapter_waits_for_the_model_lock(dem
     (kept, slot, finished), pirate_after, shouty_after = asyncio.run(go())
     assert kept and slot is not None and not finished, "the load evicted a slot while the model lock was held"
     assert not pirate_after and shouty_after
+
+
+def refusals(engine, reason: str) -> float:
+    return engine.metrics.registry.get_sample_value("lorafleet_requests_refused_total", {"reason": reason})
+
+
+def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_and_one_that_expires_queued_leaves(
+        demo_model_dir):
+    async def go():
+        engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=1, num_kv_blocks=64,
+                            max_queue_delay_s=0.0)
+        try:
+            ids = engine.tokenizer.encode("Tell me a very long story about the sea.")
+            params = SamplingParams(max_tokens=600, ignore_eos=True)
+            long = engine.generate(ids, params, None, "long")
+            # Admitted before any step is timed, so nothing is estimated yet: it queues behind "long"
+            # (one seat) and its deadline passes while it waits.
+            short = engine.generate(ids, SamplingParams(max_tokens=4), None, "short", timeout_s=0.3)
+            first, expired = await asyncio.gather(anext(long), anext(short), return_exceptions=True)
+            waiting_after_expiry = engine.scheduler.num_waiting
+            for _ in range(5):
+                await anext(long)  # steps are timed now: a new request would wait ~595 steps for the seat
+            with pytest.raises(Overloaded) as refused:
+                await anext(engine.generate(ids, SamplingParams(max_tokens=4), None, "late", timeout_s=0.2))
+            untimed = engine.generate(ids, SamplingParams(max_tokens=1), None, "no-deadline")
+            queued = asyncio.create_task(anext(untimed))  # no deadline and no --max-queue-delay: it waits
+            await asyncio.sleep(0.1)
+            state = (engine.scheduler.num_waiting, len(engine.scheduler.running))
+            await long.aclose()
+            await queued
+            counts = (refusals(engine, "expired"), refusals(engine, "deadline"), refusals(engine, "queue_delay"))
+            return first, expired, waiting_after_expiry, refused.value, state, counts
+        finally:
+            await engine.stop()
+
+    first, expired, waiting_after_expiry, refused, state, counts = asyncio.run(go())
+    assert first.tokens and isinstance(expired, DeadlineExceeded) and "deadline passed" in str(expired)
+    assert waiting_after_expiry == 0
+    assert "after its deadline" in str(refused) and 0.05 <= refused.retry_after_s <= 60
+    assert state == (1, 1)  # the refused request was never queued; the one without a deadline is
+    assert counts == (1, 1, 0)

@@ -1,14 +1,16 @@
 """Which requests run in each step and how many of their tokens: running ones first, then waiting
 ones by fair share across adapters (arrival order within one) within the token budget, the sequence
 limit, the free KV blocks and the adapter slots; preemption when blocks run out; the bound on
-waiting for an adapter slot, and the refusal of a request no slot can ever serve."""
+waiting for an adapter slot, and the refusal of a request no slot can ever serve; the FCFS
+policy; what a new request would wait behind (for admission by deadline), and expired requests."""
 
 from __future__ import annotations
 
 import pytest
 
+from data_plane.engine.admission import Ahead
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.scheduler import Scheduler, SchedulerLimits
+from data_plane.engine.scheduler import Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -16,17 +18,20 @@ from data_plane.lora.peft_adapter import LoraAdapter
 
 
 def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, block_size: int = 4,
-              max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None) -> Scheduler:
+              max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None,
+              policy: Policy = Policy.FAIR) -> Scheduler:
     """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``."""
     cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
     for name in adapters:
         cache.insert(LoraAdapter(name, name * 64, 8, {}, 0))
     return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
-                     weights)
+                     weights, policy)
 
 
-def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100) -> Sequence:
-    seq = Sequence(name, adapter, list(range(prompt)), SamplingParams(max_tokens=max_tokens), prompt + max_tokens)
+def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100,
+            deadline: float | None = None) -> Sequence:
+    seq = Sequence(name, adapter, list(range(prompt)), SamplingParams(max_tokens=max_tokens), prompt + max_tokens,
+                   deadline=deadline)
     s.add(seq)
     return seq
 
@@ -285,3 +290,116 @@ def test_a_waiting_request_is_refused_once_pins_fill_every_slot():
     assert seq is y and isinstance(error, CapacityExceeded) and "unpin" in str(error)
     s.cache.unpin("z")
     assert s.refused() == []
+
+
+# ---- seats --------------------------------------------------------------------------------------
+
+def test_when_seats_are_full_a_tenant_without_one_takes_the_latest_of_the_tenant_holding_most():
+    s = scheduler(max_num_seqs=2)
+    request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
+    step(s)
+    request(s, "x2", 4, adapter="x")
+    y = request(s, "y", 4, adapter="y")
+    assert step(s) == [("x0", 1), ("y", 4)]  # x1 gives its seat to y's first request at once
+    assert y.status is SequenceStatus.RUNNING and s.num_preemptions == 1
+    assert [seq.request_id for seq in s.waiting] == ["x1", "x2"]  # x1 first again among x's
+
+
+def test_tenants_that_each_hold_a_seat_do_not_trade_them():
+    s = scheduler(max_num_seqs=2)
+    for i in range(4):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=6), request(s, f"y{i}", 4, adapter="y", max_tokens=6)
+    admission_order(s)
+    assert s.num_preemptions == 0
+
+
+@pytest.mark.parametrize(("policy", "holders"), [(Policy.FAIR, "xy"), (Policy.FCFS, "xx")])
+def test_a_tenant_without_a_seat_waits_for_one_when_no_tenant_holds_two_or_under_fcfs(policy, holders):
+    s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz", policy=policy)
+    for i, adapter in enumerate(holders):
+        request(s, f"{adapter}{i}", 4, adapter=adapter)
+    step(s)
+    request(s, "z", 4, adapter="z")
+    assert step(s) == [(f"{holders[0]}0", 1), (f"{holders[1]}1", 1)] and s.num_preemptions == 0
+
+
+# ---- first come, first served ---------------------------------------------------------------------
+
+def test_under_fcfs_a_flooding_adapter_goes_first_in_arrival_order():
+    s = scheduler(max_num_seqs=1, policy=Policy.FCFS)
+    for i in range(3):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=2)
+    request(s, "y", 4, adapter="y", max_tokens=2)
+    request(s, "base", 4, max_tokens=2)
+    assert admission_order(s) == ["x0", "x1", "x2", "y", "base"]
+
+
+def test_under_fcfs_the_latest_admitted_request_gives_back_its_blocks():
+    s = scheduler(num_blocks=6, block_size=4, policy=Policy.FCFS)
+    request(s, "x1", 8, adapter="x"), request(s, "y", 8, adapter="y")
+    late = request(s, "x2", 4, adapter="x", max_tokens=2)
+    assert step(s) == [("x1", 8), ("y", 8), ("x2", 4)]
+    assert step(s) == [("x1", 1), ("y", 1)]
+    assert late.status is SequenceStatus.WAITING and s.num_preemptions == 1
+
+
+# ---- what a new request would wait behind -------------------------------------------------------
+
+def flooded(policy: Policy = Policy.FAIR, weights=None) -> Scheduler:
+    s = scheduler(max_num_seqs=1, policy=policy, weights=weights)
+    request(s, "running", 4, adapter="x")
+    step(s)
+    for i in range(10):
+        request(s, f"x{i}", 5, adapter="x")
+    request(s, "y0", 7, adapter="y")
+    return s
+
+
+def test_under_fair_share_a_quiet_adapter_waits_behind_one_turn_of_a_flood_and_the_flood_behind_itself():
+    s = flooded()
+    assert s.ahead_of("y") == Ahead(requests=1 + 2, tokens=7 + 2 * 5)  # y0, then one x per y turn (y0's, its own)
+    assert s.ahead_of("x") == Ahead(requests=10 + 1, tokens=10 * 5 + 7)
+    assert s.ahead_of(None) == Ahead(requests=2, tokens=5 + 7)  # the base model: a turn of each
+
+
+def test_a_new_request_of_a_tenant_without_a_seat_takes_one_at_once_and_one_with_a_seat_does_not():
+    s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz")
+    request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
+    step(s)
+    assert s.ahead_of("y").seat_now and s.ahead_of(None).seat_now
+    assert not s.ahead_of("x").seat_now
+    request(s, "y0", 4, adapter="y")
+    assert not s.ahead_of("y").seat_now  # y0 takes the seat; the next y request waits behind it
+    assert not scheduler(max_num_seqs=2, policy=Policy.FCFS).ahead_of("y").seat_now
+
+
+def test_under_fcfs_every_waiting_request_is_ahead():
+    s = flooded(Policy.FCFS)
+    assert s.ahead_of("y") == s.ahead_of(None) == Ahead(requests=11, tokens=10 * 5 + 7)
+
+
+def test_weights_scale_the_turns_another_adapter_gets_first():
+    s = flooded(weights={"x": 3.0})
+    assert s.ahead_of("y") == Ahead(requests=1 + 6, tokens=7 + 6 * 5)
+
+
+def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
+    s = scheduler(budget=8)
+    request(s, "long", 12, adapter="x", max_tokens=10)
+    request(s, "short", 4, max_tokens=3)
+    step(s)  # long: 8 of its 12 prompt tokens; short not admitted (budget)
+    step(s)  # long's last 4, short's 4
+    load = s.load()
+    assert (load.running, load.running_decodes, sorted(load.running_remaining)) == (2, 2, [2, 9])
+
+
+def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_not():
+    s = scheduler(max_num_seqs=1)
+    running = request(s, "running", 4, deadline=5.0)
+    step(s)
+    late = request(s, "late", 4, deadline=10.0)
+    request(s, "later", 4, deadline=20.0)
+    request(s, "none", 4)
+    assert s.expired(now=9.0) == []
+    assert s.expired(now=10.0) == [late]
+    assert running not in s.expired(now=30.0) and len(s.expired(now=30.0)) == 2

@@ -1,0 +1,119 @@
+"""A real pod process under overload, driven over gRPC: a flood on one adapter does not delay another
+adapter's first token, and a request whose deadline the pod cannot meet is refused at once with a
+retry hint, the queue unchanged.
+
+Delays are counted in engine steps (the pod's lorafleet_engine_step_seconds_count), not seconds, so
+the bounds hold on any CPU; the wall-clock figures are benchmarks/overload.py's."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from benchmarks.processes import PodProcess, wait_until
+from conventions.status import retry_after_s
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from tests.grpc_helpers import request
+
+pytestmark = pytest.mark.slow
+
+STEPS = "lorafleet_engine_step_seconds_count"
+
+
+@pytest.fixture(scope="module")
+def pod(demo_model_dir, tmp_path_factory):
+    """Four sequences per step; no --max-queue-delay, so only a caller's deadline refuses."""
+    process = PodProcess(tmp_path_factory.mktemp("overload"), "--max-loras", "2", "--max-cpu-loras", "4",
+                         "--max-num-seqs", "4", "--num-kv-blocks", "512", "--max-lora-rank", "16",
+                         "--max-queue-delay", "0", "--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent))
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+class Flood:
+    """``n`` streams of ``adapter`` (max_tokens each, EOS ignored) read on threads until cancelled."""
+
+    def __init__(self, pod, adapter: str | None, n: int, max_tokens: int) -> None:
+        self.calls = [pod.generation().Generate(request(f"Story number {i}, please.", adapter, max_tokens=max_tokens,
+                                                        ignore_eos=True), timeout=300) for i in range(n)]
+        self.threads = [threading.Thread(target=self._drain, args=(call,), daemon=True) for call in self.calls]
+        for thread in self.threads:
+            thread.start()
+
+    @staticmethod
+    def _drain(call) -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def stop(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def steps_to_first_token(pod, adapter: str | None) -> int:
+    """Engine steps between sending a short request and its first token."""
+    before = pod.metric(STEPS)
+    call = pod.generation().Generate(request("Say hello.", adapter, max_tokens=2), timeout=300)
+    next(call)
+    after = pod.metric(STEPS)
+    call.cancel()
+    return int(after - before)
+
+
+def idle(pod) -> bool:
+    s = pod.state()
+    return s.running_requests == 0 and s.waiting_requests == 0
+
+
+def test_a_flood_on_one_adapter_leaves_another_adapters_first_token_a_step_or_two_away(pod):
+    unloaded = [steps_to_first_token(pod, "shouty") for _ in range(3)]
+    flood = Flood(pod, "pirate", n=16, max_tokens=48)  # four seats: twelve pirate requests queue
+    try:
+        wait_until(lambda: pod.state().waiting_requests >= 8, 60, "the pirate flood queued")
+        loaded = [steps_to_first_token(pod, "shouty") for _ in range(3)]
+        wait_until(lambda: pod.state().waiting_requests >= 4, 1, "the flood still queued")
+        flood_newcomer = steps_to_first_token(pod, "pirate")  # behind the rest of its own tenant's backlog
+    finally:
+        flood.stop()
+    wait_until(lambda: idle(pod), 60, "pod idle after the flood")
+    # Unloaded, a first token takes the step that prefills it (one more when a step was already running).
+    # Under the flood shouty takes a seat from pirate at the next step: at most two steps more than alone.
+    assert max(loaded) <= max(unloaded) + 2, (unloaded, loaded)
+    # The flood's own newcomer waits for its backlog: what first come, first served would do to everyone.
+    assert flood_newcomer >= 4 * max(loaded), (loaded, flood_newcomer)
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once_with_a_retry_hint(pod):
+    # Base-model requests: four hold the seats for ~1000 steps each, two queue. A request of the base model
+    # waits for seats to turn over, far beyond a 1 s deadline on any CPU.
+    flood = Flood(pod, None, n=6, max_tokens=1000)
+    try:
+        wait_until(lambda: pod.state().waiting_requests == 2 and pod.metric(STEPS) > 0, 60, "seats full")
+        refused_before = pod.metric("lorafleet_requests_refused_total", reason="deadline")
+        with pytest.raises(grpc.RpcError) as e:
+            list(pod.generation().Generate(request("Say hello.", max_tokens=2), timeout=1.0))
+        waiting = pod.state().waiting_requests
+        refused_after = pod.metric("lorafleet_requests_refused_total", reason="deadline")
+        # without a deadline the same request is queued (this pod has no --max-queue-delay)
+        patient = pod.generation().Generate(request("Say hello.", max_tokens=2), timeout=300)
+        wait_until(lambda: pod.state().waiting_requests == 3, 10, "the patient request queued")
+        patient.cancel()
+    finally:
+        flood.stop()
+    wait_until(lambda: idle(pod), 60, "pod idle after the flood")
+    # refused, not timed out: a call still waiting at its 1 s deadline would end DEADLINE_EXCEEDED
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "after its deadline" in e.value.details() and "another pod" in e.value.details()
+    hint = retry_after_s(e.value.trailing_metadata())
+    assert hint is not None and 0.05 <= hint <= 60
+    assert waiting == 2 and refused_after == refused_before + 1
+
