@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from lorafleet.v1 import generation_pb2
 
 from conventions.errors import LorafleetError
+from conventions.status import retry_after_s
 from router.channels import PodChannels
 from router.errors import InvalidRequest
 from router.metrics import RouterMetrics
@@ -31,7 +32,7 @@ class PodError(LorafleetError):
     """A pod ended the call with an error; the caller gets the pod's status and message unchanged."""
 
     def __init__(self, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(error.details() or "")
+        super().__init__(error.details() or "", retry_after_s=retry_after_s(error.trailing_metadata()))
         self.status = error.code().name
 
 
@@ -47,7 +48,9 @@ def adapter_of(request: bytes) -> str:
 class Forwarder:
     """Serves Generate by forwarding it. Before a pod's first message, a refusal that leaves the request
     untouched (UNAVAILABLE, RESOURCE_EXHAUSTED) sends it to the next pod, up to ``retries`` more; after
-    it, the pod's error is the caller's. The caller's deadline goes to the pod with the call, and a caller
+    it, the pod's error is the caller's, with the pod's retry hint (grpc-retry-pushback-ms) when it
+    sent one. A pod that answered RESOURCE_EXHAUSTED goes last in the ranking for as long as its
+    hint says. The caller's deadline goes to the pod with the call, and a caller
     that goes away cancels the pod's call, which frees the request there."""
 
     def __init__(self, picker: PodPicker, channels: PodChannels, metrics: RouterMetrics, retries: int) -> None:
@@ -123,5 +126,7 @@ class Forwarder:
         self._metrics.retries.labels(error.code().name).inc()
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self._picker.refused(pod)
+        else:  # RESOURCE_EXHAUSTED: full; its retry hint says for how long
+            self._picker.pushed_back(pod, retry_after_s(error.trailing_metadata()))
         log.info("pod refused a request; trying the next", extra={"pod": pod, "code": error.code().name,
                                                                    "error": error.details()})

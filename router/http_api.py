@@ -19,7 +19,7 @@ from lorafleet.v1 import generation_pb2 as g
 from conventions.errors import LorafleetError
 from router.forwarder import Forwarder
 from router.metrics import RouterMetrics
-from router.openai_errors import ApiError, from_domain, invalid
+from router.openai_errors import ApiError, from_domain, invalid, retry_after_header
 from router.openai_requests import ApiRequest, Endpoint, parse_chat, parse_completion
 from router.openai_responses import ResponseBuilder, models, sse
 from router.view import FleetView
@@ -179,4 +179,4 @@ def _from_http(error: web.HTTPException, request: web.Request, max_body: int) ->
 
 
 def _error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.http_status)
+    return web.json_response(error.body(), status=error.http_status, headers=retry_after_header(error))

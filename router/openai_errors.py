@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from conventions.errors import LorafleetError
 
 # gRPC status name of a router or pod error -> (HTTP status, OpenAI error type).
@@ -36,8 +38,17 @@ def invalid(param: str | None, message: str) -> ApiError:
 
 
 def from_domain(error: LorafleetError) -> ApiError:
-    """The HTTP form of a router or pod error, by its gRPC status; its message is kept."""
+    """The HTTP form of a router or pod error, by its gRPC status; its message and retry hint are kept."""
     if isinstance(error, ApiError):
         return error
     http_status, type_ = _BY_STATUS.get(error.status, _SERVER_ERROR)
-    return ApiError(http_status, str(error) or error.status, type_, code=error.status.lower())
+    api = ApiError(http_status, str(error) or error.status, type_, code=error.status.lower())
+    api.retry_after_s = error.retry_after_s
+    return api
+
+
+def retry_after_header(error: ApiError) -> dict[str, str]:
+    """The Retry-After header (whole seconds, rounded up) of a refusal that carries a retry hint."""
+    if error.retry_after_s is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}

@@ -1,6 +1,6 @@
 """Chooses pods for a request from the latest FleetView plus what this router did since that view was
 read: requests it started or finished on each pod, adapters it just sent somewhere, pods that just
-refused a connection. All local; no call leaves the process."""
+refused a connection or said they are full. All local; no call leaves the process."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from router.view import FleetView
 # How long a pod counts an adapter the router just sent it as resident: long enough for the load to
 # finish and show up in the pod's state, short enough that an eviction since is soon believed.
 _JUST_SENT_S = 5.0
+# How long a pod that refused a request as full without a retry hint goes last in the ranking.
+_FULL_WITHOUT_HINT_S = 1.0
 
 
 class PodPicker:
@@ -28,6 +30,7 @@ class PodPicker:
         self._seen: FleetView | None = None
         self._sent: dict[tuple[str, str], float] = {}  # (pod, adapter) -> monotonic time last routed
         self._suspect: dict[str, float] = {}  # pod -> monotonic time it refused a connection
+        self._full_until: dict[str, float] = {}  # pod -> monotonic time until which it said it is full
 
     def choose(self, adapter: str) -> list[Choice]:
         """The routable pods for ``adapter`` ("" = base model), best first. AdapterNotRegistered for an
@@ -47,7 +50,9 @@ class PodPicker:
         now = time.monotonic()
         just_sent = {pod for (pod, name), at in self._sent.items() if name == adapter and now - at < _JUST_SENT_S}
         extra = {p.id: self._inflight[p.id] - self._baseline[p.id] for p in pods}
-        return rank(adapter, pods, self._weights, extra, just_sent)
+        ranked = rank(adapter, pods, self._weights, extra, just_sent)
+        # pods that said they are full go last, in rank order, for as long as they said
+        return sorted(ranked, key=lambda choice: self._full_until.get(choice.pod.id, 0.0) > now)
 
     def started(self, pod: str, adapter: str) -> None:
         """A request for ``adapter`` was sent to ``pod``."""
@@ -65,3 +70,8 @@ class PodPicker:
     def refused(self, pod: str) -> None:
         """``pod`` could not be reached; route around it until the next state read."""
         self._suspect[pod] = time.monotonic()
+
+    def pushed_back(self, pod: str, retry_after_s: float | None) -> None:
+        """``pod`` refused a request as full and asked for ``retry_after_s`` (None: no hint); rank it last
+        until then."""
+        self._full_until[pod] = time.monotonic() + (_FULL_WITHOUT_HINT_S if retry_after_s is None else retry_after_s)

@@ -37,8 +37,9 @@ class ScriptedPod(generation_pb2_grpc.GenerationServicer):
         self.time_remaining = context.time_remaining()
         if self.script == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is shutting down")
-        if self.script == "exhausted":
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "request queue is full")
+        if self.script == "exhausted":  # with a retry hint, as a full pod sends it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "request queue is full",
+                                trailing_metadata=(("grpc-retry-pushback-ms", "1500"),))
         yield g.GenerateResponse(text="one ", tokens=[g.Token(id=1, logprob=-0.5)], request_id=request.request_id)
         if self.script == "fail-after-first":
             await context.abort(grpc.StatusCode.INTERNAL, "step failed on the pod")
@@ -135,13 +136,14 @@ def test_a_pod_refusing_before_the_first_message_sends_the_request_to_the_next(r
             assert len(f.pods["b"].calls) == 1
             code = "RESOURCE_EXHAUSTED" if refusal == "exhausted" else "UNAVAILABLE"
             assert sample(f.metrics, "lorafleet_router_retries_total", code=code) == 1
-            # A pod that could not be reached is routed around until the next state read.
-            first = f.picker.choose("pirate")[0].pod.id
-            return text, first
+            # A pod that could not be reached is routed around until the next state read; one that
+            # said it is full (a 1.5 s hint) is ranked last meanwhile, though it holds the adapter.
+            ranked = [c.pod.id for c in f.picker.choose("pirate")]
+            return text, ranked
 
-    text, first = asyncio.run(go())
+    text, ranked = asyncio.run(go())
     assert text == "one two three"
-    assert first == ("a" if refusal == "exhausted" else "b")
+    assert ranked == (["b", "a"] if refusal == "exhausted" else ["b"])
 
 
 def test_when_every_pod_refuses_the_caller_gets_the_last_refusal():
@@ -156,6 +158,8 @@ def test_when_every_pod_refuses_the_caller_gets_the_last_refusal():
 
     error = asyncio.run(go())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details() == "request queue is full"
+    assert ("grpc-retry-pushback-ms", "1500") in tuple(error.trailing_metadata())  # the pod's hint, passed on
+
 
 
 def test_an_error_after_the_first_message_is_passed_through_and_not_retried():

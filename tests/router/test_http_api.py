@@ -60,13 +60,15 @@ def test_pods_that_all_refuse_are_429_when_full_and_503_when_unreachable():
     async def go(script):
         async with api({"a": script, "b": script, "c": script}) as (f, client):
             r = await client.post("/v1/completions", json=BODY)
-            return r.status, (await r.json())["error"], sum(len(p.calls) for p in f.pods.values())
+            return (r.status, r.headers.get("Retry-After"), (await r.json())["error"],
+                    sum(len(p.calls) for p in f.pods.values()))
 
-    status, error, calls = asyncio.run(go("exhausted"))
+    status, retry_after, error, calls = asyncio.run(go("exhausted"))
     assert (status, error["type"], calls) == (429, "rate_limit_error", 3)
     assert "queue is full" in error["message"]
-    status, error, calls = asyncio.run(go(None))
-    assert (status, error["type"], calls) == (503, "service_unavailable_error", 0)
+    assert retry_after == "2"  # the pods' 1.5 s hint, in whole seconds rounded up
+    status, retry_after, error, calls = asyncio.run(go(None))
+    assert (status, error["type"], calls, retry_after) == (503, "service_unavailable_error", 0, None)
 
 
 def test_before_the_first_read_of_the_fleet_every_route_is_503():
