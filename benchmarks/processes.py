@@ -40,6 +40,21 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
+def cpu_model() -> str:
+    """The CPU's model name, for a benchmark's report."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages, for a benchmark's report."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def sample_value(text: str, name: str, **labels: str) -> float:
     """The value of one sample in Prometheus text ``text``, 0 when absent."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from processes import Fleet, RouterProcess, copy_demo_adapters  # benchmarks/processes.py
+from processes import Fleet, RouterProcess, copy_demo_adapters, cpu_model, load_average  # benchmarks/processes.py
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS
@@ -93,19 +93,6 @@ def measure(load: str, path: str, stub, adapters: list[str | None], prompts: lis
     run = drive(stub, f"{load}, {path}", adapters, prompts, max_tokens, concurrency)
     after = (cpu_seconds(router.proc.pid), sum(map(cpu_seconds, pids)), own_cpu_seconds())
     return Measured(load, path, run, *(b - a for a, b in zip(before, after, strict=True)))
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def print_report(rounds: list[list[Measured]], args: argparse.Namespace, started_load: str) -> None:
