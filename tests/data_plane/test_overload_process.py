@@ -69,6 +69,11 @@ def steps_to_first_token(pod, adapter: str | None) -> int:
     return int(after - before)
 
 
+def seats_full(pod, running: int, waiting: int) -> bool:
+    s = pod.state()
+    return s.running_requests == running and s.waiting_requests == waiting
+
+
 def idle(pod) -> bool:
     s = pod.state()
     return s.running_requests == 0 and s.waiting_requests == 0
@@ -95,9 +100,12 @@ def test_a_flood_on_one_adapter_leaves_another_adapters_first_token_a_step_or_tw
 def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once_with_a_retry_hint(pod):
     # Base-model requests: four hold the seats for ~1000 steps each, two queue. A request of the base model
     # waits for seats to turn over, far beyond a 1 s deadline on any CPU.
+    steps_before = pod.metric(STEPS)
     flood = Flood(pod, None, n=6, max_tokens=1000)
     try:
-        wait_until(lambda: pod.state().waiting_requests == 2 and pod.metric(STEPS) > 0, 60, "seats full")
+        # all six arrived, four decoding (the module's pod has stepped before: count steps from here)
+        wait_until(lambda: seats_full(pod, running=4, waiting=2) and pod.metric(STEPS) > steps_before + 1, 60,
+                   "seats full")
         refused_before = pod.metric("lorafleet_requests_refused_total", reason="deadline")
         with pytest.raises(grpc.RpcError) as e:
             list(pod.generation().Generate(request("Say hello.", max_tokens=2), timeout=1.0))
