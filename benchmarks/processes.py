@@ -229,16 +229,20 @@ class RouterProcess:
 
 
 class ControlPlaneProcess:
-    """``python -m control_plane.server`` as a child process."""
+    """``python -m control_plane.server`` as a child process: with pod leases of ``lease_s`` plus
+    ``grace_s`` and a quick leader lease and reconcile interval, so that tests see leases lapse within
+    seconds; with none of those flags (the shipped defaults) when ``lease_s`` is None."""
 
     def __init__(self, redis_url: str, token_file: Path, log_dir: Path, replica: str, port: int | None = None,
-                 base_model: str = BASE_MODEL, lease_s: float = 1.0, grace_s: float = 1.0) -> None:
+                 base_model: str = BASE_MODEL, lease_s: float | None = 1.0, grace_s: float = 1.0) -> None:
         self.port, self.metrics_port = port or free_port(), free_port()
         self.args = [sys.executable, "-m", "control_plane.server", "--redis-url", redis_url, "--host", "127.0.0.1",
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port),
                      "--admin-token-file", str(token_file), "--key-prefix", "it", "--base-model", base_model,
-                     "--replica-id", replica, "--pod-lease-ttl", str(lease_s), "--pod-grace", str(grace_s),
-                     "--leader-lease-ttl", "1.5", "--reconcile-interval", "0.3"]
+                     "--replica-id", replica]
+        if lease_s is not None:
+            self.args += ["--pod-lease-ttl", str(lease_s), "--pod-grace", str(grace_s),
+                          "--leader-lease-ttl", "1.5", "--reconcile-interval", "0.3"]
         self.log = log_dir / f"{replica}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -254,11 +258,9 @@ class ControlPlaneProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def metric(self, name: str) -> float | None:
-        for line in scrape(self.metrics_port).splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return None
+    def metric(self, name: str, **labels: str) -> float:
+        """The sample ``name`` with exactly ``labels`` (0 when absent)."""
+        return sample_value(scrape(self.metrics_port), name, **labels)
 
 
 def copy_demo_adapters(root: Path) -> Path:
@@ -272,10 +274,13 @@ class Fleet:
     """A redis-server, a control plane and ``pods`` CPU pods (two unless told) on the demo model that
     heartbeat to it. ``pod_args`` are added to every pod's command line (a flag given again overrides
     the default); a subclass may route a pod's control-plane traffic elsewhere by overriding
-    ``control_plane_for``."""
+    ``control_plane_for``. Leases and heartbeats are shortened (2 s pod lease plus 2 s grace, 0.3 s
+    beats) unless ``shipped_timing``, which runs the control plane's and the pods' defaults."""
 
-    def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str, pods: int = 2) -> None:
+    def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str, pods: int = 2,
+                 shipped_timing: bool = False) -> None:
         self.workdir, self.adapter_root, self.pod_args = workdir, adapter_root, pod_args
+        self.shipped_timing = shipped_timing
         self.pod_names = [f"pod-{chr(ord('a') + i)}" for i in range(pods)]
         self.redis = RedisServer(workdir)
         self.token_file = workdir / "token"
@@ -288,7 +293,8 @@ class Fleet:
         self.start_control_plane()
         for name in self.pod_names:
             self.pods[name] = PodProcess(
-                self.workdir, "--control-plane", self.control_plane_for(name), "--heartbeat-interval", "0.3",
+                self.workdir, "--control-plane", self.control_plane_for(name),
+                *(() if self.shipped_timing else ("--heartbeat-interval", "0.3")),
                 "--max-loras", "4", "--max-cpu-loras", "6", "--max-num-seqs", "4", "--num-kv-blocks", "64",
                 "--adapter-root", str(self.adapter_root), *self.pod_args, name=name, token=TOKEN).launch()
         for pod in self.pods.values():
@@ -303,7 +309,8 @@ class Fleet:
     def start_control_plane(self, port: int | None = None, replica: str = "cp") -> None:
         """Starts the control plane; a ``replica`` name other than the last one's is a new leader."""
         self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, replica, port,
-                                      base_model=FLEET_BASE_MODEL, lease_s=2.0, grace_s=2.0).start()
+                                      base_model=FLEET_BASE_MODEL, lease_s=None if self.shipped_timing else 2.0,
+                                      grace_s=2.0).start()
         self.channel = grpc.insecure_channel(self.cp.target)
 
     def admin(self) -> pb_grpc.AdapterAdminStub:

@@ -31,6 +31,10 @@ class ControlPlaneConfig:
     replica_id: str = ""  # empty: hostname-pid
     pod_lease_ttl_s: float = 10.0
     pod_grace_s: float = 20.0
+    # A pod silent this long is probed (a gRPC health check): a refused connection removes it at
+    # once, any answer or none within pod_probe_timeout_s leaves it to its lease. 0 disables probes.
+    pod_probe_after_s: float = 3.0
+    pod_probe_timeout_s: float = 1.0
     leader_lease_ttl_s: float = 10.0
     reconcile_interval_s: float = 2.0
     command_timeout_s: float = 30.0
@@ -62,6 +66,10 @@ class ControlPlaneConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.pod_grace_s < 0:
             raise ConfigError(f"pod_grace_s must not be negative, got {self.pod_grace_s}")
+        if not self.pod_probe_after_s >= 0:
+            raise ConfigError(f"pod_probe_after_s must be 0 (no probes) or positive, got {self.pod_probe_after_s}")
+        if not self.pod_probe_timeout_s > 0:
+            raise ConfigError(f"pod_probe_timeout_s must be positive, got {self.pod_probe_timeout_s}")
         if self.max_load_attempts < 1:
             raise ConfigError(f"max_load_attempts must be at least 1, got {self.max_load_attempts}")
         if self.reserved_unpinned_slots < 0:
@@ -100,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds a pod heartbeat keeps it READY (default {d.pod_lease_ttl_s})")
     p.add_argument("--pod-grace", type=float, default=d.pod_grace_s,
                    help=f"seconds past its lease before a silent pod is removed (default {d.pod_grace_s})")
+    p.add_argument("--pod-probe-after", type=float, default=d.pod_probe_after_s,
+                   help="seconds of heartbeat silence after which the leader health-checks a pod; a pod whose "
+                        "port refuses the connection is removed at once, one that answers or stays silent "
+                        f"keeps its lease; 0 disables (default {d.pod_probe_after_s})")
+    p.add_argument("--pod-probe-timeout", type=float, default=d.pod_probe_timeout_s,
+                   help=f"seconds a probe waits for an answer (default {d.pod_probe_timeout_s})")
     p.add_argument("--leader-lease-ttl", type=float, default=d.leader_lease_ttl_s,
                    help=f"seconds the reconciler leader lease lasts without renewal (default {d.leader_lease_ttl_s})")
     p.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_s,
@@ -117,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
         redis_url=args.redis_url, admin_token_file=args.admin_token_file, host=args.host, port=args.port,
         metrics_port=args.metrics_port, key_prefix=args.key_prefix, base_model=args.base_model,
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
-        pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace, leader_lease_ttl_s=args.leader_lease_ttl,
-        reconcile_interval_s=args.reconcile_interval, max_load_attempts=args.max_load_attempts,
-        reserved_unpinned_slots=args.reserved_unpinned_slots,
+        pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace,
+        pod_probe_after_s=args.pod_probe_after, pod_probe_timeout_s=args.pod_probe_timeout,
+        leader_lease_ttl_s=args.leader_lease_ttl, reconcile_interval_s=args.reconcile_interval,
+        max_load_attempts=args.max_load_attempts, reserved_unpinned_slots=args.reserved_unpinned_slots,
     )

@@ -27,8 +27,12 @@ class ControlPlaneMetrics:
                                       "pinned adapters placed on fewer pods than requested", registry=r)
         self.pods = Gauge("lorafleet_control_plane_pods", "pods within lease plus grace, by readiness",
                           ["ready"], registry=r)
-        self.pods_removed = Counter("lorafleet_control_plane_pods_removed", "pods removed after lease and grace",
-                                    registry=r)
+        self.pods_removed = Counter("lorafleet_control_plane_pods_removed",
+                                    "pods removed from the fleet, by why: lease (silent past lease and grace) or "
+                                    "refused (silent, and its port refused a health check)", ["reason"], registry=r)
+        self.pod_probes = Counter("lorafleet_control_plane_pod_probes",
+                                  "health checks of pods silent past --pod-probe-after, by outcome "
+                                  "(answered, silent, refused)", ["outcome"], registry=r)
         self.pod_commands = Counter("lorafleet_control_plane_pod_commands",
                                     "DataPlaneAdmin commands sent, by command and outcome",
                                     ["command", "outcome"], registry=r)

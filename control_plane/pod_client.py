@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as pb
 from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
 
@@ -44,19 +46,46 @@ def read_answer(command: Command, code: grpc.StatusCode, details: str = "") -> C
     return CommandResult(False, code, details or code.name, stale=code == grpc.StatusCode.ABORTED)
 
 
+class Probe(enum.Enum):
+    """What a health check of a silent pod found, and what the control plane concludes."""
+
+    ANSWERED = "answered"  # its server answered (serving or not): alive, its heartbeats are late
+    SILENT = "silent"  # no answer in time: paused, overloaded or cut off; its lease decides
+    REFUSED = "refused"  # nothing listens at its endpoint (or the name no longer resolves): gone
+
+
 class PodClients:
     """One channel per pod endpoint; every command carries the bearer token and the leader's
     fencing token."""
 
-    def __init__(self, token: str, timeout_s: float) -> None:
+    def __init__(self, token: str, timeout_s: float, probe_timeout_s: float = 1.0) -> None:
         self._metadata = bearer_metadata(token)
         self._timeout_s = timeout_s
+        self._probe_timeout_s = probe_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, endpoint: str) -> pb_grpc.DataPlaneAdminStub:
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
             self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
-        return pb_grpc.DataPlaneAdminStub(self._channels[endpoint])
+        return self._channels[endpoint]
+
+    def _stub(self, endpoint: str) -> pb_grpc.DataPlaneAdminStub:
+        return pb_grpc.DataPlaneAdminStub(self._channel(endpoint))
+
+    async def probe(self, endpoint: str) -> Probe:
+        """Health-checks the pod at ``endpoint``. A process that has exited leaves its port closed,
+        so the connection is refused at once (UNAVAILABLE); a stopped or overloaded process's kernel
+        still accepts the connection but nothing answers (DEADLINE_EXCEEDED): the first is REFUSED,
+        the second SILENT, and any answer at all ANSWERED."""
+        try:
+            await health_pb2_grpc.HealthStub(self._channel(endpoint)).Check(
+                health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                return Probe.REFUSED
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return Probe.SILENT
+        return Probe.ANSWERED
 
     async def execute(self, action: Action, fencing_token: int) -> CommandResult:
         """Sends ``action`` to its pod; the answer comes back read by ``read_answer``, never raised."""

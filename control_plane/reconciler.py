@@ -10,12 +10,12 @@ from collections import defaultdict
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.errors import NotLeader, StoreUnavailable
-from control_plane.fleet import Fleet
+from control_plane.fleet import Fleet, PodView
 from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions
-from control_plane.pod_client import PodClients
+from control_plane.pod_client import PodClients, Probe
 from control_plane.records import PlacementRecord, PlacementState
 from control_plane.store import Store
 
@@ -24,7 +24,8 @@ _MAX_POD_BACKOFF_S = 60.0
 
 
 class Reconciler:
-    """Each pass: remove lost pods, place pins, record unsatisfiable ones, send the commands
+    """Each pass: remove lost pods (silent past lease and grace, or silent with a port that refuses
+    a health check), place pins, record unsatisfiable ones, send the commands
     that make the pods agree. Passes run every ``reconcile_interval_s`` and at once after a
     registry change; they do nothing unless this replica holds the leader lease. Every write a
     pass makes to Redis carries the lease's fencing token, and a write Redis refuses (NotLeader:
@@ -41,6 +42,7 @@ class Reconciler:
         # pod id -> (consecutive failed passes, monotonic time before which it is left alone)
         self._pod_retry: dict[str, tuple[int, float]] = {}
         self._unsatisfied_logged: dict[str, str] = {}
+        self._probe_logged: dict[str, Probe] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -78,10 +80,12 @@ class Reconciler:
         cfg = self._config
         removed = await self._fleet.remove_lost(token)
         if removed:
-            self._metrics.pods_removed.inc(len(removed))
+            self._metrics.pods_removed.labels("lease").inc(len(removed))
             log.warning("pods removed after lease and grace", extra={"pods": removed})
-        adapters = await self._store.all_adapters()
         views = await self._fleet.pods()
+        gone = await self._remove_refusing(views, token)
+        views = [v for v in views if v.pod.id not in gone]
+        adapters = await self._store.all_adapters()
         placements = await self._store.placements([a.name for a in adapters])
         failed = frozenset((r.adapter, r.pod) for recs in placements.values() for r in recs
                            if r.state is PlacementState.FAILED and r.attempts >= cfg.max_load_attempts)
@@ -115,6 +119,33 @@ class Reconciler:
         self._metrics.pods.labels("false").set(sum(not v.ready for v in views))
         self._metrics.reconcile_seconds.observe(time.perf_counter() - started)
         return actions
+
+    async def _remove_refusing(self, views: list[PodView], token: int) -> set[str]:
+        """Probes every pod silent for more than ``pod_probe_after_s`` and removes, with its
+        placements, each whose port refuses the connection: its process is gone, so its pins are
+        placed elsewhere in this pass instead of after its lease and grace. A pod that answers, or
+        stays silent (paused, overloaded, cut off), keeps its lease. Returns the removed pods' ids."""
+        after = self._config.pod_probe_after_s
+        now = self._store.now()
+        silent = [v.pod for v in views if after and now - v.pod.last_heartbeat > after]
+        if not silent:
+            self._probe_logged.clear()
+            return set()
+        outcomes = await asyncio.gather(*(self._pods.probe(p.endpoint) for p in silent))
+        gone = set()
+        for pod, outcome in zip(silent, outcomes, strict=True):
+            self._metrics.pod_probes.labels(outcome.value).inc()
+            if self._probe_logged.get(pod.id) is not outcome:  # once per change, not once per pass
+                log.warning("silent pod probed", extra={"pod": pod.id, "endpoint": pod.endpoint,
+                                                        "outcome": outcome.value,
+                                                        "silent_s": round(now - pod.last_heartbeat, 1)})
+            # fenced, and refused by Redis if a heartbeat arrived since the one this pass saw
+            if outcome is Probe.REFUSED and await self._store.remove_pod(pod.id, pod.last_heartbeat, token):
+                gone.add(pod.id)
+                log.warning("pod removed: silent and its port refuses connections", extra={"pod": pod.id})
+        self._metrics.pods_removed.labels("refused").inc(len(gone))
+        self._probe_logged = {p.id: o for p, o in zip(silent, outcomes, strict=True) if p.id not in gone}
+        return gone
 
     async def _drive(self, actions: list[Action], attempts: dict[tuple[str, str], int]) -> None:
         """Sends one pod's actions in order, recording each load's outcome. A load the pod refuses

@@ -59,7 +59,7 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     fleet = Fleet(store, config.base_model, config.pod_lease_ttl_s, config.pod_grace_s)
     registry = Registry(store, fleet, config.base_model)
     lease = LeaderLease(store, config.replica, config.leader_lease_ttl_s, metrics)
-    pods = PodClients(token, config.command_timeout_s)
+    pods = PodClients(token, config.command_timeout_s, config.pod_probe_timeout_s)
     reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc), BearerAuthInterceptor(token)])

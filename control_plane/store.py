@@ -280,13 +280,19 @@ class Store:
         async with _available():
             ids = await self._r.zrangebyscore(self._k("pods"), "-inf", cutoff)
             names = await self._r.zrange(self._k("adapters"), 0, -1) if ids else []
-        removed = []
-        for pod_id in ids:
-            keys = [self._k("pods"), self._k("pod", pod_id), self._k("events"),
-                    *(self._k("placement", n) for n in names)]
-            if await self._fenced(self._remove_pod, token, keys, [pod_id, cutoff, self._maxlen]):
-                removed.append(pod_id)
-        return removed
+        return [pod_id for pod_id in ids if await self._remove_pod_if_silent(pod_id, cutoff, names, token)]
+
+    async def remove_pod(self, pod_id: str, heard_until: float, token: int) -> bool:
+        """Removes one pod with its placements, unless a heartbeat newer than ``heard_until`` (the
+        last one the caller saw) has arrived meanwhile; returns whether it did. Fenced like
+        remove_pods_silent_since."""
+        async with _available():
+            names = await self._r.zrange(self._k("adapters"), 0, -1)
+        return await self._remove_pod_if_silent(pod_id, heard_until, names, token)
+
+    async def _remove_pod_if_silent(self, pod_id: str, cutoff: float, names: list[str], token: int) -> bool:
+        keys = [self._k("pods"), self._k("pod", pod_id), self._k("events"), *(self._k("placement", n) for n in names)]
+        return bool(await self._fenced(self._remove_pod, token, keys, [pod_id, cutoff, self._maxlen]))
 
     # ---- placements and pin status --------------------------------------------------------
 

@@ -46,7 +46,7 @@ class DataPlaneConfig:
     num_kv_blocks: int = 0  # 0 = sized automatically (device memory on CUDA, a fixed budget on CPU)
     gpu_memory_utilization: float = 0.9
     drain_grace_s: float = 30.0
-    heartbeat_interval_s: float = 3.0
+    heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
     stall_timeout_s: float = 30.0
 
@@ -203,7 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s,
-                   help="seconds between heartbeats to the control plane")
+                   help="seconds between heartbeats to the control plane; at most a third of the lease it "
+                        f"grants, and well under its --pod-probe-after (default {d.heartbeat_interval_s})")
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                    help="seconds the engine loop may make no progress while requests wait before the pod's "
                         "health (readiness and lorafleet.liveness) turns NOT_SERVING")

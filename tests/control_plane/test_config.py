@@ -25,6 +25,9 @@ def valid(token_file) -> ControlPlaneConfig:
     ({"admin_token_file": "/nonexistent/token"}, "is not a readable file"),
     ({"pod_lease_ttl_s": 0}, "pod_lease_ttl_s must be positive"),
     ({"max_load_attempts": 0}, "at least 1"),
+    ({"pod_probe_after_s": -1.0}, "pod_probe_after_s must be 0"),
+    ({"pod_probe_after_s": float("nan")}, "pod_probe_after_s must be 0"),
+    ({"pod_probe_timeout_s": 0.0}, "pod_probe_timeout_s must be positive"),
 ])
 def test_invalid_settings_are_refused_naming_what_to_fix(valid, change, message):
     with pytest.raises(ConfigError, match=message):
@@ -34,10 +37,12 @@ def test_invalid_settings_are_refused_naming_what_to_fix(valid, change, message)
 def test_flags_build_the_config(token_file):
     args = build_parser().parse_args(["--redis-url", "redis://r:1/2", "--host", "127.0.0.1", "--port", "5",
                                       "--metrics-port", "6", "--admin-token-file", str(token_file),
-                                      "--key-prefix", "fleet", "--base-model", "m"])
+                                      "--key-prefix", "fleet", "--base-model", "m", "--pod-probe-after", "2.5",
+                                      "--pod-probe-timeout", "0.5"])
     config = config_from_args(args)
     assert (config.redis_url, config.host, config.port, config.metrics_port, config.key_prefix, config.base_model) \
         == ("redis://r:1/2", "127.0.0.1", 5, 6, "fleet", "m")
+    assert (config.pod_probe_after_s, config.pod_probe_timeout_s) == (2.5, 0.5)
     assert config.replica  # defaults to hostname-pid
 
 

@@ -57,7 +57,7 @@ def test_a_lapsed_lease_fences_every_reconciler_write_even_before_a_successor_ta
         await store.release_leadership("r1", token)  # as if the lease had lapsed
         writes = [store.put_placement(PlacementRecord("a", "old", PlacementState.FAILED), token),
                   store.delete_placement("a", "old", token), store.set_pin_status({}, token),
-                  store.remove_pods_silent_since(150.0, token)]
+                  store.remove_pods_silent_since(150.0, token), store.remove_pod("old", 100.0, token)]
         refused = 0
         for write in writes:
             with pytest.raises(NotLeader):
@@ -66,7 +66,7 @@ def test_a_lapsed_lease_fences_every_reconciler_write_even_before_a_successor_ta
         return refused, await store.placements(["a"]), await store.pin_status(["a"]), await store.list_pods()
 
     refused, placements, status, pods = with_store(redis_server, body)
-    assert refused == 4
+    assert refused == 5
     assert [(p.pod, p.state) for p in placements["a"]] == [("old", PlacementState.READY)]
     assert status == {"a": "asked for 2 pods, pinned on 1"}
     assert [p.id for p in pods] == ["old"]

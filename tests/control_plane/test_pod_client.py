@@ -1,18 +1,21 @@
 """How the control plane reads a pod's answers: the rules in ``read_answer``, and PodClients
-applying them to a real DataPlaneAdmin server on loopback that answers with scripted codes."""
+applying them to a real DataPlaneAdmin server on loopback that answers with scripted codes; how
+its health probe tells a pod that answers, one that is silent and one that is gone apart."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as pb
 from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
 
 from benchmarks.processes import TOKEN
 from control_plane.plan import Action, Command
-from control_plane.pod_client import PodClients, read_answer
+from control_plane.pod_client import PodClients, Probe, read_answer
 
 C = grpc.StatusCode
 
@@ -98,3 +101,49 @@ def test_a_stale_fencing_token_comes_back_stale_and_a_pods_acceptance_ok():
     stale, loaded = execute_against({"UnloadAdapter": C.ABORTED}, Command.UNLOAD, Command.LOAD_AND_PIN)
     assert stale.stale and not stale.ok
     assert loaded.ok
+
+
+def probe(endpoint: str) -> Probe:
+    async def go():
+        clients = PodClients(TOKEN, timeout_s=5.0, probe_timeout_s=0.5)
+        try:
+            return await clients.probe(endpoint)
+        finally:
+            await clients.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("status", [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING])
+def test_a_pod_whose_server_answers_its_health_check_is_alive(status):
+    async def go():
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        await servicer.set("", status)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        clients = PodClients(TOKEN, timeout_s=5.0, probe_timeout_s=0.5)
+        try:
+            return await clients.probe(f"127.0.0.1:{port}")
+        finally:
+            await clients.close()
+            await server.stop(None)
+
+    assert asyncio.run(go()) is Probe.ANSWERED
+
+
+def test_a_pod_whose_port_refuses_the_connection_is_gone():
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert probe(f"127.0.0.1:{port}") is Probe.REFUSED
+
+
+def test_a_pod_that_accepts_the_connection_but_never_answers_is_silent_not_gone():
+    # what a stopped (SIGSTOP) or wedged process looks like: the kernel completes the TCP handshake
+    # from the listen backlog, and nothing ever speaks HTTP/2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        assert probe(f"127.0.0.1:{s.getsockname()[1]}") is Probe.SILENT

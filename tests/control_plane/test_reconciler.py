@@ -13,7 +13,7 @@ from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.plan import Action, Command
-from control_plane.pod_client import CommandResult, read_answer
+from control_plane.pod_client import CommandResult, Probe, read_answer
 from control_plane.reconciler import Reconciler
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
 from control_plane.registry import Registry
@@ -25,12 +25,23 @@ SHA = "ab" * 32
 class ScriptedPods:
     """Answers every command OK unless ``refuse`` names its (pod, command) or its (pod, adapter)
     with a (status code, details) answer; reads answers as PodClients does; records each call;
-    awaits ``while_running`` (when set) before answering, as if it ran while the pod worked."""
+    awaits ``while_running`` (when set) before answering, as if it ran while the pod worked.
+    A health probe of an endpoint finds what ``probes`` says (ANSWERED when absent) after awaiting
+    ``while_probing`` (when set); the probed endpoints are recorded."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Command, str, int]] = []
         self.refuse: dict[tuple[str, Command | str], tuple[grpc.StatusCode, str]] = {}
         self.while_running = None
+        self.probes: dict[str, Probe] = {}
+        self.probed: list[str] = []
+        self.while_probing = None
+
+    async def probe(self, endpoint: str) -> Probe:
+        self.probed.append(endpoint)
+        if self.while_probing is not None:
+            await self.while_probing()
+        return self.probes.get(endpoint, Probe.ANSWERED)
 
     async def execute(self, action: Action, token: int) -> CommandResult:
         self.calls.append((action.pod, action.command, action.adapter, token))
@@ -42,6 +53,10 @@ class ScriptedPods:
 
     async def forget(self, keep: set[str]) -> None:
         pass
+
+
+def endpoint(pod_id: str) -> str:
+    return f"127.0.0.1:{7000 + int(pod_id[-1])}"
 
 
 class Clock:
@@ -64,7 +79,7 @@ class Harness:
         self.reconciler = Reconciler(self.config, self.store, self.fleet, self.lease, self.pods, ControlPlaneMetrics())
 
     async def pod(self, pod_id: str, *residents: Residency, slots: int = 3) -> None:
-        await self.fleet.heartbeat(PodRecord(pod_id, f"127.0.0.1:{7000 + int(pod_id[-1])}", reported_ready=True,
+        await self.fleet.heartbeat(PodRecord(pod_id, endpoint(pod_id), reported_ready=True,
                                              slots_total=slots, cpu_cache_capacity=8, residents=residents))
 
     async def adapter(self, name: str, replicas: int | None = None) -> None:
@@ -235,6 +250,61 @@ def test_a_pod_lost_past_its_lease_and_grace_is_removed_and_its_pins_move(config
     moved, pods = run(config, redis_server, body)
     assert moved == [("p1", Command.LOAD_AND_PIN, "a")]
     assert pods == ["p1"]
+
+
+def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing: bool = False, **change):
+    """p0 pins "a" (one replica) and falls silent past --pod-probe-after but within its lease while
+    p1 keeps beating; one pass probes p0, which finds ``p0_probe``. Returns (the commands that pass
+    sent, the pods then listed, the endpoints probed, the placement records' pods)."""
+    config = dataclasses.replace(config, **{"pod_lease_ttl_s": 10.0, "pod_grace_s": 20.0, "pod_probe_after_s": 3.0,
+                                            **change})
+
+    async def body(h):
+        await h.adapter("a", replicas=1)
+        await h.pod("p0", Residency("a", pinned=True, sha256=SHA))
+        await h.pod("p1")
+        await h.lease.renew()
+        assert await h.sent() == [] and h.pods.probed == []  # nobody silent yet
+        await h.store.put_placement(PlacementRecord("a", "p0", PlacementState.READY, "", 0, h.clock.t),
+                                    h.lease.token)
+        h.clock.t += 4.0
+        await h.pod("p1")
+        h.pods.probes[endpoint("p0")] = p0_probe
+        if beat_while_probing:
+            async def beat():
+                h.clock.t += 0.5
+                await h.pod("p0", Residency("a", pinned=True, sha256=SHA))
+            h.pods.while_probing = beat
+        sent = await h.sent()
+        return (sent, [v.pod.id for v in await h.fleet.pods()], h.pods.probed,
+                [r.pod for r in (await h.store.placements(["a"]))["a"]])
+
+    return run(config, redis_server, body)
+
+
+def test_a_silent_pod_whose_port_refuses_is_removed_at_once_and_its_pins_move(config, redis_server):
+    sent, pods, probed, placed = silent_pods_probed(config, redis_server, Probe.REFUSED)
+    assert probed == [endpoint("p0")]  # only the silent pod is probed
+    assert pods == ["p1"]  # removed ~4 s after its last heartbeat: its lease had 6 s to run
+    assert sent == [("p1", Command.LOAD_AND_PIN, "a")]  # in the same pass
+    assert placed == ["p1"]  # p0's placement went with it
+
+
+@pytest.mark.parametrize("outcome", [Probe.SILENT, Probe.ANSWERED])
+def test_a_silent_pod_that_answers_or_does_not_answer_keeps_its_lease_and_pins(config, redis_server, outcome):
+    sent, pods, probed, placed = silent_pods_probed(config, redis_server, outcome)
+    assert probed == [endpoint("p0")]
+    assert (sent, pods, placed) == ([], ["p0", "p1"], ["p0"])
+
+
+def test_a_pod_that_beats_while_it_is_probed_is_not_removed(config, redis_server):
+    sent, pods, _, placed = silent_pods_probed(config, redis_server, Probe.REFUSED, beat_while_probing=True)
+    assert (sent, pods, placed) == ([], ["p0", "p1"], ["p0"])
+
+
+def test_probes_can_be_turned_off(config, redis_server):
+    sent, pods, probed, _ = silent_pods_probed(config, redis_server, Probe.REFUSED, pod_probe_after_s=0.0)
+    assert (sent, pods, probed) == ([], ["p0", "p1"], [])
 
 
 def test_an_unregistered_adapter_is_unpinned_and_unloaded_from_pods(config, redis_server):

@@ -224,6 +224,25 @@ def test_pods_silent_past_the_cutoff_are_removed_with_their_placements(redis_ser
     assert placements == {"a": []}
 
 
+def test_one_pod_is_removed_only_if_no_heartbeat_arrived_after_the_one_its_remover_saw(redis_server):
+    async def body(store):
+        await store.create_adapter(adapter("a"))
+        await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=100.0))
+        await store.put_pod(PodRecord("q", "127.0.0.1:2", last_heartbeat=100.0))
+        token = await store.acquire_leadership("r1", 5)
+        await store.put_placement(PlacementRecord("a", "p", PlacementState.READY), token)
+        await store.put_placement(PlacementRecord("a", "q", PlacementState.READY), token)
+        await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=101.0))  # p beat again meanwhile
+        kept = await store.remove_pod("p", 100.0, token)
+        removed = await store.remove_pod("q", 100.0, token)
+        return kept, removed, await store.list_pods(), await store.placements(["a"])
+
+    kept, removed, pods, placements = with_store(redis_server, body)
+    assert (kept, removed) == (False, True)
+    assert [p.id for p in pods] == ["p"]
+    assert [r.pod for r in placements["a"]] == ["p"]
+
+
 def test_pod_record_round_trips_with_its_residents(redis_server):
     pod = PodRecord("p", "10.0.0.1:50051", "m", True, 5.0, 4, 2, 1, 8, 3, 1, 2, 0,
                     (Residency("a", True, 8, SHA, True), Residency("b")))
