@@ -14,6 +14,7 @@ import pytest
 from lorafleet.v1 import generation_pb2_grpc
 
 from benchmarks.processes import wait_until
+from conventions.status import retry_after_s
 from data_plane.demo_adapters import DEMO_ADAPTERS
 from tests.grpc_helpers import collect, request
 from tests.reliability.conftest import POD_MAX_WAITING, rss_bytes
@@ -57,7 +58,11 @@ async def _stream_worker(stub, seed: int, until: float, stats: dict) -> None:
         except grpc.aio.AioRpcError as e:
             stats["codes"][e.code().name] += 1
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                await asyncio.sleep(rng.uniform(0.05, 0.2))  # back off as the message asks
+                # back off for as long as the pod's hint says, with jitter so that refused clients
+                # do not all come back in the same instant
+                hint = retry_after_s(e.trailing_metadata())
+                stats["hints"].append(hint)
+                await asyncio.sleep((hint if hint is not None else 1.0) * rng.uniform(1.0, 1.5))
             continue
         if tokens == 0:  # an OK stream must carry at least one token
             stats["codes"]["EMPTY_STREAM"] += 1
@@ -69,7 +74,7 @@ async def _stream_worker(stub, seed: int, until: float, stats: dict) -> None:
 
 
 async def _load(target: str, streams: int, seconds: float) -> dict:
-    stats = {"codes": Counter(), "ttft": [], "tokens": 0}
+    stats = {"codes": Counter(), "ttft": [], "tokens": 0, "hints": []}
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         until = time.monotonic() + seconds
@@ -102,6 +107,9 @@ def test_concurrent_streams_fail_only_with_back_pressure_and_memory_stays_steady
     codes = stats["codes"]
     unexpected = {code: n for code, n in codes.items() if code not in ("OK", "RESOURCE_EXHAUSTED")}
     assert not unexpected, f"streams failed: {dict(codes)}"
+    hints = stats["hints"]
+    assert None not in hints, f"{hints.count(None)} of {len(hints)} refusals carried no retry hint"
+    assert len(hints) == codes["RESOURCE_EXHAUSTED"]
     # memory steady: the last quarter of the run holds no more than the second quarter did, within the bound
     samples = sampler.samples
     warm = [rss for t, rss in samples if started + took / 4 <= t <= started + took / 2]
@@ -116,10 +124,14 @@ def test_concurrent_streams_fail_only_with_back_pressure_and_memory_stays_steady
         "Load", f"{sizes.load_streams} concurrent streams for {sizes.load_seconds:.0f} s",
         f"{sizes.load_streams} Generate streams at once on one CPU pod (16 sequences per step, queue of "
         f"{POD_MAX_WAITING}), base + {len(DEMO_ADAPTERS)} demo adapters at random, max_tokens 2-6, each stream "
-        "retrying after RESOURCE_EXHAUSTED",
-        "no error other than RESOURCE_EXHAUSTED; the pod idle afterwards and still serving; RSS steady",
+        "retrying after RESOURCE_EXHAUSTED once the pod's retry hint (grpc-retry-pushback-ms) has passed, "
+        "with 0-50% jitter",
+        "no error other than RESOURCE_EXHAUSTED, each carrying a retry hint; the pod idle afterwards and still "
+        "serving; RSS steady",
         streams_in_flight=sizes.load_streams, streams_served=codes["OK"],
         resource_exhausted=codes["RESOURCE_EXHAUSTED"], other_errors=sum(unexpected.values()),
+        retry_hint_p50_s=round(percentile(hints, 0.5), 3) if hints else 0.0,
+        retry_hint_max_s=round(max(hints), 3) if hints else 0.0,
         tokens_generated=stats["tokens"], ttft_p50_s=round(p50, 3), ttft_p99_s=round(p99, 3),
         rss_warm_mib=round(max(warm) / 2**20, 1), rss_end_mib=round(max(late) / 2**20, 1),
         rss_growth_mib=round(growth / 2**20, 1))
