@@ -26,24 +26,28 @@ packed once, when the slots change, and both cost a fixed number of ops per laye
   ``max_loras`` is all zeros: tokens without an adapter add exact zeros. The cost is moving each
   token's adapter once, whatever the number of adapters.
 
-``choose_path`` weighs the three from a ``CpuPlan`` (ranks only); a packed copy is built only for
-layers that take its path. What every layer of one step can share (the path for a plan, the
-dense mask for a layout, the gather index) is kept in that step's ``CpuStepCache``.
+Which of the three is fastest depends on the CPU (its vector width, caches, memory bandwidth and
+torch's per-op overhead there) as much as on the shapes, so no machine's constants decide it:
+``PathTuner`` times the three on the step's own inputs the first time a layer plan meets a
+token-count and segment-count bucket, and keeps the fastest (the way autotuners pick kernel
+configurations). A packed copy is built only for layers that measure or take its path. What every
+layer of one step can share (the path for a plan, the dense mask for a layout, the gather index)
+is kept in that step's ``CpuStepCache``.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-# Costs of this machine class (2-core x86 VM, float32), measured with torch 2.13: one small
-# matmul or index op costs ~15 µs of dispatch, small matmuls run at ~50 GFLOP/s, and a copy moves
-# ~15 GB/s counting bytes read and written.
-OP_SECONDS = 15e-6
-FLOP_PER_SECOND = 50e9
-BYTES_PER_SECOND = 15e9
+log = logging.getLogger(__name__)
 
 
 class CpuLoraPath(enum.Enum):
@@ -125,25 +129,73 @@ def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]]
     return DensePack(packed_a, tuple(expands), col_slots, tuple((slot, r) for _, slot, r in columns))
 
 
-def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...]) -> CpuLoraPath:
-    """The path expected to be fastest for a step of ``num_tokens`` whose adapter segments are
-    ``segments`` ((slot, start, end, run), as in ``LoraMeta.host_segments``), by the costs of
-    this machine class above."""
-    dense = (2 + plan.num_expands) * OP_SECONDS + 2 * num_tokens * plan.rank * plan.width / FLOP_PER_SECOND
-    # Two gathers, two batched products, the per-row slice pick and the add; the slots are read,
-    # the gathered copies written and read again, and B is multiplied by every slice's ranks.
-    moved = 4 * num_tokens * plan.max_rank * (plan.num_slices * plan.in_features + plan.out_features)
-    flops = 2 * num_tokens * plan.max_rank * plan.num_slices * plan.width
-    gathered = 6 * OP_SECONDS + 3 * moved / BYTES_PER_SECOND + flops / FLOP_PER_SECOND
-    loop = 0.0
-    # Every segment is charged, also one whose adapter has no rank on this layer and which the loop
-    # skips: with OP_SECONDS as low as it is, charging only the others made the demo mix's gate_up
-    # take the loop, measured 20% slower there than dense (56.0 vs 46.5 ms over 30 layers).
-    for slot, start, end, _ in segments:
-        flops = 2 * (end - start) * plan.slot_ranks[slot] * plan.width
-        loop += (2 + plan.num_slices) * OP_SECONDS + flops / FLOP_PER_SECOND
-    costs = {CpuLoraPath.DENSE: dense, CpuLoraPath.GATHERED: gathered, CpuLoraPath.LOOP: loop}
-    return min(costs, key=costs.__getitem__)
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (1 for 0): steps whose token or segment counts share a
+    bucket share a measured path."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+PathKey = tuple[CpuPlan, int, int]  # a plan, its steps' token bucket and segment bucket
+
+
+class PathTuner:
+    """Chooses each step's CPU path by measurement on this machine. The first time a layer plan
+    meets a (token bucket, segment bucket), ``choose`` runs every path once to warm it (packs built,
+    memory touched), then ``repeats`` more times interleaved, timing each with ``timer``, and keeps
+    the path with the lowest best time (ties: the order of ``CpuLoraPath``); later steps of that key
+    reuse it. A new resident layout is a new plan, measured anew. Deterministic given the timings."""
+
+    def __init__(self, timer: Callable[[], float] = time.perf_counter, repeats: int = 2, capacity: int = 4096) -> None:
+        if repeats < 1 or capacity < 1:
+            raise ValueError(f"repeats and capacity must be at least 1, got {repeats} and {capacity}")
+        self._timer = timer
+        self._repeats = repeats
+        self._capacity = capacity
+        self._chosen: OrderedDict[PathKey, CpuLoraPath] = OrderedDict()
+        self.timings: dict[PathKey, dict[CpuLoraPath, float]] = {}  # the measurement behind each choice
+
+    def choose(self, plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...],
+               run: Callable[[CpuLoraPath], None]) -> CpuLoraPath:
+        """The fastest path for a step of ``num_tokens`` whose adapter segments are ``segments``
+        ((slot, start, end, run), as in ``LoraMeta.host_segments``); ``run(path)`` applies the step's
+        adapters by ``path`` into scratch output, and is called only when this key is new."""
+        key = (plan, bucket(num_tokens), bucket(len(segments)))
+        path = self._chosen.get(key)
+        if path is not None:
+            self._chosen.move_to_end(key)
+            return path
+        seconds = self._measure(run)
+        path = min(CpuLoraPath, key=lambda p: seconds[p])  # min keeps the first of equal times
+        self._chosen[key] = path
+        self.timings[key] = seconds
+        while len(self._chosen) > self._capacity:
+            self.timings.pop(self._chosen.popitem(last=False)[0], None)
+        log.debug("cpu lora path measured", extra={
+            "in_features": plan.in_features, "out_features": plan.out_features, "rank": plan.rank,
+            "tokens_bucket": key[1], "segments_bucket": key[2], "path": path.value,
+            **{f"{p.value}_us": round(t * 1e6, 1) for p, t in seconds.items()}})
+        return path
+
+    def _measure(self, run: Callable[[CpuLoraPath], None]) -> dict[CpuLoraPath, float]:
+        for path in CpuLoraPath:
+            run(path)
+        best = dict.fromkeys(CpuLoraPath, math.inf)
+        for _ in range(self._repeats):
+            for path in CpuLoraPath:  # interleaved, so that a burst of load falls on every path
+                started = self._timer()
+                run(path)
+                best[path] = min(best[path], self._timer() - started)
+        return best
+
+
+# One per process: every layer runs on the same CPU.
+PATH_TUNER = PathTuner()
+
+
+def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...],
+                run: Callable[[CpuLoraPath], None]) -> CpuLoraPath:
+    """The path ``PATH_TUNER`` measured fastest for a step like this one (see ``PathTuner.choose``)."""
+    return PATH_TUNER.choose(plan, num_tokens, segments, run)
 
 
 @dataclass

@@ -4,8 +4,8 @@ layer is built, called once per forward.
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
   magnitude): per step, the path of ``CpuLoraPath`` that ``kernels.cpu_lora.choose_path``
-  expects to be fastest: dense or gathered (``kernels.cpu_lora``) over a packed copy of the
-  slots, or the segment loop of ``kernels.reference``.
+  measured fastest on this machine for steps like it: dense or gathered (``kernels.cpu_lora``)
+  over a packed copy of the slots, or the segment loop of ``kernels.reference``.
 
 Every path has the semantics documented in ``kernels.reference``, so one layer code runs on any.
 """
@@ -89,9 +89,11 @@ class CpuBackend:
         self._stale_slots.add(slot)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
-        path = self.path(meta)
-        if path is None:  # no resident adapter adapts this layer
-            return
+        path = self.path(y, x, meta)
+        if path is not None:  # None: no resident adapter adapts this layer
+            self._run(path, y, x, meta)
+
+    def _run(self, path: CpuLoraPath, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
         sl, step = self.slots, meta.step_cache
         if path is CpuLoraPath.DENSE:
             pack = self._dense_pack()
@@ -104,9 +106,10 @@ class CpuBackend:
             reference.lora_shrink(x, sl.lora_a, sl.ranks, meta, buf, sl.host_ranks)
             reference.lora_expand(y, buf, sl.lora_b, sl.ranks, sl.host_offsets, meta, sl.host_ranks)
 
-    def path(self, meta: LoraMeta) -> CpuLoraPath | None:
-        """The path this layer takes in the step of ``meta``; None when no resident adapter has a
-        rank on it."""
+    def path(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> CpuLoraPath | None:
+        """The path this layer takes in the step of ``meta`` (``y``, ``x`` as for ``apply``; a path
+        not measured yet for steps like this one is timed on them, into a scratch copy of ``y``);
+        None when no resident adapter has a rank on it."""
         plan = self._plan
         if plan is None:
             sl = self.slots
@@ -117,7 +120,9 @@ class CpuBackend:
         paths = meta.step_cache.paths
         path = paths.get(plan)
         if path is None:
-            path = paths[plan] = cpu_lora.choose_path(plan, meta.num_tokens, meta.host_segments)
+            scratch = y.clone()
+            path = paths[plan] = cpu_lora.choose_path(plan, meta.num_tokens, meta.host_segments,
+                                                      lambda p: self._run(p, scratch, x, meta))
         return path
 
     def _dense_pack(self) -> cpu_lora.DensePack:

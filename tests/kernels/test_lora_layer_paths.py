@@ -112,7 +112,7 @@ def test_a_layer_no_resident_adapter_adapts_returns_the_base_output(monkeypatch)
         layer.clear_slot(slot)
     choices = _counting(monkeypatch, cpu_lora, "choose_path")
     batch = _step()
-    assert layer.backend.path(batch.lora) is None
+    assert layer.backend.path(layer.base(X), X, batch.lora) is None
     assert torch.equal(layer(X, batch), layer.base(X))
     assert not choices, "a layer without adapters has no path to choose"
 

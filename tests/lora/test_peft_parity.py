@@ -33,7 +33,7 @@ def _rows(adapters):
     return [(a, torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()) for i, a in enumerate(adapters)]
 
 
-@pytest.mark.parametrize("path", [None, *CpuLoraPath], ids=lambda path: path.value if path else "estimated")
+@pytest.mark.parametrize("path", [None, *CpuLoraPath], ids=lambda path: path.value if path else "measured")
 @pytest.mark.parametrize("mix", [
     [None, "r8", "r16rs", "r8", "r1"],  # base + repeated adapter + distinct adapters
     ["r1", "r8", "r16rs", "r64pat"],  # ranks 1, 8, 16, 64 in one batch
@@ -41,7 +41,7 @@ def _rows(adapters):
     [None, None],  # base only through the LoRA-wrapped layers
 ])
 def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix, path, monkeypatch):
-    """``path``: every CPU LoRA path in turn (None: the one the cost estimate picks)."""
+    """``path``: every CPU LoRA path in turn (None: the one measured fastest on this machine)."""
     if path is not None:
         monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: path)
     model, runtime = ours

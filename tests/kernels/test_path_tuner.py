@@ -1,0 +1,103 @@
+"""The CPU LoRA path is chosen by measurement: given the timings (an injected clock), the choice is
+the measured fastest, made once per (plan, token bucket, segment bucket); on a real layer the path
+taken is the one the tuner measured fastest, and measuring leaves the layer's output untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_lora
+from kernels.cpu_lora import CpuLoraPath, PathTuner, bucket, plan
+from tests.kernels.test_lora_layer_paths import X, _qkv_layer, _step
+
+PLAN = plan([[8, 0, 4]], in_features=64, out_features=32)
+OTHER_PLAN = plan([[8, 16, 4]], in_features=64, out_features=32)
+SEGMENTS = ((0, 0, 3, 0), (2, 3, 5, 1))
+
+
+class Clock:
+    """A clock that moves only when a scripted path runs: ``costs[path]`` seconds per run, or the
+    next of a list of seconds."""
+
+    def __init__(self, costs: dict[CpuLoraPath, float | list[float]]) -> None:
+        self.t = 0.0
+        self.costs = costs
+        self.runs: list[CpuLoraPath] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def run(self, path: CpuLoraPath) -> None:
+        self.runs.append(path)
+        cost = self.costs[path]
+        self.t += cost.pop(0) if isinstance(cost, list) else cost
+
+
+@pytest.mark.parametrize("fastest", list(CpuLoraPath))
+def test_the_measured_fastest_path_is_chosen(fastest):
+    clock = Clock({p: 1e-4 if p is fastest else 3e-4 for p in CpuLoraPath})
+    tuner = PathTuner(timer=clock)
+    assert tuner.choose(PLAN, 5, SEGMENTS, clock.run) is fastest
+    # one warm run of each, then two timed runs interleaved
+    assert clock.runs == [*CpuLoraPath] * 3
+    assert tuner.timings[(PLAN, 8, 2)][fastest] == pytest.approx(1e-4)
+
+
+def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
+    # loop is fastest, but its first timed run met a stall; warm-up times are not counted at all
+    clock = Clock({CpuLoraPath.DENSE: [9.0, 2e-4, 2e-4], CpuLoraPath.GATHERED: [9.0, 3e-4, 3e-4],
+                   CpuLoraPath.LOOP: [9.0, 5e-3, 1e-4]})
+    assert PathTuner(timer=clock).choose(PLAN, 1, SEGMENTS[:1], clock.run) is CpuLoraPath.LOOP
+
+
+def test_equal_timings_choose_in_the_enums_order():
+    clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
+    assert PathTuner(timer=clock).choose(PLAN, 3, SEGMENTS, clock.run) is list(CpuLoraPath)[0]
+
+
+def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
+    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: 2e-4, CpuLoraPath.LOOP: 3e-4})
+    tuner = PathTuner(timer=clock)
+    tuner.choose(PLAN, 5, SEGMENTS, clock.run)
+    measured = len(clock.runs)
+    tuner.choose(PLAN, 7, SEGMENTS, clock.run)  # 5 and 7 tokens share the bucket of 8
+    assert len(clock.runs) == measured
+    for tokens, segments, plan_ in [(9, SEGMENTS, PLAN), (5, SEGMENTS * 2, PLAN), (5, SEGMENTS, OTHER_PLAN)]:
+        tuner.choose(plan_, tokens, segments, clock.run)
+        assert len(clock.runs) == measured + 9, (tokens, len(segments), plan_ is PLAN)
+        measured = len(clock.runs)
+
+
+def test_the_oldest_choices_are_forgotten_past_capacity():
+    clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
+    tuner = PathTuner(timer=clock, capacity=2)
+    for tokens in (1, 2, 4):
+        tuner.choose(PLAN, tokens, SEGMENTS, clock.run)
+    assert sorted(key[1] for key in tuner.timings) == [2, 4]
+    before = len(clock.runs)
+    tuner.choose(PLAN, 1, SEGMENTS, clock.run)
+    assert len(clock.runs) == before + 9, "a forgotten key is measured again"
+
+
+@pytest.mark.parametrize(("n", "expected"), [(0, 1), (1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (200, 256)])
+def test_buckets_are_powers_of_two(n, expected):
+    assert bucket(n) == expected
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        PathTuner(repeats=0)
+
+
+def test_a_real_layer_takes_the_path_measured_fastest_and_measuring_changes_no_output(monkeypatch):
+    tuner = PathTuner()
+    monkeypatch.setattr(cpu_lora, "PATH_TUNER", tuner)
+    layer = _qkv_layer(torch.float32)
+    measured = layer(X, _step())  # the first step of this shape measures every path
+    assert len(tuner.timings) == 1
+    ((key, seconds),) = tuner.timings.items()
+    taken = layer.backend.path(layer.base(X), X, _step().lora)  # a later step: no measurement
+    assert taken is min(CpuLoraPath, key=lambda p: seconds[p])
+    assert all(t > 0 for t in seconds.values())
+    assert torch.equal(layer(X, _step()), measured), "the measurement's runs reached the real output"
