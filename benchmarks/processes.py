@@ -49,6 +49,20 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+# Instruction-set extensions that decide how fast torch's CPU kernels can be, as /proc/cpuinfo names them.
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> str:
+    """Which of the vector extensions that matter to torch's CPU kernels this CPU has."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(flag for flag in _CPU_FLAGS if flag in have) or "none of " + " ".join(_CPU_FLAGS)
+    return "unknown flags"
+
+
 def load_average() -> str:
     """The machine's 1, 5 and 15 minute load averages, for a benchmark's report."""
     with open("/proc/loadavg") as f:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from processes import PodProcess  # benchmarks/processes.py
+from processes import PodProcess, cpu_flags, cpu_model  # benchmarks/processes.py
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
@@ -163,7 +163,7 @@ def main() -> None:
     import transformers
 
     where = (torch.cuda.get_device_name() if args.device == "cuda"
-             else f"{platform.machine()} CPU, {args.threads} threads")
+             else f"{cpu_model()} ({platform.machine()}; {cpu_flags()}), {args.threads} threads")
     print(f"\n{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; model {args.model} {args.dtype}, {args.requests} requests, "
           f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds\n")
