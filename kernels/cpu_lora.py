@@ -38,6 +38,7 @@ is kept in that step's ``CpuStepCache``.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import time
@@ -70,19 +71,17 @@ class SliceExpand:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """What the cost estimates need, without the packed weights (cheap to keep per layer)."""
+    """A layer's shape and the real ranks of its resident adapters: what its paths' costs depend
+    on. Layers with equal plans share a measured path (and a step's choice); cheap to keep per layer."""
 
-    rank: int  # R, the total rank of every resident (slot, slice)
-    slot_ranks: tuple[int, ...]  # [max_loras] total rank of each slot over the slices
-    max_rank: int  # the largest rank of any (slot, slice)
-    num_expands: int  # slices with a nonzero rank
-    num_slices: int
+    ranks: tuple[tuple[int, ...], ...]  # [S][max_loras] real rank of each (slice, slot)
     in_features: int
     out_features: int
 
-    @property
-    def width(self) -> int:
-        return self.in_features + self.out_features
+    @functools.cached_property
+    def rank(self) -> int:
+        """R, the total rank of every resident (slot, slice): 0 when no adapter adapts the layer."""
+        return sum(map(sum, self.ranks))
 
 
 @dataclass(frozen=True)
@@ -99,9 +98,7 @@ class DensePack:
 
 def plan(host_ranks: list[list[int]], in_features: int, out_features: int) -> CpuPlan:
     """``host_ranks``: [S][max_loras] real ranks."""
-    slot_ranks = tuple(sum(ranks[slot] for ranks in host_ranks) for slot in range(len(host_ranks[0])))
-    return CpuPlan(sum(slot_ranks), slot_ranks, max(max(ranks) for ranks in host_ranks),
-                   sum(1 for ranks in host_ranks if any(ranks)), len(host_ranks), in_features, out_features)
+    return CpuPlan(tuple(map(tuple, host_ranks)), in_features, out_features)
 
 
 def pack(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],

@@ -134,12 +134,14 @@ def test_an_overflowing_adapter_does_not_reach_other_rows(path):
     torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=rtol, atol=atol)
 
 
-def test_plan_counts_the_real_ranks_of_the_resident_slots():
+def test_plan_counts_the_real_ranks_of_the_resident_slots_and_equal_layouts_plan_alike():
     cpu_plan = plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
-    assert cpu_plan.rank == sum(sum(r) for r in QKV.ranks) and cpu_plan.num_expands == 3
-    assert cpu_plan.slot_ranks == tuple(sum(QKV.ranks[s][slot] for s in range(3)) for slot in range(5))
-    assert cpu_plan.max_rank == max(max(r) for r in QKV.ranks)
-    assert cpu_plan.width == QKV.in_features + QKV.offsets[-1]
+    assert cpu_plan.rank == sum(sum(r) for r in QKV.ranks)
+    assert cpu_plan == plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
+    moved = [list(r) for r in QKV.ranks]
+    moved[0][0], moved[1][0] = moved[1][0] + 1, moved[0][0]  # another layout
+    assert plan(moved, QKV.in_features, QKV.offsets[-1]) != cpu_plan
+    assert plan([[0] * 5] * 3, QKV.in_features, QKV.offsets[-1]).rank == 0
 
 
 def test_gathered_pack_copies_real_ranks_only_and_ends_with_a_zero_slot():
