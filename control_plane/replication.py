@@ -54,14 +54,14 @@ class Policy:
 
     def __post_init__(self) -> None:
         if not 0 < self.high_rate < math.inf:
-            raise ConfigError(f"the replica high rate must be a positive number of requests/s, got {self.high_rate}")
+            raise ConfigError(f"--replica-high-rate must be a positive number of requests/s, got {self.high_rate}")
         if not 0 <= self.low_rate < self.high_rate:
-            raise ConfigError(f"the replica low rate must be >= 0 and below the high rate {self.high_rate} "
+            raise ConfigError(f"--replica-low-rate must be >= 0 and below the high rate {self.high_rate} "
                               f"(the gap is the hysteresis), got {self.low_rate}")
         if not 0 <= self.hold_s < math.inf:
-            raise ConfigError(f"the replica hold time must be >= 0 seconds, got {self.hold_s}")
+            raise ConfigError(f"--replica-hold must be >= 0 seconds, got {self.hold_s}")
         if self.max_replicas < 0:
-            raise ConfigError(f"max replicas must be >= 0 (0 = every pod), got {self.max_replicas}")
+            raise ConfigError(f"--max-replicas must be >= 0 (0 = every pod), got {self.max_replicas}")
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,9 @@ def plan_replicas(rates: Mapping[str, float], holders: Mapping[str, Collection[s
             busiest = sorted((ready[p] for p in unpinned[a]), key=lambda p: (-cost(p), p.id))
             release[a] = tuple(sorted(p.id for p in busiest[:extra]))
     floor_of = {a: max(1, min(pins.get(a, 0), len(ready))) for a in targets}
-    kept = {a: t for a, t in targets.items() if t > floor_of[a]}
+    # An adapter stays managed while it has more than its floor, or replicas still to release (a pod
+    # refuses to unload one in use; the release is decided again after the next hold).
+    kept = {a: t for a, t in targets.items() if t > floor_of[a] or len(held.get(a, ())) > t}
     return ReplicaPlan(targets=kept, add={a: tuple(sorted(p)) for a, p in add.items() if p}, release=release,
                        state=ReplicaState(kept, {a: t for a, t in low_since.items() if a in kept}))
 

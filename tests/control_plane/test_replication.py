@@ -95,8 +95,20 @@ def test_a_cold_adapter_loses_its_extra_replicas_and_is_then_forgotten():
     state = plan({"hot": 15.0}, {"hot": {"pod-0"}}, policy=policy).state
     p = plan({}, {"hot": {"pod-0", "pod-1"}}, state=state, now=1.0, policy=policy)
     assert p.release == {"hot": ("pod-0",)}  # equally busy pods: the first by id
-    assert p.targets == {} and p.state == ReplicaState()  # back to one replica: the pods' LRU owns it
-    assert plan({}, {"hot": {"pod-0"}}, state=p.state, now=2.0, policy=policy) == NOTHING
+    assert p.targets == {"hot": 1}  # managed until the release is done (a pod may refuse it while in use)
+    # back to one replica: the pods' LRU owns it
+    assert plan({}, {"hot": {"pod-1"}}, state=p.state, now=2.0, policy=policy) == NOTHING
+
+
+def test_a_release_the_pod_did_not_carry_out_is_decided_again_after_the_next_hold():
+    policy = Policy(high_rate=10.0, low_rate=4.0, hold_s=30.0)
+    state = ReplicaState({"hot": 2}, {"hot": 0.0})
+    p = plan({}, {"hot": {"pod-0", "pod-1"}}, state=state, now=30.0, policy=policy)
+    assert p.release == {"hot": ("pod-0",)}
+    refused = plan({}, {"hot": {"pod-0", "pod-1"}}, state=p.state, now=31.0, policy=policy)
+    assert refused.release == {}  # the hold starts again
+    retried = plan({}, {"hot": {"pod-0", "pod-1"}}, state=refused.state, now=61.0, policy=policy)
+    assert retried.release == {"hot": ("pod-0",)}
 
 
 def test_the_replica_released_is_the_one_on_the_busiest_pod():
