@@ -1,6 +1,7 @@
 """Replicas that follow popularity, with real processes: a redis-server, a control plane, three CPU pods
 on the demo model and a router in front. One adapter made hot through the router gets a second pod
-READY, pre-loaded by the leader, and the router then spreads its traffic over them."""
+READY, pre-loaded by the leader, the router then spreads its traffic over them, and once the traffic
+stops the extra replicas are unloaded again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
-from benchmarks.processes import Fleet, RouterProcess, copy_demo_adapters
+from benchmarks.processes import Fleet, RouterProcess, copy_demo_adapters, wait_until
 from tests.grpc_helpers import collect, request
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,8 @@ SECOND_REPLICA_WITHIN_S = 60
 BURST_MAX_REQUESTS = 200  # the burst stops at the second READY placement, or here
 CONCURRENCY = 2  # requests the burst keeps in flight: one pod's worth, so the router alone would not spread
 SPREAD_REQUESTS = 16
+# Once the traffic stops, the rates fall under 0.2/s per replica within ~10 s (5 s window), then the 3 s hold.
+RELEASED_WITHIN_S = 40
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def stack(demo_model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("replicas-fleet")
     fleet = Fleet(workdir, copy_demo_adapters(tmp_path_factory.mktemp("replicas-adapters")), "--demand-window", "5",
                   pods=3, control_plane_args=("--replica-high-rate", "1.0", "--replica-low-rate", "0.2",
-                                              "--replica-hold", "600"))
+                                              "--replica-hold", "3"))
     router = None
     try:
         fleet.start()
@@ -46,7 +49,7 @@ def served(fleet: Fleet) -> dict[str, float]:
             for name, pod in fleet.pods.items()}
 
 
-def test_a_hot_adapter_gets_a_second_replica_ready_and_the_router_spreads_its_traffic(stack):
+def test_a_hot_adapter_gets_a_second_replica_ready_the_router_spreads_its_traffic_and_it_goes_when_cold(stack):
     fleet, router = stack
     assert fleet.placements("pirate") == set()
 
@@ -80,3 +83,11 @@ def test_a_hot_adapter_gets_a_second_replica_ready_and_the_router_spreads_its_tr
     assert sum(1 for n in delta.values() if n > 0) >= 2, f"the router kept the traffic on one pod: {delta}"
     # only pods holding it served it (no cold load on the request path), and the replicas stay while it is hot
     assert {name for name, n in delta.items() if n > 0} <= fleet.placements("pirate"), delta
+
+    quiet = time.monotonic()
+    wait_until(lambda: len(fleet.placements("pirate")) == 1, RELEASED_WITHIN_S, "extra replicas released once cold")
+    print(f"back to one replica {time.monotonic() - quiet:.1f} s after the traffic stopped")
+    assert fleet.cp.metric("lorafleet_control_plane_replica_changes_total", change="released") >= 1
+    (kept,) = fleet.placements("pirate")
+    assert [name for name, pod in fleet.pods.items() if any(a.name == "pirate" for a in pod.state().adapters)] \
+        == [kept]  # unloaded from the pods themselves, not only from the registry's view
