@@ -112,9 +112,10 @@ def plan_replicas(rates: Mapping[str, float], holders: Mapping[str, Collection[s
 
     targets: dict[str, int] = {}
     low_since: dict[str, float] = {}
+    floors: dict[str, int] = {}  # one replica, or the pin's count (as far as there are pods)
     for a in names:
         rate, n = rates.get(a, 0.0), len(held.get(a, ()))
-        floor = max(1, min(pins.get(a, 0), len(ready)))
+        floor = floors[a] = max(1, min(pins.get(a, 0), len(ready)))
         decided = _target(rate, n, state.targets.get(a), state.low_since.get(a), floor, policy, now)
         if decided is None:
             continue  # neither hot nor managed: its replicas are the pods' own business
@@ -153,10 +154,9 @@ def plan_replicas(rates: Mapping[str, float], holders: Mapping[str, Collection[s
         if extra > 0:
             busiest = sorted((ready[p] for p in unpinned[a]), key=lambda p: (-cost(p), p.id))
             release[a] = tuple(sorted(p.id for p in busiest[:extra]))
-    floor_of = {a: max(1, min(pins.get(a, 0), len(ready))) for a in targets}
     # An adapter stays managed while it has more than its floor, or replicas still to release (a pod
     # refuses to unload one in use; the release is decided again after the next hold).
-    kept = {a: t for a, t in targets.items() if t > floor_of[a] or len(held.get(a, ())) > t}
+    kept = {a: t for a, t in targets.items() if t > floors[a] or len(held.get(a, ())) > t}
     return ReplicaPlan(targets=kept, add={a: tuple(sorted(p)) for a, p in add.items() if p}, release=release,
                        state=ReplicaState(kept, {a: t for a, t in low_since.items() if a in kept}))
 

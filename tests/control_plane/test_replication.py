@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from control_plane.errors import ConfigError
 from control_plane.replication import PodLoad, Policy, ReplicaPlan, ReplicaState, plan_replicas
@@ -180,3 +182,34 @@ def test_the_plan_is_deterministic_whatever_the_order_of_its_inputs():
 def test_a_policy_without_a_working_hysteresis_band_is_refused(kwargs):
     with pytest.raises(ConfigError):
         Policy(**({"high_rate": 10.0, "low_rate": 4.0} | kwargs))
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None)
+def test_any_plan_keeps_pins_room_and_caps(data):
+    """Whatever the fleet and the rates: new replicas only on ready pods that do not hold the adapter, within
+    each pod's room; releases only of unpinned holders; targets within max_replicas and the ready pods."""
+    n_pods = data.draw(st.integers(0, 5))
+    fleet = [PodLoad(f"p{i}", data.draw(st.integers(0, 3)), data.draw(st.booleans()), data.draw(st.integers(0, 4)))
+             for i in range(n_pods)]
+    ids = [p.id for p in fleet] + ["gone"]
+    names = ["a", "b", "c"]
+    rates = {a: data.draw(st.floats(0, 100)) for a in names if data.draw(st.booleans())}
+    holders = {a: set(data.draw(st.lists(st.sampled_from(ids), max_size=4))) for a in names}
+    pins = {a: data.draw(st.integers(0, 3)) for a in names if data.draw(st.booleans())}
+    pinned_on = {a: {p for p in holders[a] if data.draw(st.booleans())} for a in pins}
+    policy = Policy(high_rate=10.0, low_rate=4.0, hold_s=data.draw(st.sampled_from([0.0, 5.0])),
+                    max_replicas=data.draw(st.integers(0, 3)))
+    state = ReplicaState({a: data.draw(st.integers(1, 5)) for a in names if data.draw(st.booleans())})
+    p = plan(rates, holders, pins=pins, fleet=fleet, state=state, now=10.0, policy=policy, pinned_on=pinned_on)
+    ready = {f.id: f for f in fleet}
+    for a, pods_added in p.add.items():
+        assert all(pod in ready and pod not in holders[a] for pod in pods_added)
+    for a, pods_released in p.release.items():
+        assert all(pod in holders[a] and pod not in pinned_on.get(a, ()) for pod in pods_released)
+    for pod in ready.values():
+        assert sum(pod.id in added for added in p.add.values()) <= pod.capacity
+    for a, t in p.targets.items():
+        assert t <= max(min(policy.max_replicas or n_pods, n_pods), min(pins.get(a, 0), n_pods))
+    assert p == plan(rates, holders, pins=pins, fleet=fleet, state=state, now=10.0, policy=policy,
+                     pinned_on=pinned_on)
