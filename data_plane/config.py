@@ -54,6 +54,9 @@ class DataPlaneConfig:
     heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
     stall_timeout_s: float = 30.0
+    # Per-adapter request rates in heartbeats: decayed over this window, the busiest this many listed.
+    demand_window_s: float = 30.0
+    demand_report_top: int = 32
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -83,6 +86,10 @@ class DataPlaneConfig:
         if not 0 <= self.max_queue_delay_s < math.inf:
             raise ValueError(f"--max-queue-delay must be a number of seconds >= 0 (0 = no limit), "
                              f"got {self.max_queue_delay_s}")
+        if not 0 < self.demand_window_s < math.inf:
+            raise ValueError(f"--demand-window must be a positive number of seconds, got {self.demand_window_s}")
+        if not 1 <= self.demand_report_top <= 1000:
+            raise ValueError(f"--demand-report-top must be within 1..1000, got {self.demand_report_top}")
         if self.scheduling_policy not in ("fair", "fcfs"):
             raise ValueError(f"--scheduling-policy must be fair or fcfs, not {self.scheduling_policy!r}")
         for name, weight in (*self.adapter_weights, ("the base model", self.base_model_weight)):
@@ -141,6 +148,7 @@ class DataPlaneConfig:
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
             max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
             adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
+            demand_window_s=args.demand_window, demand_report_top=args.demand_report_top,
         )
 
 
@@ -220,3 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                    help="seconds the engine loop may make no progress while requests wait before the pod's "
                         "health (readiness and lorafleet.liveness) turns NOT_SERVING")
+    p.add_argument("--demand-window", type=float, default=d.demand_window_s,
+                   help="seconds over which the per-adapter request rates sent in heartbeats decay (the control "
+                        f"plane replicates hot adapters from them) (default {d.demand_window_s})")
+    p.add_argument("--demand-report-top", type=int, default=d.demand_report_top,
+                   help="how many of the busiest adapters each heartbeat lists by rate; the rest are summed "
+                        f"(default {d.demand_report_top})")
