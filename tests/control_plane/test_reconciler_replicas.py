@@ -59,6 +59,34 @@ def test_a_hot_adapter_is_preloaded_unpinned_on_more_pods_and_routed_there(confi
     assert metrics.adapters_replicated._value.get() == 1
 
 
+def test_a_hot_pinned_adapter_gets_unpinned_replicas_beside_its_pin_and_route_says_which_is_which(
+        config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("p")
+        await h.registry.pin("p", 1)
+        await h.lease.renew()
+        await beat(h, "p0")
+        await beat(h, "p1")
+        await beat(h, "p2")
+        h.clock.t += 0.5
+        pinned = await h.sent()
+        holder = pinned[0][0]
+        for pod in ("p0", "p1", "p2"):
+            await h.fleet.heartbeat(PodRecord(pod, endpoint(pod), reported_ready=True, slots_total=4,
+                                              cpu_cache_capacity=8, demand=(("p", 12.0),) if pod == holder else (),
+                                              residents=(Residency("p", pinned=True, sha256=SHA),) if pod == holder
+                                              else ()))
+        h.clock.t += 0.5
+        replicas = await h.sent()
+        return holder, pinned, replicas, await h.registry.route("p")
+
+    holder, pinned, replicas, route = run(config, redis_server, body)
+    assert pinned == [(holder, PIN, "p")]
+    assert [command for _, command, _ in replicas] == [LOAD, LOAD]  # 12/s: three replicas, one of them pinned
+    assert {(r.pod, r.pinned) for r in route} == {(holder, True), *((pod, False) for pod, _, _ in replicas)}
+
+
 def test_a_cooled_adapter_loses_its_extra_replicas_one_per_hold_and_keeps_one(config, redis_server):
     async def body(h):
         metrics = replicating(h)
