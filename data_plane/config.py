@@ -11,6 +11,8 @@ from pathlib import Path
 from conventions import defaults
 from conventions.names import NAME_RULE, is_valid_name
 
+CPU_MATMUL_CHOICES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
@@ -20,6 +22,9 @@ class DataPlaneConfig:
     metrics_port: int = defaults.POD_METRICS_PORT
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
+    # Precision of a float32 CPU model's decode matmuls: "auto" measures float32 and bfloat16 on this
+    # CPU at start-up and takes the faster (see data_plane/model/cpu_linear.py); other dtypes and CUDA ignore it.
+    cpu_matmul: str = "auto"
     max_loras: int = defaults.MAX_LORAS
     max_cpu_loras: int = defaults.MAX_CPU_LORAS
     max_lora_rank: int = defaults.MAX_LORA_RANK
@@ -58,6 +63,8 @@ class DataPlaneConfig:
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.cpu_matmul not in CPU_MATMUL_CHOICES:
+            raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMUL_CHOICES)}, not {self.cpu_matmul!r}")
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= --max-loras ({self.max_loras}) <= --max-cpu-loras ({self.max_cpu_loras})")
         if not 1 <= self.max_lora_rank <= 512:
@@ -125,7 +132,8 @@ class DataPlaneConfig:
     def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
+            max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
@@ -167,6 +175,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--cpu-matmul", default=d.cpu_matmul, choices=CPU_MATMUL_CHOICES,
+                   help="precision of a float32 CPU model's decode matmuls: auto measures float32 and bfloat16 "
+                        "(inputs and weights rounded to bfloat16, float32 sums; ~2^-7 relative error per "
+                        "projection output) on this CPU at start-up and takes the faster")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -73,6 +74,10 @@ async def serve(config: DataPlaneConfig) -> None:
             demand_report_top=config.demand_report_top)
 
     engine = await asyncio.to_thread(build_engine, config, metrics, membership.resolve if membership else None)
+    # The ~300k objects start-up leaves (modules, the model, the tokenizer's tables) live as long as the
+    # pod: out of the collector's sight, a full collection no longer walks them, which measured 220-320 ms
+    # on the demo model, a whole step's stall for every running stream, against ~0 ms frozen.
+    gc.freeze()
     metrics.watch(engine.snapshot)
     engine.start()
     handle.engine = engine
