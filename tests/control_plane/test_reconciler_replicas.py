@@ -149,3 +149,35 @@ def test_replication_turned_off_sends_no_replica_commands(config, redis_server):
         return await h.sent()
 
     assert run(config, redis_server, body) == []
+
+
+def test_a_new_leader_takes_over_the_replicas_it_finds_and_releases_them_once_cold(config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("hot")
+        await h.lease.renew()
+        await beat(h, "p0", holds=("hot",), demand=(("hot", 12.0),))
+        await beat(h, "p1")
+        await beat(h, "p2")
+        raised = await h.sent()
+        replicating(h)  # a new leader: none of the old one's memory, only the registry
+        for p in ("p0", "p1", "p2"):
+            await beat(h, p, holds=("hot",), demand=(("hot", 0.1),) if p == "p0" else ())
+        h.clock.t += 0.5
+        return raised, await h.sent()
+
+    raised, after = run(config, redis_server, body)
+    assert raised == [("p1", LOAD, "hot"), ("p2", LOAD, "hot")]
+    assert after == [("p0", RELEASE, "hot")]  # one per hold (none here), from the busiest pod (all idle: by id)
+
+
+def test_a_new_leader_leaves_alone_an_adapter_the_pods_loaded_on_demand(config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("warm")
+        await h.lease.renew()
+        for p in ("p0", "p1", "p2"):  # the router sent it everywhere; no leader loaded it
+            await beat(h, p, holds=("warm",), demand=(("warm", 0.1),))
+        return await h.sent()
+
+    assert run(config, redis_server, body) == []
