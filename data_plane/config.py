@@ -177,8 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
     p.add_argument("--cpu-matmul", default=d.cpu_matmul, choices=CPU_MATMUL_CHOICES,
                    help="precision of a float32 CPU model's decode matmuls: auto measures float32 and bfloat16 "
-                        "(inputs and weights rounded to bfloat16, float32 sums; ~2^-7 relative error per "
-                        "projection output) on this CPU at start-up and takes the faster")
+                        "(operands rounded to bfloat16, float32 sums, outputs rounded to bfloat16) on this CPU at "
+                        "start-up and takes the faster")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")

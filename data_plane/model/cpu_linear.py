@@ -6,7 +6,8 @@ matmul re-lays the weight out on each call; oneDNN can take a weight reordered a
 into its blocked layout ("prepacked"). Measured on a 2-core x86 VM with torch 2.13, float32,
 32 rows: the demo model's projections run 1.2–1.5× faster and its 49152-row output projection
 2×. Past ~128 rows (prefill) the default path is as fast or faster, so both are kept and the row
-count picks one.
+count picks one. The reordered copy adds the memory of the weights it covers in float32, half of
+it in bfloat16.
 
 The reordered copy may be float32 or bfloat16 (``MatmulPrecision``). On a CPU with native
 bfloat16 dot products (AVX512-BF16, AMX) a bfloat16 weight halves the bytes a memory-bound decode
@@ -14,14 +15,14 @@ step reads and doubles the products per instruction; elsewhere oneDNN emulates t
 slower. Which one a float32 model uses is measured when it loads (``choose_precision``), on its own
 weight shapes, not inferred from CPU flags. In bfloat16 the inputs and weights of these matmuls are
 rounded to bfloat16 (8 significant bits) and the products summed in float32, and each output is
-rounded to bfloat16 once: a relative error of at most ~2⁻⁷ per projection output against float32.
+rounded to bfloat16 once: an output moves from its float32 value by at most about 3·2⁻⁸ of the sum
+of its products' magnitudes (tests/tolerances.py, ``rounded_operands_atol``).
 Everything else (norms, attention, the residual stream, LoRA, prefill) stays float32.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 128
 # oneDNN builds (and keeps) a kernel per input shape, about 0.5 MB each, and the differently sized
