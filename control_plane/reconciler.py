@@ -219,4 +219,4 @@ class Reconciler:
 
     async def _record(self, action: Action, token: int, state: PlacementState, error: str, attempts: int) -> None:
         await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
-                                                        self._store.now()), token)
+                                                        self._store.now(), action.command is not Command.LOAD), token)

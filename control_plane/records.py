@@ -104,6 +104,7 @@ class PlacementRecord:
     error: str = ""
     attempts: int = 0  # failed loads so far
     updated_at: float = 0.0
+    pinned: bool = True  # asked to load and pin; False for an extra replica of a hot adapter (load only)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self) | {"state": self.state.name})

@@ -1,12 +1,14 @@
 """The leader's side of replicas that follow popularity: reads the fleet as the reconciler sees it,
 asks ``replication.plan_replicas``, and turns the plan into pod commands. Holds the decision's state
-between passes (in memory: a new leader starts afresh, keeping the replicas it finds)."""
+between passes in memory; the replicas themselves are in the registry as placement records of
+unpinned loads, so that a new leader takes over the ones it finds and releases them once cold."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 
 from control_plane.placement import pinned_capacity
 from control_plane.plan import Action, Command, retry_due
@@ -45,11 +47,14 @@ class Replicator:
                 if rec is not None and res.sha256 in ("", rec.sha256):
                     holders[res.name].add(pod.id)
         excluded = set()
+        replicas: dict[str, int] = defaultdict(int)  # adapter -> replicas a leader loaded that pods still hold
         for name, recs in placements.items():
             for r in recs:
                 pod = by_pod.get(r.pod)
                 if pod is not None and r.ready_since(pod):
                     holders[name].add(r.pod)  # loaded since its pod last reported
+                if r.state is PlacementState.READY and not r.pinned and r.pod in holders[name]:
+                    replicas[name] += 1
                 if r.state is PlacementState.FAILED and (r.attempts >= max_attempts or
                                                          not retry_due(r, now, backoff_s)):
                     excluded.add((name, r.pod))
@@ -59,7 +64,10 @@ class Replicator:
         loads = [PodLoad(p.id, max(0, pinned_capacity(p.slots_total, p.cpu_cache_capacity, self._reserved)
                                    - p.slots_pinned), p.slots_used < p.slots_total, p.running_requests,
                          p.waiting_requests, p.kv_usage) for p in ready]
-        plan = plan_replicas(dict(rates), holders, pin_counts, loads, self._policy, self._state, self._clock(),
+        # adapters with replicas an earlier leader loaded are managed from their current count on
+        taken_over = {a: len(holders[a]) for a in replicas if a not in self._state.targets}
+        state = replace(self._state, targets={**self._state.targets, **taken_over})
+        plan = plan_replicas(dict(rates), holders, pin_counts, loads, self._policy, state, self._clock(),
                              pinned_on=pins, excluded=excluded)
         self._state, self.last = plan.state, plan
         out = []

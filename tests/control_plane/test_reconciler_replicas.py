@@ -59,6 +59,34 @@ def test_a_hot_adapter_is_preloaded_unpinned_on_more_pods_and_routed_there(confi
     assert metrics.adapters_replicated._value.get() == 1
 
 
+def test_a_hot_pinned_adapter_gets_unpinned_replicas_beside_its_pin_and_route_says_which_is_which(
+        config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("p")
+        await h.registry.pin("p", 1)
+        await h.lease.renew()
+        await beat(h, "p0")
+        await beat(h, "p1")
+        await beat(h, "p2")
+        h.clock.t += 0.5
+        pinned = await h.sent()
+        holder = pinned[0][0]
+        for pod in ("p0", "p1", "p2"):
+            await h.fleet.heartbeat(PodRecord(pod, endpoint(pod), reported_ready=True, slots_total=4,
+                                              cpu_cache_capacity=8, demand=(("p", 12.0),) if pod == holder else (),
+                                              residents=(Residency("p", pinned=True, sha256=SHA),) if pod == holder
+                                              else ()))
+        h.clock.t += 0.5
+        replicas = await h.sent()
+        return holder, pinned, replicas, await h.registry.route("p")
+
+    holder, pinned, replicas, route = run(config, redis_server, body)
+    assert pinned == [(holder, PIN, "p")]
+    assert [command for _, command, _ in replicas] == [LOAD, LOAD]  # 12/s: three replicas, one of them pinned
+    assert {(r.pod, r.pinned) for r in route} == {(holder, True), *((pod, False) for pod, _, _ in replicas)}
+
+
 def test_a_cooled_adapter_loses_its_extra_replicas_one_per_hold_and_keeps_one(config, redis_server):
     async def body(h):
         metrics = replicating(h)
@@ -118,6 +146,38 @@ def test_replication_turned_off_sends_no_replica_commands(config, redis_server):
         await beat(h, "p0", holds=("hot",), demand=(("hot", 1000.0),))
         await beat(h, "p1")
         await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == []
+
+
+def test_a_new_leader_takes_over_the_replicas_it_finds_and_releases_them_once_cold(config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("hot")
+        await h.lease.renew()
+        await beat(h, "p0", holds=("hot",), demand=(("hot", 12.0),))
+        await beat(h, "p1")
+        await beat(h, "p2")
+        raised = await h.sent()
+        replicating(h)  # a new leader: none of the old one's memory, only the registry
+        for p in ("p0", "p1", "p2"):
+            await beat(h, p, holds=("hot",), demand=(("hot", 0.1),) if p == "p0" else ())
+        h.clock.t += 0.5
+        return raised, await h.sent()
+
+    raised, after = run(config, redis_server, body)
+    assert raised == [("p1", LOAD, "hot"), ("p2", LOAD, "hot")]
+    assert after == [("p0", RELEASE, "hot")]  # one per hold (none here), from the busiest pod (all idle: by id)
+
+
+def test_a_new_leader_leaves_alone_an_adapter_the_pods_loaded_on_demand(config, redis_server):
+    async def body(h):
+        replicating(h)
+        await h.adapter("warm")
+        await h.lease.renew()
+        for p in ("p0", "p1", "p2"):  # the router sent it everywhere; no leader loaded it
+            await beat(h, p, holds=("warm",), demand=(("warm", 0.1),))
         return await h.sent()
 
     assert run(config, redis_server, body) == []
