@@ -3,8 +3,7 @@
 Data plane, from the ground up: kernels → model → lora → engine → the pod (servicers, server,
 config, metrics). The control plane stands beside it on the same ground (``conventions``), and so does
 the router, which talks to both planes over gRPC only; the CLI and the fleet simulator are on top of all
-three. No arrow goes
-back up, and neither plane imports the other or the router.
+three. No arrow goes back up, and neither plane imports the other or the router.
 """
 
 from __future__ import annotations
