@@ -13,6 +13,8 @@ class Command(enum.Enum):
     PIN = "pin"
     UNPIN = "unpin"
     UNLOAD = "unload"
+    LOAD = "load"  # LoadAdapter only: an extra replica of a hot adapter (control_plane/replicator.py)
+    RELEASE = "release"  # UnloadAdapter of an extra replica gone cold; refused while in use, tried again later
 
 
 @dataclass(frozen=True)

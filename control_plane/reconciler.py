@@ -16,11 +16,14 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions
 from control_plane.pod_client import PodClients, Probe
-from control_plane.records import PlacementRecord, PlacementState
+from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
+from control_plane.replicator import Replicator
 from control_plane.store import Store
 
 log = logging.getLogger(__name__)
 _MAX_POD_BACKOFF_S = 60.0
+_LOADS = (Command.LOAD_AND_PIN, Command.LOAD)
+_REPLICA_CHANGE = {Command.LOAD: "added", Command.RELEASE: "released"}
 
 
 class Reconciler:
@@ -43,6 +46,8 @@ class Reconciler:
         self._pod_retry: dict[str, tuple[int, float]] = {}
         self._unsatisfied_logged: dict[str, str] = {}
         self._probe_logged: dict[str, Probe] = {}
+        policy = config.replica_policy()
+        self._replicator = Replicator(policy, config.reserved_unpinned_slots) if policy else None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -103,6 +108,7 @@ class Reconciler:
         ready = [v.pod for v in views if v.ready]
         actions = plan_actions(adapters, ready, assignment.pods, placements, self._store.now(),
                                cfg.max_load_attempts, cfg.retry_backoff_s)
+        actions += self._replica_actions(adapters, ready, assignment.pods, placements)
         by_pod: dict[str, list[Action]] = defaultdict(list)
         for a in actions:
             if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:
@@ -118,6 +124,18 @@ class Reconciler:
         self._metrics.pods.labels("true").set(sum(v.ready for v in views))
         self._metrics.pods.labels("false").set(sum(not v.ready for v in views))
         self._metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        return actions
+
+    def _replica_actions(self, adapters: list[AdapterRecord], ready: list[PodRecord], pins: dict[str, tuple[str, ...]],
+                         placements: dict[str, list[PlacementRecord]]) -> list[Action]:
+        """Loads and releases of extra replicas of hot adapters, after the pins' commands on each pod
+        (none while replication is off)."""
+        if self._replicator is None:
+            return []
+        cfg = self._config
+        actions = self._replicator.actions(adapters, ready, pins, placements, self._store.now(),
+                                           cfg.max_load_attempts, cfg.retry_backoff_s)
+        self._metrics.adapters_replicated.set(len(self._replicator.last.targets))
         return actions
 
     async def _remove_refusing(self, views: list[PodView], token: int) -> set[str]:
@@ -163,7 +181,7 @@ class Reconciler:
             if not token:
                 return
             key = (action.adapter, action.pod)
-            if action.command is Command.LOAD_AND_PIN:
+            if action.command in _LOADS:
                 await self._record(action, token, PlacementState.LOADING, "", attempts.get(key, 0))
             result = await self._pods.execute(action, token)
             outcome = "ok" if result.ok else result.code.name.lower()
@@ -174,7 +192,9 @@ class Reconciler:
             if result.stale:
                 self._lease.step_down(f"pod {action.pod} has seen a newer fencing token than {token}")
                 return
-            if action.command in (Command.LOAD_AND_PIN, Command.PIN):
+            if result.ok and action.command in _REPLICA_CHANGE:
+                self._metrics.replica_changes.labels(_REPLICA_CHANGE[action.command]).inc()
+            if action.command in (*_LOADS, Command.PIN):
                 if result.ok:
                     await self._record(action, token, PlacementState.READY, "", 0)
                 elif result.transient:
@@ -185,10 +205,10 @@ class Reconciler:
                     await self._record(action, token, PlacementState.FAILED,
                                        f"{result.error} (attempt {failures} of {self._config.max_load_attempts})",
                                        failures)
-            elif action.command is Command.UNLOAD and result.ok:
+            elif action.command in (Command.UNLOAD, Command.RELEASE) and result.ok:
                 await self._store.delete_placement(action.adapter, action.pod, token)
-            if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
-                continue  # the adapter's own fault, recorded above: the pod's other commands still go out
+            if not result.ok and not result.transient and action.command in (*_LOADS, Command.PIN, Command.RELEASE):
+                continue  # the adapter's own fault (or a replica still in use): the pod's other commands still go out
             if not result.ok:
                 failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
                 delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))

@@ -73,6 +73,9 @@ class PodRecord:
     running_requests: int = 0
     waiting_requests: int = 0
     residents: tuple[Residency, ...] = ()
+    kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
+    # (adapter, requests per second) of its busiest adapters, as decayed by the pod, highest first
+    demand: tuple[tuple[str, float], ...] = ()
 
     def is_live(self, now: float, lease_ttl_s: float) -> bool:
         """Whether the lease from its last heartbeat still runs."""
@@ -87,7 +90,8 @@ class PodRecord:
     @classmethod
     def from_json(cls, raw: str) -> PodRecord:
         d = json.loads(raw)
-        return cls(**(d | {"residents": tuple(Residency(**r) for r in d["residents"])}))
+        return cls(**(d | {"residents": tuple(Residency(**r) for r in d["residents"]),
+                           "demand": tuple((a, rate) for a, rate in d.get("demand", ()))}))
 
 
 @dataclass(frozen=True)

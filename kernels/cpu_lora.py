@@ -133,13 +133,17 @@ def bucket(n: int) -> int:
 
 
 PathKey = tuple[CpuPlan, int, int]  # a plan, its steps' token bucket and segment bucket
+# A path whose first (warm) run is this many times the fastest first run is not timed further:
+# building a pack (the most a first run adds) costs less than that, so it could not have won.
+PRUNE_FACTOR = 8
 
 
 class PathTuner:
     """Chooses each step's CPU path by measurement on this machine. The first time a layer plan
     meets a (token bucket, segment bucket), ``choose`` runs every path once to warm it (packs built,
-    memory touched), then ``repeats`` more times interleaved, timing each with ``timer``, and keeps
-    the path with the lowest best time (ties: the order of ``CpuLoraPath``); later steps of that key
+    memory touched), then the paths within ``PRUNE_FACTOR`` of the fastest warm run ``repeats`` more
+    times interleaved, timing each with ``timer``, and keeps the path with the lowest best time
+    (ties: the order of ``CpuLoraPath``); later steps of that key
     reuse it. A new resident layout is a new plan, measured anew. Deterministic given the timings."""
 
     def __init__(self, timer: Callable[[], float] = time.perf_counter, repeats: int = 2, capacity: int = 4096) -> None:
@@ -174,11 +178,18 @@ class PathTuner:
         return path
 
     def _measure(self, run: Callable[[CpuLoraPath], None]) -> dict[CpuLoraPath, float]:
-        for path in CpuLoraPath:
+        first = {}
+        for path in CpuLoraPath:  # the warm run, timed only to drop hopeless paths (it may build a pack)
+            started = self._timer()
             run(path)
-        best = dict.fromkeys(CpuLoraPath, math.inf)
+            first[path] = self._timer() - started
+        # A path PRUNE_FACTOR times slower than another on its first run cannot win, and measuring it
+        # again costs the step most (the gathered path at a 512-token prefill: ~100 ms a layer where
+        # the others take 1 ms): it keeps its first time and is not run again.
+        contenders = [p for p in CpuLoraPath if first[p] <= PRUNE_FACTOR * min(first.values())]
+        best = {p: math.inf if p in contenders else first[p] for p in CpuLoraPath}
         for _ in range(self._repeats):
-            for path in CpuLoraPath:  # interleaved, so that a burst of load falls on every path
+            for path in contenders:  # interleaved, so that a burst of load falls on every path
                 started = self._timer()
                 run(path)
                 best[path] = min(best[path], self._timer() - started)

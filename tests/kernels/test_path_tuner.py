@@ -51,6 +51,23 @@ def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
     assert PathTuner(timer=clock).choose(PLAN, 1, SEGMENTS[:1], clock.run) is CpuLoraPath.LOOP
 
 
+def test_a_path_far_slower_on_its_first_run_is_not_run_again():
+    # gathered takes PRUNE_FACTOR times more than dense and a bit on its first run: it cannot win
+    slow = cpu_lora.PRUNE_FACTOR * 1e-4 * 1.01
+    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4})
+    tuner = PathTuner(timer=clock)
+    assert tuner.choose(PLAN, 512, SEGMENTS[:1], clock.run) is CpuLoraPath.DENSE
+    assert clock.runs == [*CpuLoraPath, CpuLoraPath.DENSE, CpuLoraPath.LOOP, CpuLoraPath.DENSE, CpuLoraPath.LOOP]
+    assert tuner.timings[(PLAN, 512, 1)][CpuLoraPath.GATHERED] == pytest.approx(slow)  # its first run's time
+
+
+def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
+    # the loop's first run is slow (a cold cache), but within the factor: its timed runs decide
+    clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4,
+                   CpuLoraPath.LOOP: [cpu_lora.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4, 1e-4]})
+    assert PathTuner(timer=clock).choose(PLAN, 4, SEGMENTS, clock.run) is CpuLoraPath.LOOP
+
+
 def test_equal_timings_choose_in_the_enums_order():
     clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
     assert PathTuner(timer=clock).choose(PLAN, 3, SEGMENTS, clock.run) is list(CpuLoraPath)[0]
