@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_plane.demand import DemandMeter
 from fleetsim.config import FleetConfig
 
 
@@ -64,7 +65,7 @@ Told = Callable[[int, float], None]
 class SimPod:
     def __init__(self, index: int, config: FleetConfig, adapter_of: np.ndarray, tokens_of: np.ndarray,
                  names: tuple[str, ...], schedule: Schedule, admitted: Told, finished: Told,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, clock: Callable[[], float]) -> None:
         self.index = index
         self.id = f"pod-{index:03d}"
         self.config = config
@@ -84,6 +85,7 @@ class SimPod:
         self._step_s = config.step.step_s(0, 0)
         self._version = 0  # the completion event still current
         self.counters = PodCounters()
+        self.demand = DemandMeter(config.demand_window_s, clock=clock)  # what its heartbeats report
 
     # ---- what routers read ------------------------------------------------------------------
     @property
@@ -100,6 +102,7 @@ class SimPod:
         name = self._names[self._adapter_of[rid]]
         c = self.counters
         c.requests += 1
+        self.demand.record(name)
         if self.slots.get(name):
             c.device_hits += 1
         elif self.cpu.get(name):
@@ -138,6 +141,23 @@ class SimPod:
             self.counters.preloads += 1
             self._start_disk_load(name, now)
         self._run_scheduler(now)
+
+    def load(self, name: str, now: float) -> None:
+        """LoadAdapter alone (an extra replica): the adapter goes to the CPU tier, unpinned."""
+        if name not in self.cpu and name not in self._blocked:
+            self._advance(now)
+            self.counters.preloads += 1
+            self._start_disk_load(name, now)
+            self._run_scheduler(now)
+
+    def release(self, name: str) -> bool:
+        """UnloadAdapter of an extra replica: refused (False) while it serves, waits or loads, or is pinned."""
+        if name in self.pinned or self.in_use[name] or self.wanted[name] or not self.cpu.get(name):
+            return False
+        if self.slots.get(name) is False:
+            return False
+        self._drop(name)
+        return True
 
     def unpin(self, name: str) -> None:
         self.pinned.discard(name)

@@ -12,19 +12,24 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from control_plane.config import ControlPlaneConfig
 from control_plane.placement import Pin
+from control_plane.replication import Policy as ReplicaPolicy
+from conventions.pod_cost import Weights
+from fleetsim.config import shipped
 from fleetsim.pod import SimPod
 from router.picker import PodPicker
-from router.scoring import Weights
 from router.view import FleetView
 
 
 class Policy:
     """Picks a pod for each request. ``places_pins``: the policy places pinned adapters itself
-    (``place_pins``) instead of the control plane's placement."""
+    (``place_pins``) instead of the control plane's placement; ``replication``: the control plane's
+    replica thresholds when it runs replicas that follow popularity (None: it does not)."""
 
     name = ""
     places_pins = False
+    replication: ReplicaPolicy | None = None
 
     def attach(self, pods: Sequence[SimPod], clock: Callable[[], float], view: Callable[[], FleetView],
                rng: np.random.Generator) -> None:
@@ -50,14 +55,21 @@ class Policy:
         return best[int(self.rng.integers(len(best)))].index if len(best) > 1 else best[0].index
 
 
+def shipped_replication() -> ReplicaPolicy:
+    """The replica thresholds the control plane ships with (its --replica-* defaults)."""
+    return ReplicaPolicy(*(shipped(ControlPlaneConfig, f) for f in ("replica_high_rate", "replica_low_rate",
+                                                                      "replica_hold_s", "max_replicas")))
+
+
 class Ours(Policy):
     """The router's PodPicker (router/picker.py, router/scoring.py) on the simulator's clock; pins are
-    placed by the control plane's reconcile pass (control_plane/placement.py, control_plane/plan.py)."""
+    placed by the control plane's reconcile pass (control_plane/placement.py, control_plane/plan.py), and
+    with ``replicas`` (as shipped) hot adapters get extra replicas (control_plane/replicator.py)."""
 
-    name = "ours"
-
-    def __init__(self, weights: Weights | None = None) -> None:
+    def __init__(self, weights: Weights | None = None, replicas: bool = True) -> None:
         self.weights = weights
+        self.replication = shipped_replication() if replicas else None
+        self.name = "ours" if replicas else "ours-no-replicas"
 
     def attach(self, pods, clock, view, rng) -> None:
         super().attach(pods, clock, view, rng)
@@ -167,5 +179,8 @@ class AIBrix(Policy):
         return chosen
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, AIBrix, GatewayLoraAffinity,
-                                                                 Ours)}
+POLICIES: dict[str, Callable[[], Policy]] = {
+    **{p.name: p for p in (RoundRobin, LeastLoaded, AIBrix, GatewayLoraAffinity)},
+    "ours-no-replicas": lambda: Ours(replicas=False),
+    "ours": Ours,
+}

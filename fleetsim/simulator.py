@@ -32,7 +32,7 @@ class SimResult:
     device_hit_rate: float  # requests whose adapter was in a ready slot of their pod on arrival
     cpu_hit_rate: float
     cold_per_1k: float  # disk loads started by requests, per 1,000 requests
-    preloads: int  # disk loads the control plane started (pins)
+    preloads: int  # disk loads the control plane started (pins, extra replicas)
     copies_per_1k: float  # CPU tier -> slot copies per 1,000 requests
     queue_p50_ms: float  # arrival at the pod -> first step, adapter loads included
     queue_p99_ms: float
@@ -59,21 +59,25 @@ class Simulation:
         self._seq = itertools.count()
         rng = np.random.default_rng(seed)
         self.pods = [SimPod(i, config, trace.adapters, trace.tokens, trace.names, self._push, self._admitted,
-                            self._finished, np.random.default_rng(rng.integers(1 << 63))) for i in range(config.pods)]
+                            self._finished, np.random.default_rng(rng.integers(1 << 63)), self.clock)
+                     for i in range(config.pods)]
         self.routed = np.full(len(trace), -1, dtype=np.int64)
         self.queue_s = np.full(len(trace), np.nan)
         self.completed = np.zeros(len(trace), dtype=bool)
         self._outstanding = 0
         self._all_adapters = frozenset(trace.names)
         self._view = self._read_view()
-        policy.attach(self.pods, lambda: self.now, lambda: self._view, np.random.default_rng(rng.integers(1 << 63)))
-        self.control = ControlPlane(config, self.pods, trace.names, pins)
+        policy.attach(self.pods, self.clock, lambda: self._view, np.random.default_rng(rng.integers(1 << 63)))
+        self.control = ControlPlane(config, self.pods, trace.names, pins, policy.replication, self.clock)
         self._placed_by_policy: dict[str, tuple[int, ...]] = {}
         if policy.places_pins:
             self._placed_by_policy = policy.place_pins(pins)
             for adapter, pods in self._placed_by_policy.items():
                 for i in pods:
                     self.pods[i].load_and_pin(adapter, 0.0)
+
+    def clock(self) -> float:
+        return self.now
 
     def run(self) -> SimResult:
         started = time.perf_counter()
