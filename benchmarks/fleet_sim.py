@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # fleetsim/ is 
 from processes import cpu_model, load_average  # noqa: E402  (benchmarks/processes.py)
 
 from control_plane.placement import Pin  # noqa: E402
+from conventions.pod_cost import Weights  # noqa: E402
 from fleetsim.config import FleetConfig  # noqa: E402
-from fleetsim.policies import POLICIES  # noqa: E402
+from fleetsim.policies import POLICIES, Ours  # noqa: E402
 from fleetsim.simulator import SimResult, Simulation  # noqa: E402
 from fleetsim.trace import Arrivals, TraceConfig, make_trace  # noqa: E402
 
@@ -62,6 +63,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of: " + ", ".join(POLICIES))
+    p.add_argument("--weights", default="", help="our routing weights other than the shipped ones, e.g. "
+                   "free_slot=4,evict=6 (conventions/pod_cost.py)")
     p.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")
     p.add_argument("--plots", type=Path, help="directory for PNG plots (needs matplotlib)")
     args = p.parse_args()
@@ -70,6 +73,10 @@ def main() -> None:
     unknown = [s for s in scenarios if s not in SCENARIOS] + [s for s in policies if s not in POLICIES]
     if unknown:
         p.error(f"unknown scenario or policy: {', '.join(unknown)}")
+    try:
+        weights(args.weights)
+    except (TypeError, ValueError) as e:
+        p.error(f"--weights {args.weights!r}: {e}")
 
     print(header(args))
     jobs = [(args, s, pol) for s in scenarios for pol in policies]
@@ -88,7 +95,12 @@ def header(args: argparse.Namespace) -> str:
             f"numpy {np.__version__}\nfleet {args.pods} pods x {FleetConfig().slots} slots x {args.cpu_entries} "
             f"CPU entries, {args.adapters} adapters, {args.rate:g} requests/s, {args.duration:g} s "
             f"({args.warmup:g} s warm-up), drift every {args.drift_period:g} s by {args.drift_step}, "
-            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}\n")
+            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}, our weights {weights(args.weights)}\n")
+
+
+def weights(spec: str) -> Weights:
+    """``name=value,...`` over the shipped Weights."""
+    return Weights(**{k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv.strip())})
 
 
 def run_one(job: tuple[argparse.Namespace, str, str]) -> SimResult:
@@ -101,7 +113,10 @@ def run_one(job: tuple[argparse.Namespace, str, str]) -> SimResult:
     hottest = np.argsort(-np.bincount(first, minlength=args.adapters), kind="stable")[: args.pins]
     pins = [Pin(trace.names[i], args.pin_replicas) for i in hottest]
     fleet = FleetConfig(pods=args.pods, cpu_entries=args.cpu_entries)
-    return Simulation(fleet, trace, POLICIES[policy](), pins, seed=args.seed, warmup_s=args.warmup).run()
+    chosen = POLICIES[policy]()
+    if isinstance(chosen, Ours):
+        chosen.weights = weights(args.weights)
+    return Simulation(fleet, trace, chosen, pins, seed=args.seed, warmup_s=args.warmup).run()
 
 
 def markdown(table: dict[tuple[str, str], SimResult], scenarios: list[str], policies: list[str]) -> str:
