@@ -66,9 +66,10 @@ class Ours(Policy):
     placed by the control plane's reconcile pass (control_plane/placement.py, control_plane/plan.py), and
     with ``replicas`` (as shipped) hot adapters get extra replicas (control_plane/replicator.py)."""
 
-    def __init__(self, weights: Weights | None = None, replicas: bool = True) -> None:
+    def __init__(self, weights: Weights | None = None, replicas: bool = True,
+                 replication: ReplicaPolicy | None = None) -> None:
         self.weights = weights
-        self.replication = shipped_replication() if replicas else None
+        self.replication = (replication or shipped_replication()) if replicas else None
         self.name = "ours" if replicas else "ours-no-replicas"
 
     def attach(self, pods, clock, view, rng) -> None:

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from control_plane.placement import Pin
+from control_plane.replication import Policy as ReplicaPolicy
 from fleetsim.config import FleetConfig
 from fleetsim.pod import InvariantViolated
-from fleetsim.policies import POLICIES, Policy
+from fleetsim.policies import POLICIES, Ours, Policy
 from fleetsim.simulator import Simulation
 from fleetsim.trace import Arrivals, TraceConfig, make_trace
 
@@ -50,6 +51,15 @@ def test_the_control_plane_places_each_pin_on_as_many_distinct_pods_as_it_asks()
     for adapter, pods in assigned.items():
         for pod in sim.pods:
             assert (adapter in pod.pinned) == (pod.id in pods)
+
+
+def test_the_leaders_replica_decision_loads_hot_adapters_on_more_pods_within_the_same_invariants():
+    eager = ReplicaPolicy(high_rate=0.5, low_rate=0.1, hold_s=3.0)
+    sim = simulate(Ours(replication=eager), dataclasses.replace(FLEET, demand_window_s=5.0))
+    pin_loads = 2 + 2 + 3 + FLEET.pods
+    assert sim.result.preloads > pin_loads  # extra replicas were loaded (LOAD), each a disk read
+    assert sim.result.completed == sim.result.requests
+    assert simulate(Ours(replicas=False)).result.preloads == pin_loads
 
 
 def test_the_same_seed_gives_the_same_result_and_another_seed_another():
