@@ -15,6 +15,7 @@ imbalance (max / mean of tokens decoded per pod). Prints a markdown table; ``--p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -28,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # fleetsim/ is 
 
 from processes import cpu_model, load_average  # noqa: E402  (benchmarks/processes.py)
 
+from control_plane.errors import ConfigError  # noqa: E402
 from control_plane.placement import Pin  # noqa: E402
+from control_plane.replication import Policy as ReplicaPolicy  # noqa: E402
 from conventions.pod_cost import Weights  # noqa: E402
 from fleetsim.config import FleetConfig  # noqa: E402
-from fleetsim.policies import POLICIES, Ours  # noqa: E402
+from fleetsim.policies import POLICIES, Ours, shipped_replication  # noqa: E402
 from fleetsim.simulator import SimResult, Simulation  # noqa: E402
 from fleetsim.trace import Arrivals, TraceConfig, make_trace  # noqa: E402
 
@@ -65,6 +68,9 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of: " + ", ".join(POLICIES))
     p.add_argument("--weights", default="", help="our routing weights other than the shipped ones, e.g. "
                    "free_slot=4,evict=6 (conventions/pod_cost.py)")
+    p.add_argument("--replica-high-rate", type=float, help="our replica thresholds, requests/s per replica, "
+                   "other than the shipped ones (control_plane/config.py); with --replica-low-rate")
+    p.add_argument("--replica-low-rate", type=float)
     p.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")
     p.add_argument("--plots", type=Path, help="directory for PNG plots (needs matplotlib)")
     args = p.parse_args()
@@ -77,6 +83,10 @@ def main() -> None:
         weights(args.weights)
     except (TypeError, ValueError) as e:
         p.error(f"--weights {args.weights!r}: {e}")
+    try:
+        replication(args)
+    except ConfigError as e:
+        p.error(str(e))
 
     print(header(args))
     jobs = [(args, s, pol) for s in scenarios for pol in policies]
@@ -95,12 +105,20 @@ def header(args: argparse.Namespace) -> str:
             f"numpy {np.__version__}\nfleet {args.pods} pods x {FleetConfig().slots} slots x {args.cpu_entries} "
             f"CPU entries, {args.adapters} adapters, {args.rate:g} requests/s, {args.duration:g} s "
             f"({args.warmup:g} s warm-up), drift every {args.drift_period:g} s by {args.drift_step}, "
-            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}, our weights {weights(args.weights)}\n")
+            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}\nour weights {weights(args.weights)}\n"
+            f"our replicas {replication(args)}\n")
 
 
 def weights(spec: str) -> Weights:
     """``name=value,...`` over the shipped Weights."""
     return Weights(**{k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv.strip())})
+
+
+def replication(args: argparse.Namespace) -> ReplicaPolicy:
+    shipped = shipped_replication()
+    high = shipped.high_rate if args.replica_high_rate is None else args.replica_high_rate
+    low = shipped.low_rate if args.replica_low_rate is None else args.replica_low_rate
+    return dataclasses.replace(shipped, high_rate=high, low_rate=low)
 
 
 def run_one(job: tuple[argparse.Namespace, str, str]) -> SimResult:
@@ -116,6 +134,8 @@ def run_one(job: tuple[argparse.Namespace, str, str]) -> SimResult:
     chosen = POLICIES[policy]()
     if isinstance(chosen, Ours):
         chosen.weights = weights(args.weights)
+        if chosen.replication is not None:
+            chosen.replication = replication(args)
     return Simulation(fleet, trace, chosen, pins, seed=args.seed, warmup_s=args.warmup).run()
 
 
