@@ -9,14 +9,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Weights:
-    """Costs in units of one running request. A CPU-to-slot copy takes milliseconds; reading and
-    validating weights takes about as long as a few decode streams' turns; an eviction also makes
-    the evicted adapter's next request cold. A waiting request costs more than a running one because
-    it means the pod's batch is full, and a nearly full KV cache means preemptions."""
+    """Costs in units of one running request. A CPU-to-slot copy takes milliseconds. A cold load costs
+    more than its read: the adapter takes a slot and a CPU entry for as long as its requests run, the
+    copy it makes duplicates one held elsewhere, and an eviction makes the evicted adapter's next request
+    cold. The fleet simulator (benchmarks/fleet_sim.py, 100 pods x 10,000 adapters) showed it: with
+    free_slot/evict at 4/6 the router spread adapters too eagerly, and at 14/20 cold loads per 1,000
+    requests fell by about a third with queueing p99 no worse (benchmarks/RESULTS.md, "Fleet
+    simulation"). A waiting request costs more than a running one
+    because it means the pod's batch is full, and a nearly full KV cache means preemptions."""
 
     cpu_hit: float = 0.5
-    free_slot: float = 4.0
-    evict: float = 6.0
+    free_slot: float = 14.0
+    evict: float = 20.0
     running: float = 1.0
     waiting: float = 2.0
     kv_usage: float = 4.0

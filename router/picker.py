@@ -49,13 +49,17 @@ class PodPicker:
         if view is not self._seen:
             self._seen, self._baseline = view, Counter(self._inflight)
         # A pod that refused a connection is left out until a view read after the refusal says otherwise.
-        pods = [p for p in view.pods if self._suspect.get(p.id, float("-inf")) < view.read_at]
+        pods = [p for p in view.pods if self._suspect.get(p.id, float("-inf")) < view.read_at] if self._suspect \
+            else view.pods
         if not pods:
             raise NoPodAvailable("no data-plane pod is ready to serve; check `lorafleet pods` and the pods' logs")
         now = self._clock()
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
-        extra = {p.id: self._inflight[p.id] - self._baseline[p.id] for p in pods}
+        # only the pods whose count moved since the view was read (most do not, in a large fleet)
+        extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
         ranked = rank(adapter, pods, self._weights, extra, just_sent)
+        if not any(until > now for until in self._full_until.values()):
+            return ranked
         # pods that said they are full go last, in rank order, for as long as they said
         return sorted(ranked, key=lambda choice: self._full_until.get(choice.pod.id, 0.0) > now)
 

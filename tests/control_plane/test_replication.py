@@ -43,9 +43,9 @@ def test_an_adapter_held_nowhere_but_hot_is_loaded_on_enough_pods():
 def test_new_replicas_go_where_the_router_would_send_overflow_a_free_slot_then_the_least_load():
     fleet = [PodLoad("a", 2, running=1), PodLoad("b", 2, has_free_slot=False, running=1),
              PodLoad("c", 2, running=4), PodLoad("d", 2, running=0, waiting=1)]
-    # costs: a 4+1, b 6+1, c 4+4, d 4+2 -> a, d, b, c
+    # costs: a 14+1, b 20+1, c 14+4, d 14+2 -> a, d, c, b
     assert plan({"hot": 15.0}, {}, fleet=fleet).add == {"hot": ("a", "d")}
-    assert plan({"hot": 25.0}, {}, fleet=fleet).add == {"hot": ("a", "b", "d")}
+    assert plan({"hot": 25.0}, {}, fleet=fleet).add == {"hot": ("a", "c", "d")}
 
 
 def test_within_the_band_the_target_holds_and_replicas_lost_are_replaced():
