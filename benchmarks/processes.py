@@ -98,11 +98,13 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
 
 
 class RedisServer:
-    """A redis-server child process with an append-only file fsynced on every write."""
+    """A redis-server child process with an append-only file fsynced on every write (unless not
+    ``durable``: then it keeps nothing on disk, so that a benchmark measures the registry, not fsync)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, durable: bool = True) -> None:
         self.port = free_port()
         self.dir = directory
+        self.durable = durable
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -112,7 +114,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+             "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always", "--dir", str(self.dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_listening("127.0.0.1", self.port, self.proc, 10, what="redis-server")
 
