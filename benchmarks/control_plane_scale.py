@@ -27,6 +27,7 @@ import asyncio
 import platform
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -214,6 +215,7 @@ def main() -> None:
     if args.pins + args.admin_calls > args.adapters:
         parser.error("--pins plus --admin-calls must not exceed --adapters")
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the finally below stops every child
     marks: dict[str, float] = {}
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,6 +43,7 @@ class Reconciler:
         self._pod_retry: dict[str, tuple[int, float]] = {}
         self._unsatisfied_logged: dict[str, str] = {}
         self._probe_logged: dict[str, Probe] = {}
+        self._indexed_token = 0  # the lease under which the pinned index was last rebuilt
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -85,14 +86,23 @@ class Reconciler:
         views = await self._fleet.pods()
         gone = await self._remove_refusing(views, token)
         views = [v for v in views if v.pod.id not in gone]
-        adapters = await self._store.all_adapters()
-        placements = await self._store.placements([a.name for a in adapters])
+        if token != self._indexed_token:  # once per lease: the index may predate this version's writers
+            await self._store.index_pins()
+            self._indexed_token = token
+        # Only pinned adapters and those the pods hold are read: a pass costs what the fleet holds,
+        # not what the registry holds.
+        pinned = await self._store.pinned_adapters()
+        placements = await self._store.placements([a.name for a in pinned])
+        held = sorted({r.name for v in views for r in v.pod.residents} - {a.name for a in pinned})
+        adapters = pinned + await self._store.adapters(held)
         failed = frozenset((r.adapter, r.pod) for recs in placements.values() for r in recs
                            if r.state is PlacementState.FAILED and r.attempts >= cfg.max_load_attempts)
+        accepted = _accepted_since_heartbeat(views, placements)
         slots = [PodSlots(v.pod.id, pinned_capacity(v.pod.slots_total, v.pod.cpu_cache_capacity,
                                                      cfg.reserved_unpinned_slots),
-                          frozenset(r.name for r in v.pod.residents if r.pinned), v.ready) for v in views]
-        pins = [Pin(a.name, a.pin_replicas) for a in adapters if a.pinned]
+                          frozenset(r.name for r in v.pod.residents if r.pinned) | accepted[v.pod.id], v.ready)
+                 for v in views]
+        pins = [Pin(a.name, a.pin_replicas) for a in pinned]
         assignment = place(pins, slots, failed)
         await self._store.set_pin_status(assignment.unsatisfied, token)
         for name, why in assignment.unsatisfied.items():
@@ -112,7 +122,7 @@ class Reconciler:
         await asyncio.gather(*(self._drive(pod_actions, attempts) for pod_actions in by_pod.values()))
         await self._pods.forget({v.pod.endpoint for v in views})
 
-        self._metrics.adapters.set(len(adapters))
+        self._metrics.adapters.set(await self._store.count_adapters())
         self._metrics.adapters_pinned.set(len(pins))
         self._metrics.pins_unsatisfied.set(len(assignment.unsatisfied))
         self._metrics.pods.labels("true").set(sum(v.ready for v in views))
@@ -200,3 +210,18 @@ class Reconciler:
     async def _record(self, action: Action, token: int, state: PlacementState, error: str, attempts: int) -> None:
         await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
                                                         self._store.now()), token)
+
+
+def _accepted_since_heartbeat(views: list[PodView], placements: dict[str, list[PlacementRecord]],
+                              ) -> defaultdict[str, set[str]]:
+    """Pod id -> adapters it loaded and pinned for this leader after its last heartbeat. Placement
+    counts them as held: otherwise a pass that runs before the pod reports them places them anew,
+    possibly elsewhere, and the pod's next report has them unpinned again (churn that grows with
+    the fleet)."""
+    pods = {v.pod.id: v.pod for v in views}
+    accepted: defaultdict[str, set[str]] = defaultdict(set)
+    for recs in placements.values():
+        for r in recs:
+            if r.pod in pods and r.ready_since(pods[r.pod]):
+                accepted[r.pod].add(r.adapter)
+    return accepted

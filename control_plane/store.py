@@ -3,6 +3,7 @@
 Key layout, all under ``{prefix}:``
     adapter:{name}     hash   name, source, sha256, base_model, version, pinned, pin_replicas
     adapters           zset   every adapter name at score 0 (name order, for paging by ZRANGEBYLEX)
+    pinned             set    names of the pinned adapters: all a reconciliation pass reads of the registry
     placement:{name}   hash   pod id -> JSON PlacementRecord (what the reconciler asked of that pod)
     pin_status         hash   adapter name -> why its pin is not fully placed
     pods               zset   pod id -> unix time of its last heartbeat
@@ -89,6 +90,16 @@ for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 return 0
 """
 
+# KEYS: adapters, pinned. ARGV: the prefix of adapter:{name} keys. Rebuilds the pinned index from
+# the records themselves, in one step, so that no pin written meanwhile is lost from it.
+_INDEX_PINS = """
+redis.call('DEL', KEYS[2])
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('HGET', ARGV[1] .. name, 'pinned') == '1' then redis.call('SADD', KEYS[2], name) end
+end
+return redis.call('SCARD', KEYS[2])
+"""
+
 # KEYS: leader, pods, pod:{id}, events, then placement:{name} of every adapter. ARGV: token, id,
 # cutoff, maxlen. Removes the pod and its placements only if no heartbeat arrived since the
 # caller decided it was dead.
@@ -119,6 +130,7 @@ class Store:
         self._put_placement = self._r.register_script(_PUT_PLACEMENT)
         self._delete_placement = self._r.register_script(_DELETE_PLACEMENT)
         self._set_pin_status = self._r.register_script(_SET_PIN_STATUS)
+        self._index_pins = self._r.register_script(_INDEX_PINS)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -148,6 +160,7 @@ class Store:
             def write(pipe: Pipeline) -> None:
                 pipe.hset(self._k("adapter", rec.name), mapping=new.to_fields())
                 pipe.zadd(self._k("adapters"), {rec.name: 0})
+                self._index_pin(pipe, new)
                 self._event(pipe, "registered", rec.name, 1)
             return new, write
 
@@ -176,6 +189,7 @@ class Store:
 
             def write(pipe: Pipeline) -> None:
                 pipe.hset(self._k("adapter", name), mapping=new.to_fields())
+                self._index_pin(pipe, new)
                 if clear_placements:
                     pipe.delete(self._k("placement", name))
                 self._event(pipe, event, name, new.version)
@@ -191,6 +205,7 @@ class Store:
             def write(pipe: Pipeline) -> None:
                 pipe.delete(self._k("adapter", name), self._k("placement", name))
                 pipe.zrem(self._k("adapters"), name)
+                pipe.srem(self._k("pinned"), name)
                 pipe.hdel(self._k("pin_status"), name)
                 self._event(pipe, "unregistered", name, old.version + 1)
             return old, write
@@ -245,7 +260,38 @@ class Store:
         async with _available():
             return await self._adapters(await self._r.zrange(self._k("adapters"), 0, -1))
 
+    async def adapters(self, names: list[str]) -> list[AdapterRecord]:
+        """The records of those of ``names`` that are registered, in the order given."""
+        async with _available():
+            return await self._adapters(names)
+
+    async def pinned_adapters(self) -> list[AdapterRecord]:
+        """Every pinned adapter's record, in name order: read through the pinned index, so the cost
+        grows with the pins, not with the registry."""
+        async with _available():
+            names = sorted(await self._r.smembers(self._k("pinned")))
+            return [rec for rec in await self._adapters(names) if rec.pinned]
+
+    async def count_adapters(self) -> int:
+        async with _available():
+            return await self._r.zcard(self._k("adapters"))
+
+    async def index_pins(self) -> int:
+        """Rebuilds the pinned index from the adapter records (one atomic step, a scan of the whole
+        registry in Redis), for a registry written before the index existed; returns the pin count."""
+        async with _available():
+            return int(await self._index_pins(keys=[self._k("adapters"), self._k("pinned")],
+                                              args=[self._k("adapter", "")]))
+
+    def _index_pin(self, pipe: Pipeline, rec: AdapterRecord) -> None:
+        if rec.pinned:
+            pipe.sadd(self._k("pinned"), rec.name)
+        else:
+            pipe.srem(self._k("pinned"), rec.name)
+
     async def _adapters(self, names: list[str]) -> list[AdapterRecord]:
+        if not names:
+            return []
         async with self._r.pipeline(transaction=False) as pipe:
             for n in names:
                 pipe.hgetall(self._k("adapter", n))

@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 import pytest
+import redis
 
 from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
@@ -314,6 +315,36 @@ def test_an_unregistered_adapter_is_unpinned_and_unloaded_from_pods(config, redi
         return await h.sent()
 
     assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old")]
+
+
+def test_a_pin_written_before_the_pinned_index_existed_is_placed(config, redis_server):
+    async def body(h):
+        await h.adapter("a")
+        await h.pod("p0")
+        # pinned as a version before the pinned index wrote it: in the record alone
+        redis.Redis.from_url(redis_server.url).hset("rec:adapter:a", mapping={"pinned": "1", "pin_replicas": "1"})
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == [("p0", Command.LOAD_AND_PIN, "a")]
+
+
+def test_pins_a_pod_accepted_but_has_not_reported_yet_stay_where_they_are(config, redis_server):
+    """A pass that runs before the pods' next heartbeats must not place their new pins again
+    elsewhere (and have the pods unpin them once they report them)."""
+    async def body(h):
+        await h.pod("p0")
+        await h.pod("p1")
+        await h.lease.renew()
+        h.clock.t += 0.5  # after the heartbeats, which therefore do not show what this pass does
+        await h.adapter("b", replicas=1)
+        first = await h.sent()
+        await h.adapter("a", replicas=1)
+        return first, await h.sent()
+
+    first, second = run(config, redis_server, body)
+    assert first == [("p0", Command.LOAD_AND_PIN, "b")]
+    assert second == [("p1", Command.LOAD_AND_PIN, "a")]
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
