@@ -150,7 +150,7 @@ class Reconciler:
                                                         "outcome": outcome.value,
                                                         "silent_s": round(now - pod.last_heartbeat, 1)})
             # fenced, and refused by Redis if a heartbeat arrived since the one this pass saw
-            if outcome is Probe.REFUSED and await self._store.remove_pod(pod.id, pod.last_heartbeat, token):
+            if outcome is Probe.REFUSED and await self._fleet.remove(pod.id, pod.last_heartbeat, token):
                 gone.add(pod.id)
                 log.warning("pod removed: silent and its port refuses connections", extra={"pod": pod.id})
         self._metrics.pods_removed.labels("refused").inc(len(gone))

@@ -44,6 +44,8 @@ from control_plane.errors import (
 from control_plane.records import AdapterRecord, Event, PlacementRecord, PodRecord
 
 _CAS_ATTEMPTS = 32
+_MAX_CONNECTIONS = 64
+_CONNECTION_WAIT_S = 5.0  # then StoreUnavailable, as for a Redis that does not answer
 _Writes = Callable[[Pipeline], None]  # queues one transaction's commands
 
 # KEYS: leader, fencing. ARGV: replica, ttl ms. Returns the holder's fencing token, or 0 when
@@ -119,8 +121,12 @@ class Store:
 
     def __init__(self, redis_url: str, prefix: str, event_maxlen: int = 10_000,
                  clock: Callable[[], float] = time.time) -> None:
-        self._r = redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
-                                 socket_connect_timeout=2.0)
+        # A bounded pool that makes a call wait for a free connection: redis-py's default pool fails
+        # the call instead ("Too many connections") once 100 are in use, which a hundred pods'
+        # heartbeats arriving together with admin calls and a reconciliation pass reach.
+        self._r = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=_MAX_CONNECTIONS, timeout=_CONNECTION_WAIT_S, decode_responses=True,
+            socket_timeout=5.0, socket_connect_timeout=2.0))
         self._p = prefix
         self._maxlen = event_maxlen
         self._clock = clock

@@ -343,3 +343,11 @@ def test_rebuilding_the_pinned_index_finds_pins_written_without_it_and_drops_sta
     assert before == []
     assert count == 1
     assert [(r.name, r.pin_replicas) for r in after] == [("b", 2)]
+
+
+def test_more_concurrent_calls_than_pooled_connections_wait_for_one_instead_of_failing(redis_server):
+    async def body(store):
+        await store.create_adapter(adapter("a"))
+        return await asyncio.gather(*(store.get_adapter("a") for _ in range(300)))
+
+    assert {r.name for r in with_store(redis_server, body)} == {"a"}
