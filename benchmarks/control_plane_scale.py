@@ -40,7 +40,17 @@ import redis
 from light_pods import LightPodsProcess  # benchmarks/light_pods.py
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
-from processes import TOKEN, ControlPlaneProcess, RedisServer, cpu_model, load_average, sample_value, scrape, wait_until
+from processes import (
+    TOKEN,
+    ControlPlaneProcess,
+    RedisServer,
+    cpu_model,
+    cpu_seconds,
+    load_average,
+    sample_value,
+    scrape,
+    wait_until,
+)
 
 from conventions.auth import bearer_metadata
 
@@ -60,31 +70,41 @@ def ms(values: list[float]) -> str:
 
 
 class PassSampler(threading.Thread):
-    """Scrapes the reconcile histogram's count and sum every ``period_s``; ``passes(t0, t1)`` is the
-    duration of each pass that ended between t0 and t1 (the mean, where one scrape saw several)."""
+    """Every ``period_s``: scrapes the reconcile histogram's count and sum, and reads the CPU time the
+    processes ``pids`` have used. ``passes(t0, t1)`` is the duration of each pass that ended between
+    t0 and t1 (the mean, where one scrape saw several); ``cpu_share(t0, t1)`` each process's CPU
+    seconds per second over that time."""
 
-    def __init__(self, metrics_port: int, period_s: float = 0.1) -> None:
+    def __init__(self, metrics_port: int, pids: dict[str, int], period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
-        self.port, self.period_s = metrics_port, period_s
-        self.samples: list[tuple[float, float, float]] = []  # (time, count, sum)
+        self.port, self.pids, self.period_s = metrics_port, pids, period_s
+        self.samples: list[tuple[float, float, float, dict[str, float]]] = []  # (time, count, sum, cpu)
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
             try:
                 text = scrape(self.port)
+                cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
                 self.samples.append((time.time(), sample_value(text, PASSES + "_count"),
-                                     sample_value(text, PASSES + "_sum")))
+                                     sample_value(text, PASSES + "_sum"), cpu))
             except OSError:
                 pass
             self.halt.wait(self.period_s)
 
     def passes(self, t0: float, t1: float) -> list[float]:
         out = []
-        for (_, c0, s0), (t, c1, s1) in zip(self.samples, self.samples[1:], strict=False):
+        for (_, c0, s0, _), (t, c1, s1, _) in zip(self.samples, self.samples[1:], strict=False):
             if t0 <= t <= t1 and c1 > c0:
                 out += [(s1 - s0) / (c1 - c0)] * int(c1 - c0)
         return out
+
+    def cpu_share(self, t0: float, t1: float) -> dict[str, float]:
+        within = [x for x in self.samples if t0 <= x[0] <= t1]
+        if len(within) < 2:
+            return {}
+        (a, *_, ca), (b, *_, cb) = within[0], within[-1]
+        return {name: (cb[name] - ca[name]) / (b - a) for name in self.pids}
 
 
 class Admin:
@@ -144,6 +164,9 @@ async def run(args: argparse.Namespace, cp: ControlPlaneProcess, r: redis.Redis,
     admin = Admin(cp.target)
     names = [adapter_name(i) for i in range(args.adapters)]
 
+    progress(f"baseline: {args.baseline_seconds} s of heartbeats to an empty registry")
+    marks["baseline"] = time.time()
+    await asyncio.sleep(args.baseline_seconds)
     progress(f"registering {args.adapters} adapters")
     marks["register"] = time.time()
     before = r.info("memory")
@@ -207,6 +230,8 @@ def main() -> None:
     parser.add_argument("--admin-calls", type=int, default=100, help="calls of each kind in the admin phase")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--baseline-seconds", type=float, default=15.0,
+                        help="heartbeats to an empty registry first: this machine's floor for the latencies")
     parser.add_argument("--converge-timeout", type=float, default=600.0, help="seconds to wait for the pins")
     parser.add_argument("--keep", type=Path, help="copy the processes' logs here at the end")
     args = parser.parse_args()
@@ -227,10 +252,11 @@ def main() -> None:
         cp = pods = sampler = None
         try:
             cp = ControlPlaneProcess(server.url, token_file, workdir, "cp", base_model=BASE_MODEL, lease_s=None).start()
-            sampler = PassSampler(cp.metrics_port)
-            sampler.start()
             pods = LightPodsProcess(workdir, cp.target, token_file, args.pods, BASE_MODEL, "--slots", str(args.slots),
                                     "--heartbeat-interval", str(args.heartbeat_interval)).start()
+            sampler = PassSampler(cp.metrics_port, {"control plane": cp.proc.pid, "light pods": pods.proc.pid,
+                                                    "redis-server": server.proc.pid})
+            sampler.start()
             progress(f"waiting for {args.pods} light pods")
             wait_until(lambda: cp.metric("lorafleet_control_plane_pods", ready="true") == args.pods, 120,
                        f"{args.pods} light pods ready")
@@ -252,7 +278,7 @@ def main() -> None:
 
 
 def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict, sampler: PassSampler) -> None:
-    phases = ["register", "pin", "admin", "list", "idle"]
+    phases = ["baseline", "register", "pin", "admin", "list", "idle"]
     bounds = {p: (marks[p], marks[phases[i + 1]] if i + 1 < len(phases) else marks["end"])
               for i, p in enumerate(phases)}
     beats = report["heartbeats"]
@@ -262,15 +288,18 @@ def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict,
           f"load average {load_average()}")
     print(f"{args.pods} light pods (heartbeat every {args.heartbeat_interval} s, {args.slots} slots), "
           f"{args.adapters} adapters, {args.pins} pinned x {args.pin_replicas} replicas\n")
-    print("| phase | reconcile passes: n, p50 / p99 / max | heartbeats: n, p50 / p99 / max |")
-    print("|---|---|---|")
-    for p in phases:
-        passes = sampler.passes(*bounds[p])
-        lat = [b[1] for b in beats if bounds[p][0] <= b[0] < bounds[p][1] and b[2] == "OK"]
-        print(f"| {p} | {len(passes)}, {ms(passes) if passes else '-'} | {len(lat)}, {ms(lat) if lat else '-'} |")
-    all_passes = sampler.passes(marks["register"], marks["end"])
-    all_beats = [b[1] for b in beats if marks["register"] <= b[0] < marks["end"] and b[2] == "OK"]
-    print(f"| all | {len(all_passes)}, {ms(all_passes)} | {len(all_beats)}, {ms(all_beats)} |")
+    names = list(sampler.pids)
+    print("| phase | seconds | reconcile passes: n, p50 / p99 / max | heartbeats: n, p50 / p99 / max | CPU share of "
+          f"one core: {', '.join(names)} |")
+    print("|---|---|---|---|---|")
+    for p in [*phases, "all"]:
+        t0, t1 = bounds[p] if p != "all" else (marks["register"], marks["end"])
+        passes = sampler.passes(t0, t1)
+        lat = [b[1] for b in beats if t0 <= b[0] < t1 and b[2] == "OK"]
+        cpu = sampler.cpu_share(t0, t1)
+        print(f"| {p if p != 'all' else 'register to end'} | {t1 - t0:.0f} | {len(passes)}, "
+              f"{ms(passes) if passes else '-'} | {len(lat)}, {ms(lat) if lat else '-'} | "
+              f"{', '.join(f'{cpu[n]:.2f}' for n in names) if cpu else '-'} |")
     print(f"\nheartbeats that failed: {len(failed)} ({sorted({b[2] for b in failed})})")
     print(f"pod commands served: {report['commands']}\n")
     print("| measure | value |")

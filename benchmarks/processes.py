@@ -63,6 +63,16 @@ def cpu_flags() -> str:
     return "unknown flags"
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds that process ``pid`` (all its threads) has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime: fields 14 and 15 of stat(5)
+
+
 def load_average() -> str:
     """The machine's 1, 5 and 15 minute load averages, for a benchmark's report."""
     with open("/proc/loadavg") as f:
