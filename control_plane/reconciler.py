@@ -21,6 +21,7 @@ from control_plane.store import Store
 
 log = logging.getLogger(__name__)
 _MAX_POD_BACKOFF_S = 60.0
+_NO_PASS_NEEDED = frozenset({"registered"})  # change events that cannot alter placement
 
 
 class Reconciler:
@@ -54,15 +55,25 @@ class Reconciler:
                     cursor = await self._store.last_event_id()
                 if self._lease.token:
                     await self.reconcile_once()
-                # Sleep until the next pass is due, or a change event arrives, whichever is first.
-                events = await self._store.events(cursor, count=100,
-                                                  block_ms=int(self._config.reconcile_interval_s * 1000))
-                if events:
-                    cursor = events[-1].id
+                cursor = await self._wait_for_change(cursor)
             except StoreUnavailable as e:
                 log.warning("reconciliation paused: Redis unavailable", extra={"error": str(e)})
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._config.reconcile_interval_s)
+
+    async def _wait_for_change(self, cursor: str) -> str:
+        """Sleeps until the next pass is due, or a change event that may alter placement arrives,
+        whichever is first; returns the cursor past the events read. A registration alone does not
+        wake it: a new adapter is unpinned, and registering thousands would otherwise run a pass each."""
+        deadline = time.monotonic() + self._config.reconcile_interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            events = await self._store.events(cursor, count=100, block_ms=max(1, int(left * 1000)))
+            if not events:
+                break
+            cursor = events[-1].id
+            if any(e.kind not in _NO_PASS_NEEDED for e in events):
+                break
+        return cursor
 
     async def reconcile_once(self) -> list[Action]:
         """One pass as leader; returns the actions it planned (none while this replica does not
