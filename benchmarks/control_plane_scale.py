@@ -26,12 +26,14 @@ import argparse
 import asyncio
 import platform
 import random
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -58,6 +60,8 @@ BASE_MODEL = "smollm2-135m"
 SHA = "ab" * 32
 AUTH = bearer_metadata(TOKEN)
 PASSES = "lorafleet_control_plane_reconcile_duration_seconds"
+RPC_SECONDS = "lorafleet_control_plane_rpc_duration_seconds"
+HANDLED = ("Heartbeat", "GetAdapter", "RegisterAdapter", "PinAdapter", "ListAdapters")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -69,16 +73,34 @@ def ms(values: list[float]) -> str:
     return f"{pct(values, 0.5) * 1000:.1f} / {pct(values, 0.99) * 1000:.1f} / {max(values) * 1000:.1f} ms"
 
 
-class PassSampler(threading.Thread):
-    """Every ``period_s``: scrapes the reconcile histogram's count and sum, and reads the CPU time the
-    processes ``pids`` have used. ``passes(t0, t1)`` is the duration of each pass that ended between
-    t0 and t1 (the mean, where one scrape saw several); ``cpu_share(t0, t1)`` each process's CPU
-    seconds per second over that time."""
+def handling_buckets(text: str) -> dict[str, dict[float, float]]:
+    """RPC method -> the control plane's handling-time histogram (upper bound -> cumulative count)."""
+    out: dict[str, dict[float, float]] = {}
+    for line in text.splitlines():
+        if line.startswith(RPC_SECONDS + "_bucket{"):
+            labels, value = line[len(RPC_SECONDS + "_bucket{"):].rsplit("} ", 1)
+            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            out.setdefault(fields["method"].rsplit("/", 1)[1], {})[float(fields["le"])] = float(value)
+    return out
+
+
+@dataclass
+class Sample:
+    t: float
+    passes: float  # reconcile passes so far
+    pass_seconds: float  # their total duration
+    cpu: dict[str, float]  # process -> CPU seconds so far
+    handling: dict[str, dict[float, float]]  # see handling_buckets
+
+
+class Sampler(threading.Thread):
+    """Every ``period_s``: scrapes the control plane's reconcile and RPC-handling histograms and reads
+    the CPU time the processes ``pids`` have used."""
 
     def __init__(self, metrics_port: int, pids: dict[str, int], period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.port, self.pids, self.period_s = metrics_port, pids, period_s
-        self.samples: list[tuple[float, float, float, dict[str, float]]] = []  # (time, count, sum, cpu)
+        self.samples: list[Sample] = []
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -86,25 +108,42 @@ class PassSampler(threading.Thread):
             try:
                 text = scrape(self.port)
                 cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-                self.samples.append((time.time(), sample_value(text, PASSES + "_count"),
-                                     sample_value(text, PASSES + "_sum"), cpu))
+                self.samples.append(Sample(time.time(), sample_value(text, PASSES + "_count"),
+                                           sample_value(text, PASSES + "_sum"), cpu, handling_buckets(text)))
             except OSError:
                 pass
             self.halt.wait(self.period_s)
 
     def passes(self, t0: float, t1: float) -> list[float]:
+        """The duration of each pass that ended between t0 and t1 (the mean, where one scrape saw several)."""
         out = []
-        for (_, c0, s0, _), (t, c1, s1, _) in zip(self.samples, self.samples[1:], strict=False):
-            if t0 <= t <= t1 and c1 > c0:
-                out += [(s1 - s0) / (c1 - c0)] * int(c1 - c0)
+        for a, b in zip(self.samples, self.samples[1:], strict=False):
+            if t0 <= b.t <= t1 and b.passes > a.passes:
+                out += [(b.pass_seconds - a.pass_seconds) / (b.passes - a.passes)] * int(b.passes - a.passes)
         return out
 
+    def _span(self, t0: float, t1: float) -> tuple[Sample, Sample] | None:
+        within = [x for x in self.samples if t0 <= x.t <= t1]
+        return (within[0], within[-1]) if len(within) >= 2 else None
+
     def cpu_share(self, t0: float, t1: float) -> dict[str, float]:
-        within = [x for x in self.samples if t0 <= x[0] <= t1]
-        if len(within) < 2:
+        """Each process's CPU seconds per second between t0 and t1."""
+        if not (span := self._span(t0, t1)):
             return {}
-        (a, *_, ca), (b, *_, cb) = within[0], within[-1]
-        return {name: (cb[name] - ca[name]) / (b - a) for name in self.pids}
+        a, b = span
+        return {name: (b.cpu[name] - a.cpu[name]) / (b.t - a.t) for name in self.pids}
+
+    def handling_p99(self, method: str, t0: float, t1: float) -> str:
+        """The histogram bucket that holds the 99th percentile of ``method``'s handling time between t0 and t1."""
+        if not (span := self._span(t0, t1)):
+            return "-"
+        a, b = (x.handling.get(method, {}) for x in span)
+        counts = {le: n - a.get(le, 0.0) for le, n in sorted(b.items())}
+        total = counts.get(float("inf"), 0.0)
+        if not total:
+            return "-"
+        bound = next(le for le, n in counts.items() if n >= 0.99 * total)
+        return f"<= {bound * 1000:g} ms" if bound != float("inf") else "> 10 s"
 
 
 class Admin:
@@ -254,7 +293,7 @@ def main() -> None:
             cp = ControlPlaneProcess(server.url, token_file, workdir, "cp", base_model=BASE_MODEL, lease_s=None).start()
             pods = LightPodsProcess(workdir, cp.target, token_file, args.pods, BASE_MODEL, "--slots", str(args.slots),
                                     "--heartbeat-interval", str(args.heartbeat_interval)).start()
-            sampler = PassSampler(cp.metrics_port, {"control plane": cp.proc.pid, "light pods": pods.proc.pid,
+            sampler = Sampler(cp.metrics_port, {"control plane": cp.proc.pid, "light pods": pods.proc.pid,
                                                     "redis-server": server.proc.pid})
             sampler.start()
             progress(f"waiting for {args.pods} light pods")
@@ -277,7 +316,7 @@ def main() -> None:
     print_report(args, marks, out, report, sampler)
 
 
-def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict, sampler: PassSampler) -> None:
+def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict, sampler: Sampler) -> None:
     phases = ["baseline", "register", "pin", "admin", "list", "idle"]
     bounds = {p: (marks[p], marks[phases[i + 1]] if i + 1 < len(phases) else marks["end"])
               for i, p in enumerate(phases)}
@@ -300,6 +339,13 @@ def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict,
         print(f"| {p if p != 'all' else 'register to end'} | {t1 - t0:.0f} | {len(passes)}, "
               f"{ms(passes) if passes else '-'} | {len(lat)}, {ms(lat) if lat else '-'} | "
               f"{', '.join(f'{cpu[n]:.2f}' for n in names) if cpu else '-'} |")
+    print("\nHandling time p99 inside the control plane, from its own histogram (the bucket that holds it):\n")
+    print(f"| phase | {' | '.join(HANDLED)} |")
+    print(f"|---|{'---|' * len(HANDLED)}")
+    for p in [*phases, "all"]:
+        t0, t1 = bounds[p] if p != "all" else (marks["register"], marks["end"])
+        print(f"| {p if p != 'all' else 'register to end'} | "
+              f"{' | '.join(sampler.handling_p99(m, t0, t1) for m in HANDLED)} |")
     print(f"\nheartbeats that failed: {len(failed)} ({sorted({b[2] for b in failed})})")
     print(f"pod commands served: {report['commands']}\n")
     print("| measure | value |")
