@@ -3,6 +3,8 @@
 (benchmarks/light_pods.py: real DataPlaneAdmin servers and real heartbeats, in-memory caches).
 
 Phases, in order, on one fleet:
+0. ``baseline``: ``--baseline-seconds`` of heartbeats to an empty registry: what this machine gives
+   a heartbeat when the control plane has nothing to do (the floor for every latency below).
 1. ``register``: ``--adapters`` adapters registered through AdapterAdmin.RegisterAdapter,
    ``--concurrency`` calls in flight; Redis ``used_memory`` before and after, per adapter.
 2. ``pin``: ``--pins`` of them pinned with ``--pin-replicas`` replicas each; the time until the
@@ -17,7 +19,9 @@ Phases, in order, on one fleet:
 Reconcile passes are read from the control plane's own Prometheus histogram
 (``lorafleet_control_plane_reconcile_duration_seconds``), scraped every 0.1 s: between two scrapes that
 saw one more pass, the sum grew by exactly that pass's duration. Heartbeat latency is timed at each
-light pod's client. Prints markdown rows for benchmarks/RESULTS.md.
+light pod's client; the control plane's RPC histogram gives, per phase, the bucket holding the p99 of
+its own handling time of each RPC; /proc gives each process's CPU share. Prints markdown tables for
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
