@@ -260,7 +260,8 @@ class ControlPlaneProcess:
     seconds; with none of those flags (the shipped defaults) when ``lease_s`` is None."""
 
     def __init__(self, redis_url: str, token_file: Path, log_dir: Path, replica: str, port: int | None = None,
-                 base_model: str = BASE_MODEL, lease_s: float | None = 1.0, grace_s: float = 1.0) -> None:
+                 base_model: str = BASE_MODEL, lease_s: float | None = 1.0, grace_s: float = 1.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port, self.metrics_port = port or free_port(), free_port()
         self.args = [sys.executable, "-m", "control_plane.server", "--redis-url", redis_url, "--host", "127.0.0.1",
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port),
@@ -269,6 +270,7 @@ class ControlPlaneProcess:
         if lease_s is not None:
             self.args += ["--pod-lease-ttl", str(lease_s), "--pod-grace", str(grace_s),
                           "--leader-lease-ttl", "1.5", "--reconcile-interval", "0.3"]
+        self.args += extra_args
         self.log = log_dir / f"{replica}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -298,14 +300,16 @@ def copy_demo_adapters(root: Path) -> Path:
 
 class Fleet:
     """A redis-server, a control plane and ``pods`` CPU pods (two unless told) on the demo model that
-    heartbeat to it. ``pod_args`` are added to every pod's command line (a flag given again overrides
-    the default); a subclass may route a pod's control-plane traffic elsewhere by overriding
-    ``control_plane_for``. Leases and heartbeats are shortened (2 s pod lease plus 2 s grace, 0.3 s
-    beats) unless ``shipped_timing``, which runs the control plane's and the pods' defaults."""
+    heartbeat to it. ``pod_args`` are added to every pod's command line and ``control_plane_args`` to the
+    control plane's (a flag given again overrides the default); a subclass may route a pod's control-plane
+    traffic elsewhere by overriding ``control_plane_for``. Leases and heartbeats are shortened (2 s pod lease
+    plus 2 s grace, 0.3 s beats) unless ``shipped_timing``, which runs the control plane's and the pods'
+    defaults."""
 
     def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str, pods: int = 2,
-                 shipped_timing: bool = False) -> None:
+                 shipped_timing: bool = False, control_plane_args: tuple[str, ...] = ()) -> None:
         self.workdir, self.adapter_root, self.pod_args = workdir, adapter_root, pod_args
+        self.control_plane_args = control_plane_args
         self.shipped_timing = shipped_timing
         self.pod_names = [f"pod-{chr(ord('a') + i)}" for i in range(pods)]
         self.redis = RedisServer(workdir)
@@ -336,7 +340,7 @@ class Fleet:
         """Starts the control plane; a ``replica`` name other than the last one's is a new leader."""
         self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, replica, port,
                                       base_model=FLEET_BASE_MODEL, lease_s=None if self.shipped_timing else 2.0,
-                                      grace_s=2.0).start()
+                                      grace_s=2.0, extra_args=self.control_plane_args).start()
         self.channel = grpc.insecure_channel(self.cp.target)
 
     def admin(self) -> pb_grpc.AdapterAdminStub:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from processes import PodProcess, cpu_flags, cpu_model  # benchmarks/processes.py
+from processes import PodProcess, cpu_flags, cpu_model, load_average  # benchmarks/processes.py
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
@@ -104,12 +104,24 @@ def prepare(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path],
     return model_dir, dict.fromkeys(names, adapter_root), list(names), f"{len(names)} adapters"
 
 
+def logged_precision(log_path: Path) -> str:
+    """What the pod's "cpu matmul precision" log line says it chose and why ("none logged" on CUDA or
+    other dtypes, where there is no choice)."""
+    for line in log_path.read_text().splitlines():
+        if '"cpu matmul precision"' in line:
+            record = json.loads(line)
+            return f"{record['precision']}: {record['reason']}"
+    return "none logged"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", choices=["demo", *PRESETS],
                         help="the demo model and adapters, or random weights of a named shape")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the pod's --cpu-matmul (a float32 CPU model's decode matmul precision)")
     parser.add_argument("--tokenizer", type=Path,
                         help="directory with the demo model's tokenizer and config files, for a random-weight "
                              "model where the demo model is not installed (default: the installed demo model)")
@@ -137,6 +149,7 @@ def main() -> None:
         peft = None if args.skip_peft else PeftRunner(model_dir, roots, adapters, prompts, args.device,
                                                      getattr(torch, args.dtype))
         pod_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype,
+                    "--cpu-matmul", args.cpu_matmul,
                     "--max-num-seqs", str(args.requests), "--max-loras", str(len(names)),
                     "--max-cpu-loras", str(max(32, len(names)))]
         if args.model != "demo":  # slots sized to the adapters: 64 slots of rank 64 would take 21 GB at 8B
@@ -147,6 +160,7 @@ def main() -> None:
             pod_args += ["--adapter-root", str(root)]
         pod = PodProcess(Path(tmp), *pod_args, name="bench")
         pod.start(timeout_s=1800)
+        precision = logged_precision(pod.log_path)
         stub = pod.generation()
         try:
             drive(stub, "warm-up", cycle, [PROMPTS[0]] * len(cycle), 4)  # loads every adapter
@@ -166,7 +180,8 @@ def main() -> None:
              else f"{cpu_model()} ({platform.machine()}; {cpu_flags()}), {args.threads} threads")
     print(f"\n{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; model {args.model} {args.dtype}, {args.requests} requests, "
-          f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds\n")
+          f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds, pod --cpu-matmul {args.cpu_matmul} "
+          f"({precision}), load average {load_average()}\n")
     print("| round | run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for i, runs in enumerate(rounds, 1):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.errors import ConfigError
+from control_plane.replication import Policy
 from conventions import defaults
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
@@ -43,6 +44,12 @@ class ControlPlaneConfig:
     # Slots each pod keeps free of pins, so that unpinned (on-demand) adapters still run.
     reserved_unpinned_slots: int = 1
     event_stream_maxlen: int = 10_000
+    # Replicas that follow popularity (control_plane/replication.py), in requests/s per replica; a high
+    # rate of 0 turns replication off.
+    replica_high_rate: float = 5.0
+    replica_low_rate: float = 1.0
+    replica_hold_s: float = 120.0
+    max_replicas: int = 0  # 0 = up to every ready pod
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -76,6 +83,16 @@ class ControlPlaneConfig:
             raise ConfigError(f"reserved_unpinned_slots must not be negative, got {self.reserved_unpinned_slots}")
         if self.event_stream_maxlen < 1:
             raise ConfigError(f"event_stream_maxlen must be at least 1, got {self.event_stream_maxlen}")
+        if self.replica_high_rate < 0:
+            raise ConfigError(f"--replica-high-rate must be >= 0 (0 turns replication off), "
+                              f"got {self.replica_high_rate}")
+        self.replica_policy()  # refuses a policy without a working hysteresis band now
+
+    def replica_policy(self) -> Policy | None:
+        """The replica decision's thresholds, or None when replication is off (--replica-high-rate 0)."""
+        if self.replica_high_rate == 0:
+            return None
+        return Policy(self.replica_high_rate, self.replica_low_rate, self.replica_hold_s, self.max_replicas)
 
     @property
     def replica(self) -> str:
@@ -122,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"loads of one adapter on one pod before giving up (default {d.max_load_attempts})")
     p.add_argument("--reserved-unpinned-slots", type=int, default=d.reserved_unpinned_slots,
                    help=f"slots per pod kept free of pins (default {d.reserved_unpinned_slots})")
+    p.add_argument("--replica-high-rate", type=float, default=d.replica_high_rate,
+                   help="requests/s per replica above which an adapter is pre-loaded on more pods, as the pods "
+                        f"report them; 0 turns replication off (default {d.replica_high_rate})")
+    p.add_argument("--replica-low-rate", type=float, default=d.replica_low_rate,
+                   help="requests/s per replica below which, for --replica-hold seconds, an adapter's extra "
+                        f"replica is unloaded; below the high rate (default {d.replica_low_rate})")
+    p.add_argument("--replica-hold", type=float, default=d.replica_hold_s,
+                   help=f"seconds below the low rate before each replica goes (default {d.replica_hold_s})")
+    p.add_argument("--max-replicas", type=int, default=d.max_replicas,
+                   help=f"most pods one adapter is replicated to; 0 = every ready pod (default {d.max_replicas})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -135,4 +162,6 @@ def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
         pod_probe_after_s=args.pod_probe_after, pod_probe_timeout_s=args.pod_probe_timeout,
         leader_lease_ttl_s=args.leader_lease_ttl, reconcile_interval_s=args.reconcile_interval,
         max_load_attempts=args.max_load_attempts, reserved_unpinned_slots=args.reserved_unpinned_slots,
+        replica_high_rate=args.replica_high_rate, replica_low_rate=args.replica_low_rate,
+        replica_hold_s=args.replica_hold, max_replicas=args.max_replicas,
     )

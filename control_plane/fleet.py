@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -13,6 +14,9 @@ from control_plane.store import Store
 from conventions.names import NAME_RULE, is_valid_name
 
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+# Adapter rates one heartbeat may list: the pod lists its busiest few dozen, and every listed rate
+# is stored with the pod's record in Redis on each beat.
+MAX_DEMAND_RATES = 1000
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Fleet:
         match = _ENDPOINT_RE.match(pod.endpoint)
         if not match or not 0 < int(match.group(2)) < 65536:
             raise InvalidArgument(f"endpoint {pod.endpoint!r} must be host:port with a port in 1-65535")
+        _check_demand(pod)
         if self._base_model and pod.base_model and pod.base_model != self._base_model:
             raise BaseModelMismatch(f"pod {pod.id!r} serves base model {pod.base_model!r} but this fleet serves "
                                     f"{self._base_model!r}; start the pod with the fleet's model")
@@ -103,3 +108,14 @@ class Fleet:
         if removed:
             self._forget()
         return removed
+
+
+def _check_demand(pod: PodRecord) -> None:
+    if len(pod.demand) > MAX_DEMAND_RATES:
+        raise InvalidArgument(f"the heartbeat lists {len(pod.demand)} adapter rates, more than {MAX_DEMAND_RATES}; "
+                              "lower the pod's --demand-report-top")
+    for adapter, rate in pod.demand:
+        if not is_valid_name(adapter):
+            raise InvalidArgument(f"demand lists adapter {adapter!r}, not a valid adapter name ({NAME_RULE})")
+        if not 0 <= rate < math.inf:
+            raise InvalidArgument(f"demand rate {rate} for adapter {adapter!r} must be a finite number >= 0")

@@ -34,4 +34,6 @@ def pod_record(request: pb.HeartbeatRequest) -> PodRecord:
                      reported_ready=request.ready, slots_total=s.slots.capacity, slots_used=s.slots.used,
                      slots_pinned=s.slots.pinned, cpu_cache_capacity=s.cpu_cache.capacity,
                      cpu_cache_used=s.cpu_cache.used, cpu_cache_pinned=s.cpu_cache.pinned,
-                     running_requests=s.running_requests, waiting_requests=s.waiting_requests, residents=residents)
+                     running_requests=s.running_requests, waiting_requests=s.waiting_requests, residents=residents,
+                     kv_usage=s.kv_cache_usage,
+                     demand=tuple((r.adapter, r.requests_per_second) for r in request.demand.rates))

@@ -36,6 +36,14 @@ class ControlPlaneMetrics:
         self.pod_commands = Counter("lorafleet_control_plane_pod_commands",
                                     "DataPlaneAdmin commands sent, by command and outcome",
                                     ["command", "outcome"], registry=r)
+        self.replica_changes = Counter("lorafleet_control_plane_replica_changes",
+                                       "extra replicas of hot adapters, by change: added (pre-loaded on a pod) "
+                                       "or released (unloaded once cold)", ["change"], registry=r)
+        for change in ("added", "released"):
+            self.replica_changes.labels(change)
+        self.adapters_replicated = Gauge("lorafleet_control_plane_adapters_replicated",
+                                         "adapters whose demand keeps them on more pods than their pin",
+                                         registry=r)
         self.reconcile_seconds = Histogram("lorafleet_control_plane_reconcile_duration_seconds",
                                            "time of one reconciliation pass", registry=r)
 

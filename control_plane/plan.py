@@ -13,6 +13,8 @@ class Command(enum.Enum):
     PIN = "pin"
     UNPIN = "unpin"
     UNLOAD = "unload"
+    LOAD = "load"  # LoadAdapter only: an extra replica of a hot adapter (control_plane/replicator.py)
+    RELEASE = "release"  # UnloadAdapter of an extra replica gone cold; refused while in use, tried again later
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
             if rec is None:
                 continue
             asked = records.get((name, pod.id))
-            if asked is not None and asked.ready_since(pod):
+            if asked is not None and asked.pinned and asked.ready_since(pod):
                 continue  # loaded and pinned since the pod's last report: not sent again before it reports
             if res is not None and res.sha256 in ("", rec.sha256):
                 if not res.pinned:

@@ -32,7 +32,7 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.UNAUTHENTICATED}
 
 # Unpinning or unloading an adapter the pod no longer holds leaves the pod as asked.
-_DONE_WHEN_NOT_FOUND = {Command.UNPIN, Command.UNLOAD}
+_DONE_WHEN_NOT_FOUND = {Command.UNPIN, Command.UNLOAD, Command.RELEASE}
 
 
 def read_answer(command: Command, code: grpc.StatusCode, details: str = "") -> CommandResult:
@@ -92,15 +92,14 @@ class PodClients:
         stub, kw = self._stub(action.endpoint), {"metadata": self._metadata, "timeout": self._timeout_s}
         name, token = action.adapter, fencing_token
         try:
-            if action.command is Command.LOAD_AND_PIN:
+            if action.command in (Command.LOAD_AND_PIN, Command.LOAD):
                 await stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source=action.source, sha256=action.sha256,
                                                              fencing_token=token), **kw)
-                await stub.PinAdapter(pb.PodPinAdapterRequest(name=name, fencing_token=token), **kw)
-            elif action.command is Command.PIN:
+            if action.command in (Command.LOAD_AND_PIN, Command.PIN):
                 await stub.PinAdapter(pb.PodPinAdapterRequest(name=name, fencing_token=token), **kw)
             elif action.command is Command.UNPIN:
                 await stub.UnpinAdapter(pb.PodUnpinAdapterRequest(name=name, fencing_token=token), **kw)
-            else:
+            elif action.command in (Command.UNLOAD, Command.RELEASE):
                 await stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name, fencing_token=token), **kw)
         except grpc.aio.AioRpcError as e:
             return read_answer(action.command, e.code(), e.details())

@@ -16,12 +16,15 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions
 from control_plane.pod_client import PodClients, Probe
-from control_plane.records import PlacementRecord, PlacementState
+from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
+from control_plane.replicator import Replicator
 from control_plane.store import Store
 
 log = logging.getLogger(__name__)
 _MAX_POD_BACKOFF_S = 60.0
 _NO_PASS_NEEDED = frozenset({"registered"})  # change events that cannot alter placement
+_LOADS = (Command.LOAD_AND_PIN, Command.LOAD)
+_REPLICA_CHANGE = {Command.LOAD: "added", Command.RELEASE: "released"}
 
 
 class Reconciler:
@@ -45,6 +48,8 @@ class Reconciler:
         self._unsatisfied_logged: dict[str, str] = {}
         self._probe_logged: dict[str, Probe] = {}
         self._indexed_token = 0  # the lease under which the pinned index was last rebuilt
+        policy = config.replica_policy()
+        self._replicator = Replicator(policy, config.reserved_unpinned_slots) if policy else None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -100,12 +105,13 @@ class Reconciler:
         if token != self._indexed_token:  # once per lease: the index may predate this version's writers
             await self._store.index_pins()
             self._indexed_token = token
-        # Only pinned adapters and those the pods hold are read: a pass costs what the fleet holds,
-        # not what the registry holds.
+        # Only the adapters that are pinned, that pods hold or that pods report demand for are read
+        # (with their placements, replicas' included): a pass costs what the fleet holds, not what
+        # the registry holds.
         pinned = await self._store.pinned_adapters()
-        placements = await self._store.placements([a.name for a in pinned])
-        held = sorted({r.name for v in views for r in v.pod.residents} - {a.name for a in pinned})
-        adapters = pinned + await self._store.adapters(held)
+        seen = {r.name for v in views for r in v.pod.residents} | {n for v in views for n, _ in v.pod.demand}
+        adapters = pinned + await self._store.adapters(sorted(seen - {a.name for a in pinned}))
+        placements = await self._store.placements([a.name for a in adapters])
         failed = frozenset((r.adapter, r.pod) for recs in placements.values() for r in recs
                            if r.state is PlacementState.FAILED and r.attempts >= cfg.max_load_attempts)
         accepted = _accepted_since_heartbeat(views, placements)
@@ -124,6 +130,7 @@ class Reconciler:
         ready = [v.pod for v in views if v.ready]
         actions = plan_actions(adapters, ready, assignment.pods, placements, self._store.now(),
                                cfg.max_load_attempts, cfg.retry_backoff_s)
+        actions += self._replica_actions(adapters, ready, assignment.pods, placements)
         by_pod: dict[str, list[Action]] = defaultdict(list)
         for a in actions:
             if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:
@@ -139,6 +146,18 @@ class Reconciler:
         self._metrics.pods.labels("true").set(sum(v.ready for v in views))
         self._metrics.pods.labels("false").set(sum(not v.ready for v in views))
         self._metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        return actions
+
+    def _replica_actions(self, adapters: list[AdapterRecord], ready: list[PodRecord], pins: dict[str, tuple[str, ...]],
+                         placements: dict[str, list[PlacementRecord]]) -> list[Action]:
+        """Loads and releases of extra replicas of hot adapters, after the pins' commands on each pod
+        (none while replication is off)."""
+        if self._replicator is None:
+            return []
+        cfg = self._config
+        actions = self._replicator.actions(adapters, ready, pins, placements, self._store.now(),
+                                           cfg.max_load_attempts, cfg.retry_backoff_s)
+        self._metrics.adapters_replicated.set(len(self._replicator.last.targets))
         return actions
 
     async def _remove_refusing(self, views: list[PodView], token: int) -> set[str]:
@@ -184,7 +203,7 @@ class Reconciler:
             if not token:
                 return
             key = (action.adapter, action.pod)
-            if action.command is Command.LOAD_AND_PIN:
+            if action.command in _LOADS:
                 await self._record(action, token, PlacementState.LOADING, "", attempts.get(key, 0))
             result = await self._pods.execute(action, token)
             outcome = "ok" if result.ok else result.code.name.lower()
@@ -195,7 +214,9 @@ class Reconciler:
             if result.stale:
                 self._lease.step_down(f"pod {action.pod} has seen a newer fencing token than {token}")
                 return
-            if action.command in (Command.LOAD_AND_PIN, Command.PIN):
+            if result.ok and action.command in _REPLICA_CHANGE:
+                self._metrics.replica_changes.labels(_REPLICA_CHANGE[action.command]).inc()
+            if action.command in (*_LOADS, Command.PIN):
                 if result.ok:
                     await self._record(action, token, PlacementState.READY, "", 0)
                 elif result.transient:
@@ -206,10 +227,10 @@ class Reconciler:
                     await self._record(action, token, PlacementState.FAILED,
                                        f"{result.error} (attempt {failures} of {self._config.max_load_attempts})",
                                        failures)
-            elif action.command is Command.UNLOAD and result.ok:
+            elif action.command in (Command.UNLOAD, Command.RELEASE) and result.ok:
                 await self._store.delete_placement(action.adapter, action.pod, token)
-            if not result.ok and not result.transient and action.command in (Command.LOAD_AND_PIN, Command.PIN):
-                continue  # the adapter's own fault, recorded above: the pod's other commands still go out
+            if not result.ok and not result.transient and action.command in (*_LOADS, Command.PIN, Command.RELEASE):
+                continue  # the adapter's own fault (or a replica still in use): the pod's other commands still go out
             if not result.ok:
                 failed_passes = self._pod_retry.get(action.pod, (0, 0.0))[0] + 1
                 delay = min(_MAX_POD_BACKOFF_S, self._config.retry_backoff_s * 2 ** (failed_passes - 1))
@@ -220,7 +241,7 @@ class Reconciler:
 
     async def _record(self, action: Action, token: int, state: PlacementState, error: str, attempts: int) -> None:
         await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
-                                                        self._store.now()), token)
+                                                        self._store.now(), action.command is not Command.LOAD), token)
 
 
 def _accepted_since_heartbeat(views: list[PodView], placements: dict[str, list[PlacementRecord]],
@@ -233,6 +254,6 @@ def _accepted_since_heartbeat(views: list[PodView], placements: dict[str, list[P
     accepted: defaultdict[str, set[str]] = defaultdict(set)
     for recs in placements.values():
         for r in recs:
-            if r.pod in pods and r.ready_since(pods[r.pod]):
+            if r.pinned and r.pod in pods and r.ready_since(pods[r.pod]):
                 accepted[r.pod].add(r.adapter)
     return accepted

@@ -73,6 +73,9 @@ class PodRecord:
     running_requests: int = 0
     waiting_requests: int = 0
     residents: tuple[Residency, ...] = ()
+    kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
+    # (adapter, requests per second) of its busiest adapters, as decayed by the pod, highest first
+    demand: tuple[tuple[str, float], ...] = ()
 
     def is_live(self, now: float, lease_ttl_s: float) -> bool:
         """Whether the lease from its last heartbeat still runs."""
@@ -87,7 +90,8 @@ class PodRecord:
     @classmethod
     def from_json(cls, raw: str) -> PodRecord:
         d = json.loads(raw)
-        return cls(**(d | {"residents": tuple(Residency(**r) for r in d["residents"])}))
+        return cls(**(d | {"residents": tuple(Residency(**r) for r in d["residents"]),
+                           "demand": tuple((a, rate) for a, rate in d.get("demand", ()))}))
 
 
 # How much older than its arrival a heartbeat's report may be: its time in flight and queued at the
@@ -106,6 +110,7 @@ class PlacementRecord:
     error: str = ""
     attempts: int = 0  # failed loads so far
     updated_at: float = 0.0
+    pinned: bool = True  # asked to load and pin; False for an extra replica of a hot adapter (load only)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self) | {"state": self.state.name})

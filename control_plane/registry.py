@@ -175,5 +175,5 @@ def _join(rec: AdapterRecord, pods: dict[str, PodView], held: dict[str, Residenc
                                                         or p.ready_since(v.pod)):
             # A READY record the pod has not reported yet shows until its next heartbeat.
             out.append(PlacementView(v.pod.id, v.pod.endpoint, p.state, p.state is PlacementState.READY and
-                                     rec.pinned, p.error, load=_load(v)))
+                                     rec.pinned and p.pinned, p.error, load=_load(v)))
     return AdapterView(rec, tuple(out), rank, pin_status if rec.pinned else "")

@@ -11,6 +11,8 @@ from pathlib import Path
 from conventions import defaults
 from conventions.names import NAME_RULE, is_valid_name
 
+CPU_MATMUL_CHOICES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
@@ -20,6 +22,9 @@ class DataPlaneConfig:
     metrics_port: int = defaults.POD_METRICS_PORT
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
+    # Precision of a float32 CPU model's decode matmuls: "auto" measures float32 and bfloat16 on this
+    # CPU at start-up and takes the faster (see data_plane/model/cpu_linear.py); other dtypes and CUDA ignore it.
+    cpu_matmul: str = "auto"
     max_loras: int = defaults.MAX_LORAS
     max_cpu_loras: int = defaults.MAX_CPU_LORAS
     max_lora_rank: int = defaults.MAX_LORA_RANK
@@ -49,12 +54,17 @@ class DataPlaneConfig:
     heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
     stall_timeout_s: float = 30.0
+    # Per-adapter request rates in heartbeats: decayed over this window, the busiest this many listed.
+    demand_window_s: float = 30.0
+    demand_report_top: int = 32
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.cpu_matmul not in CPU_MATMUL_CHOICES:
+            raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMUL_CHOICES)}, not {self.cpu_matmul!r}")
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= --max-loras ({self.max_loras}) <= --max-cpu-loras ({self.max_cpu_loras})")
         if not 1 <= self.max_lora_rank <= 512:
@@ -76,6 +86,10 @@ class DataPlaneConfig:
         if not 0 <= self.max_queue_delay_s < math.inf:
             raise ValueError(f"--max-queue-delay must be a number of seconds >= 0 (0 = no limit), "
                              f"got {self.max_queue_delay_s}")
+        if not 0 < self.demand_window_s < math.inf:
+            raise ValueError(f"--demand-window must be a positive number of seconds, got {self.demand_window_s}")
+        if not 1 <= self.demand_report_top <= 1000:
+            raise ValueError(f"--demand-report-top must be within 1..1000, got {self.demand_report_top}")
         if self.scheduling_policy not in ("fair", "fcfs"):
             raise ValueError(f"--scheduling-policy must be fair or fcfs, not {self.scheduling_policy!r}")
         for name, weight in (*self.adapter_weights, ("the base model", self.base_model_weight)):
@@ -118,7 +132,8 @@ class DataPlaneConfig:
     def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
+            max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
@@ -133,6 +148,7 @@ class DataPlaneConfig:
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
             max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
             adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
+            demand_window_s=args.demand_window, demand_report_top=args.demand_report_top,
         )
 
 
@@ -159,6 +175,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--cpu-matmul", default=d.cpu_matmul, choices=CPU_MATMUL_CHOICES,
+                   help="precision of a float32 CPU model's decode matmuls: auto measures float32 and bfloat16 "
+                        "(operands rounded to bfloat16, float32 sums, outputs rounded to bfloat16) on this CPU at "
+                        "start-up and takes the faster")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")
@@ -208,3 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                    help="seconds the engine loop may make no progress while requests wait before the pod's "
                         "health (readiness and lorafleet.liveness) turns NOT_SERVING")
+    p.add_argument("--demand-window", type=float, default=d.demand_window_s,
+                   help="seconds over which the per-adapter request rates sent in heartbeats decay (the control "
+                        f"plane replicates hot adapters from them) (default {d.demand_window_s})")
+    p.add_argument("--demand-report-top", type=int, default=d.demand_report_top,
+                   help="how many of the busiest adapters each heartbeat lists by rate; the rest are summed "
+                        f"(default {d.demand_report_top})")

@@ -13,6 +13,7 @@ import grpc
 from lorafleet.v1 import data_plane_admin_pb2, membership_pb2, membership_pb2_grpc
 
 from conventions.auth import bearer_metadata
+from data_plane.demand import DemandMeter
 from data_plane.errors import AdapterNotFound, ControlPlaneUnavailable, StaleCommand
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class MembershipClient:
     def __init__(self, control_plane: str, token: str, pod_id: str, endpoint: str, base_model: str,
                  get_state: Callable[[], data_plane_admin_pb2.PodState], interval_s: float = 3.0, *,
                  guard: FencingGuard | None = None, is_ready: Callable[[], bool] = lambda: True,
-                 tls_root_cert: bytes | None = None, rpc_timeout_s: float = 5.0, max_backoff_s: float = 10.0) -> None:
+                 tls_root_cert: bytes | None = None, rpc_timeout_s: float = 5.0, max_backoff_s: float = 10.0,
+                 demand: DemandMeter | None = None, demand_report_top: int = 32) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.guard = guard or FencingGuard()
@@ -61,6 +63,7 @@ class MembershipClient:
         self._metadata = bearer_metadata(token)
         self._pod_id, self._endpoint, self._base_model = pod_id, endpoint, base_model
         self._get_state, self._is_ready = get_state, is_ready
+        self._demand, self._demand_top = demand, demand_report_top
         self._interval_s, self._rpc_timeout_s, self._max_backoff_s = interval_s, rpc_timeout_s, max_backoff_s
         # Logged with each failure: a plaintext dial to a TLS control plane fails as just "Socket closed".
         self._tls = tls_root_cert is not None
@@ -76,7 +79,8 @@ class MembershipClient:
         state = self._get_state()
         request = membership_pb2.HeartbeatRequest(pod_id=self._pod_id, endpoint=self._endpoint,
                                                   base_model=self._base_model, state=state,
-                                                  ready=self._is_ready() if ready is None else ready)
+                                                  ready=self._is_ready() if ready is None else ready,
+                                                  demand=demand_pb(self._demand, self._demand_top))
         response = await self._stub.Heartbeat(request, metadata=self._metadata, timeout=self._rpc_timeout_s)
         self.guard.observe(response.fencing_token)
         self.lease_ttl_s = response.lease_ttl_seconds
@@ -129,3 +133,13 @@ class MembershipClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+def demand_pb(meter: DemandMeter | None, top: int) -> membership_pb2.AdapterDemand:
+    """The heartbeat's demand report: the ``top`` busiest adapters by rate, the rest summed (empty without a meter)."""
+    if meter is None:
+        return membership_pb2.AdapterDemand()
+    r = meter.report(top)
+    return membership_pb2.AdapterDemand(
+        window_seconds=r.window_s, other_rate=r.other_rate, adapters_tracked=r.tracked,
+        rates=[membership_pb2.AdapterRate(adapter=a, requests_per_second=rate) for a, rate in r.top])

@@ -133,14 +133,30 @@ def bucket(n: int) -> int:
 
 
 PathKey = tuple[CpuPlan, int, int]  # a plan, its steps' token bucket and segment bucket
+# A path whose first (warm) run is this many times the fastest first run is not timed further:
+# building a pack (the most a first run adds) costs less than that, so it could not have won.
+PRUNE_FACTOR = 8
+# The gathered path copies each token's adapter: where every adapter has this many tokens on average it
+# moves that many copies of each A and B for the products the loop computes from one, so it is not a
+# candidate (measuring it at a 1024-token prefill alone took about a second on the demo model).
+GATHER_MAX_TOKENS_PER_SEGMENT = 8
+
+
+def candidates(num_tokens: int, num_segments: int) -> list[CpuLoraPath]:
+    """The paths worth measuring for steps of ``num_tokens`` in ``num_segments`` adapter segments (the
+    tuner passes its buckets, so that every step of a bucket has had the same candidates)."""
+    if num_tokens >= GATHER_MAX_TOKENS_PER_SEGMENT * max(1, num_segments):
+        return [p for p in CpuLoraPath if p is not CpuLoraPath.GATHERED]
+    return list(CpuLoraPath)
 
 
 class PathTuner:
     """Chooses each step's CPU path by measurement on this machine. The first time a layer plan
-    meets a (token bucket, segment bucket), ``choose`` runs every path once to warm it (packs built,
-    memory touched), then ``repeats`` more times interleaved, timing each with ``timer``, and keeps
-    the path with the lowest best time (ties: the order of ``CpuLoraPath``); later steps of that key
-    reuse it. A new resident layout is a new plan, measured anew. Deterministic given the timings."""
+    meets a (token bucket, segment bucket), ``choose`` runs each of the bucket's ``candidates`` once to
+    warm it (packs built, memory touched), then those within ``PRUNE_FACTOR`` of the fastest warm run
+    ``repeats`` more times interleaved, timing each with ``timer``, and keeps the path with the lowest
+    best time (ties: the order of ``CpuLoraPath``); later steps of that key reuse it. A new resident
+    layout is a new plan, measured anew. Deterministic given the timings."""
 
     def __init__(self, timer: Callable[[], float] = time.perf_counter, repeats: int = 2, capacity: int = 4096) -> None:
         if repeats < 1 or capacity < 1:
@@ -161,8 +177,8 @@ class PathTuner:
         if path is not None:
             self._chosen.move_to_end(key)
             return path
-        seconds = self._measure(run)
-        path = min(CpuLoraPath, key=lambda p: seconds[p])  # min keeps the first of equal times
+        seconds = self._measure(run, candidates(key[1], key[2]))
+        path = min(seconds, key=lambda p: seconds[p])  # min keeps the first of equal times
         self._chosen[key] = path
         self.timings[key] = seconds
         while len(self._chosen) > self._capacity:
@@ -173,12 +189,19 @@ class PathTuner:
             **{f"{p.value}_us": round(t * 1e6, 1) for p, t in seconds.items()}})
         return path
 
-    def _measure(self, run: Callable[[CpuLoraPath], None]) -> dict[CpuLoraPath, float]:
-        for path in CpuLoraPath:
+    def _measure(self, run: Callable[[CpuLoraPath], None], paths: list[CpuLoraPath]) -> dict[CpuLoraPath, float]:
+        first = {}
+        for path in paths:  # the warm run, timed only to drop hopeless paths (it may build a pack)
+            started = self._timer()
             run(path)
-        best = dict.fromkeys(CpuLoraPath, math.inf)
+            first[path] = self._timer() - started
+        # A path PRUNE_FACTOR times slower than another on its first run cannot win, and measuring it
+        # again costs the step most (the gathered path at a 512-token prefill: ~100 ms a layer where
+        # the others take 1 ms): it keeps its first time and is not run again.
+        contenders = [p for p in paths if first[p] <= PRUNE_FACTOR * min(first.values())]
+        best = {p: math.inf if p in contenders else first[p] for p in paths}
         for _ in range(self._repeats):
-            for path in CpuLoraPath:  # interleaved, so that a burst of load falls on every path
+            for path in contenders:  # interleaved, so that a burst of load falls on every path
                 started = self._timer()
                 run(path)
                 best[path] = min(best[path], self._timer() - started)

@@ -22,13 +22,18 @@ _FULL_WITHOUT_HINT_S = 1.0
 class PodPicker:
     """Ranks the routable pods for an adapter; ``view`` returns the latest FleetView or None."""
 
-    def __init__(self, view: Callable[[], FleetView | None], weights: Weights | None = None) -> None:
+    def __init__(self, view: Callable[[], FleetView | None], weights: Weights | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._view = view
         self._weights = weights or Weights()
+        self._clock = clock  # monotonic seconds; the fleet simulator passes its own
         self._inflight: Counter[str] = Counter()  # pod -> requests this router is forwarding there now
         self._baseline: Counter[str] = Counter()  # _inflight when the current view was first used
         self._seen: FleetView | None = None
-        self._sent: dict[tuple[str, str], float] = {}  # (pod, adapter) -> monotonic time last routed
+        # adapter -> pod -> monotonic time last routed; keyed by adapter first so that a request looks
+        # only at its own adapter's entries, however many adapters the router has seen
+        self._sent: dict[str, dict[str, float]] = {}
+        self._sent_count = 0  # entries in _sent, expired ones included
         self._suspect: dict[str, float] = {}  # pod -> monotonic time it refused a connection
         self._full_until: dict[str, float] = {}  # pod -> monotonic time until which it said it is full
 
@@ -44,13 +49,17 @@ class PodPicker:
         if view is not self._seen:
             self._seen, self._baseline = view, Counter(self._inflight)
         # A pod that refused a connection is left out until a view read after the refusal says otherwise.
-        pods = [p for p in view.pods if self._suspect.get(p.id, float("-inf")) < view.read_at]
+        pods = [p for p in view.pods if self._suspect.get(p.id, float("-inf")) < view.read_at] if self._suspect \
+            else view.pods
         if not pods:
             raise NoPodAvailable("no data-plane pod is ready to serve; check `lorafleet pods` and the pods' logs")
-        now = time.monotonic()
-        just_sent = {pod for (pod, name), at in self._sent.items() if name == adapter and now - at < _JUST_SENT_S}
-        extra = {p.id: self._inflight[p.id] - self._baseline[p.id] for p in pods}
+        now = self._clock()
+        just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
+        # only the pods whose count moved since the view was read (most do not, in a large fleet)
+        extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
         ranked = rank(adapter, pods, self._weights, extra, just_sent)
+        if not any(until > now for until in self._full_until.values()):
+            return ranked
         # pods that said they are full go last, in rank order, for as long as they said
         return sorted(ranked, key=lambda choice: self._full_until.get(choice.pod.id, 0.0) > now)
 
@@ -58,10 +67,14 @@ class PodPicker:
         """A request for ``adapter`` was sent to ``pod``."""
         self._inflight[pod] += 1
         if adapter:
-            now = time.monotonic()
-            self._sent[(pod, adapter)] = now
-            if len(self._sent) > 4096:  # forget expired entries now and then, so the map stays small
-                self._sent = {k: at for k, at in self._sent.items() if now - at < _JUST_SENT_S}
+            now = self._clock()
+            pods = self._sent.setdefault(adapter, {})
+            self._sent_count += pod not in pods
+            pods[pod] = now
+            if self._sent_count > 4096:  # forget expired entries now and then, so the map stays small
+                self._sent = {name: fresh for name, sent in self._sent.items()
+                              if (fresh := {p: at for p, at in sent.items() if now - at < _JUST_SENT_S})}
+                self._sent_count = sum(map(len, self._sent.values()))
 
     def finished(self, pod: str) -> None:
         """A request sent to ``pod`` ended, however it ended."""
@@ -69,9 +82,9 @@ class PodPicker:
 
     def refused(self, pod: str) -> None:
         """``pod`` could not be reached; route around it until the next state read."""
-        self._suspect[pod] = time.monotonic()
+        self._suspect[pod] = self._clock()
 
     def pushed_back(self, pod: str, retry_after_s: float | None) -> None:
         """``pod`` refused a request as full and asked for ``retry_after_s`` (None: no hint); rank it last
         until then."""
-        self._full_until[pod] = time.monotonic() + (_FULL_WITHOUT_HINT_S if retry_after_s is None else retry_after_s)
+        self._full_until[pod] = self._clock() + (_FULL_WITHOUT_HINT_S if retry_after_s is None else retry_after_s)

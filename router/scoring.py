@@ -13,7 +13,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from conventions.pod_cost import Weights
 from router.view import PodView, Tier
+
+__all__ = ["Choice", "Decision", "Weights", "decision", "rank"]
 
 
 class Decision(Enum):
@@ -29,25 +32,6 @@ class Decision(Enum):
     def label(self) -> str:
         """The routing-decision metric's label: base, device_hit, cpu_hit or cold."""
         return "cold" if self in (Decision.FREE_SLOT, Decision.EVICT) else self.value
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Costs in units of one running request. A CPU-to-slot copy takes milliseconds; reading and
-    validating weights takes about as long as a few decode streams' turns; an eviction also makes
-    the evicted adapter's next request cold. A waiting request costs more than a running one because
-    it means the pod's batch is full, and a nearly full KV cache means preemptions."""
-
-    cpu_hit: float = 0.5
-    free_slot: float = 4.0
-    evict: float = 6.0
-    running: float = 1.0
-    waiting: float = 2.0
-    kv_usage: float = 4.0
-
-    def __post_init__(self) -> None:
-        if min(vars(self).values()) < 0:
-            raise ValueError(f"routing weights must not be negative: {self}")
 
 
 @dataclass(frozen=True)
@@ -77,11 +61,11 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
     (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago."""
     extra_running = extra_running or {}
     residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
-                      Decision.FREE_SLOT: weights.free_slot, Decision.EVICT: weights.evict}
+                      Decision.FREE_SLOT: weights.cold(True), Decision.EVICT: weights.cold(False)}
     choices = []
     for pod in pods:
         d = decision(adapter, pod, pod.id in just_sent_to)
         running = max(0, pod.running + extra_running.get(pod.id, 0))
-        load = weights.running * running + weights.waiting * pod.waiting + weights.kv_usage * pod.kv_usage
+        load = weights.load(running, pod.waiting, pod.kv_usage)
         choices.append(Choice(pod, d, residency_cost[d] + load))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))

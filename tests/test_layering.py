@@ -2,8 +2,8 @@
 
 Data plane, from the ground up: kernels → model → lora → engine → the pod (servicers, server,
 config, metrics). The control plane stands beside it on the same ground (``conventions``), and so does
-the router, which talks to both planes over gRPC only; the CLI is on top of all three. No arrow goes
-back up, and neither plane imports the other or the router.
+the router, which talks to both planes over gRPC only; the CLI and the fleet simulator are on top of all
+three. No arrow goes back up, and neither plane imports the other or the router.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("cli", "conventions", "control_plane", "data_plane", "kernels", "router")
+OURS = ("cli", "conventions", "control_plane", "data_plane", "kernels", "router", "fleetsim")
 
 # The floor of a module: the longest prefix listed wins. Higher numbers stand on lower ones.
 FLOORS = {
@@ -29,6 +29,7 @@ FLOORS = {
     "control_plane": 5,
     "router": 5,
     "cli": 6,
+    "fleetsim": 6,  # the fleet simulator drives the real placement, plan and router picker
 }
 # Packages side by side on one floor that must not see each other.
 APART = {"data_plane": {"control_plane", "router"}, "control_plane": {"data_plane", "router"},

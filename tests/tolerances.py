@@ -61,6 +61,15 @@ def tolerances(dtype: torch.dtype, *, depth: int, scale: float) -> tuple[float, 
     return RTOL[dtype], sum_atol(depth, scale) + (eps(dtype) / 2) ** 2 * scale
 
 
+def rounded_operands_atol(dtype: torch.dtype, *, depth: int, scale: float) -> float:
+    """The largest |a - b| between a float32 matmul and the same matmul with both operands rounded
+    to ``dtype``, the products summed in float32 and the result rounded to ``dtype``: each rounding is
+    within u = eps/2 relatively, so a product is within 2u + u² of the exact one and the result within
+    u more, on top of the float32 sums' ``sum_atol``; ``scale`` as there."""
+    u = eps(dtype) / 2
+    return (3 * u + u * u) * scale + sum_atol(depth, scale)
+
+
 def longest_sum(config, *, rank: int = 0, tokens: int = 0) -> int:
     """K of a decoder (ours or transformers' config): its longest chain of float32 sums, a
     projection's input width plus the rank of a LoRA delta on it, or an attention row over

@@ -157,15 +157,21 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
         return cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
 
-    def prepack_cpu_weights(self) -> None:
-        """Gives every projection and the output head a oneDNN copy of its weight where that
-        applies (float32 on CPU); call once the weights are final."""
+    def prepack_cpu_weights(self, precision: cpu_linear.MatmulPrecision = cpu_linear.MatmulPrecision.FLOAT32) -> None:
+        """Gives every projection and the output head a oneDNN copy of its weight in ``precision``
+        where that applies (float32 on CPU); call once the weights are final."""
         if not cpu_linear.can_prepack(self.head_weight):
             return
         for module in self.modules():
             if isinstance(module, Projection):
-                module.packed = cpu_linear.prepack(module.weight)
-        self._packed_head = cpu_linear.prepack(self.head_weight)
+                module.packed = cpu_linear.prepack(module.weight, precision)
+        self._packed_head = cpu_linear.prepack(self.head_weight, precision)
+
+    def matmul_weights(self) -> list[tuple[torch.Tensor, int]]:
+        """One weight of each projection shape and the output head, each with how many weights of
+        its shape a forward multiplies by: what a step's matmul time is made of."""
+        first = [m for m in self.layers[0].modules() if isinstance(m, Projection)]
+        return [*((m.weight, len(self.layers)) for m in first), (self.head_weight, 1)]
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config

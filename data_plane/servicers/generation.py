@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from lorafleet.v1 import generation_pb2, generation_pb2_grpc
 
+from data_plane.demand import DemandMeter
 from data_plane.engine.engine import Engine, StepOutput
 from data_plane.engine.sequence import FinishReason, SamplingParams
 from data_plane.errors import InvalidRequest
@@ -16,10 +17,13 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, handle: EngineHandle) -> None:
+    def __init__(self, handle: EngineHandle, demand: DemandMeter | None = None) -> None:
         self._handle = handle
+        self._demand = demand
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        if request.adapter and self._demand is not None:
+            self._demand.record(request.adapter)  # on arrival: a request refused for load is demand too
         engine = self._handle.get()
         prompt_ids = _prompt_ids(engine, request)
         params = sampling_params(request.sampling)

@@ -28,6 +28,12 @@ def valid(token_file) -> ControlPlaneConfig:
     ({"pod_probe_after_s": -1.0}, "pod_probe_after_s must be 0"),
     ({"pod_probe_after_s": float("nan")}, "pod_probe_after_s must be 0"),
     ({"pod_probe_timeout_s": 0.0}, "pod_probe_timeout_s must be positive"),
+    ({"replica_high_rate": -1.0}, "--replica-high-rate must be >= 0"),
+    ({"replica_high_rate": float("nan")}, "--replica-high-rate"),
+    ({"replica_low_rate": 5.0}, "--replica-low-rate must be >= 0 and below the high rate"),
+    ({"replica_low_rate": -0.5}, "--replica-low-rate"),
+    ({"replica_hold_s": -1.0}, "--replica-hold"),
+    ({"max_replicas": -2}, "--max-replicas"),
 ])
 def test_invalid_settings_are_refused_naming_what_to_fix(valid, change, message):
     with pytest.raises(ConfigError, match=message):
@@ -44,6 +50,17 @@ def test_flags_build_the_config(token_file):
         == ("redis://r:1/2", "127.0.0.1", 5, 6, "fleet", "m")
     assert (config.pod_probe_after_s, config.pod_probe_timeout_s) == (2.5, 0.5)
     assert config.replica  # defaults to hostname-pid
+    assert config.replica_policy() is not None  # replication is on by default
+
+
+def test_replica_flags_build_the_policy_and_a_high_rate_of_zero_turns_replication_off(token_file):
+    base = ["--redis-url", "redis://r:1/2", "--admin-token-file", str(token_file)]
+    policy = config_from_args(build_parser().parse_args(
+        [*base, "--replica-high-rate", "8", "--replica-low-rate", "2", "--replica-hold", "30",
+         "--max-replicas", "3"])).replica_policy()
+    assert (policy.high_rate, policy.low_rate, policy.hold_s, policy.max_replicas) == (8.0, 2.0, 30.0, 3)
+    off = config_from_args(build_parser().parse_args([*base, "--replica-high-rate", "0", "--replica-low-rate", "0"]))
+    assert off.replica_policy() is None
 
 
 def test_main_reports_a_bad_flag_value_and_exits_2(token_file, capsys):

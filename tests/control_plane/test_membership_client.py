@@ -62,3 +62,30 @@ def test_heartbeats_keep_retrying_with_backoff_while_the_control_plane_is_down()
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval_s"):
         MembershipClient("127.0.0.1:1", TOKEN, "p", "127.0.0.1:1", "m", dpa.PodState, interval_s=0)
+
+
+def test_a_heartbeat_carries_the_pods_busiest_adapters_rates_to_the_registry(config):
+    from control_plane.store import Store
+    from data_plane.demand import DemandMeter
+    from tests.control_plane.conftest import serving
+
+    meter = DemandMeter(window_s=10.0)
+    for name, count in (("hot", 20), ("warm", 5), ("cool", 1)):
+        for _ in range(count):
+            meter.record(name)
+
+    async def go():
+        async with serving(config):
+            client = MembershipClient(f"127.0.0.1:{config.port}", TOKEN, "p", "127.0.0.1:1", "smollm2-135m",
+                                      dpa.PodState, demand=meter, demand_report_top=2)
+            store = Store(config.redis_url, config.key_prefix)
+            try:
+                await client.heartbeat()
+                return await store.list_pods()
+            finally:
+                await client.close()
+                await store.close()
+
+    (pod,) = asyncio.run(go())
+    assert [a for a, _ in pod.demand] == ["hot", "warm"]  # the top two; "cool" only in the summed rest
+    assert pod.demand[0][1] == pytest.approx(2.0, rel=0.01)

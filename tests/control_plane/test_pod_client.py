@@ -92,6 +92,17 @@ def test_an_unpin_or_unload_the_pod_answers_not_found_is_done():
     assert unpin.ok and unload.ok
 
 
+def test_an_extra_replica_is_loaded_without_a_pin_and_released_by_an_unload():
+    # a pin would be refused here: a LOAD that sent one would fail
+    load, release, gone, in_use = (
+        *execute_against({"PinAdapter": C.RESOURCE_EXHAUSTED}, Command.LOAD, Command.RELEASE),
+        *execute_against({"UnloadAdapter": C.NOT_FOUND}, Command.RELEASE),
+        *execute_against({"UnloadAdapter": C.FAILED_PRECONDITION}, Command.RELEASE))
+    assert load.ok and release.ok
+    assert gone.ok  # already gone from the pod: done
+    assert (in_use.ok, in_use.transient, in_use.code) == (False, False, C.FAILED_PRECONDITION)
+
+
 def test_a_pin_the_pod_answers_not_found_fails_with_the_pods_reason():
     [pin] = execute_against({"PinAdapter": C.NOT_FOUND}, Command.PIN)
     assert (pin.ok, pin.code, pin.error) == (False, C.NOT_FOUND, "PinAdapter answered NOT_FOUND")

@@ -62,6 +62,13 @@ INVALID_CALLS = {
                           "next_page_token"),
 }
 
+def heartbeat(*rates: tuple[str, float]) -> mpb.HeartbeatRequest:
+    """A well-formed heartbeat but for the adapter rates it reports."""
+    demand = mpb.AdapterDemand(window_seconds=30, rates=[mpb.AdapterRate(adapter=a, requests_per_second=r)
+                                                         for a, r in rates])
+    return mpb.HeartbeatRequest(pod_id="p", endpoint="127.0.0.1:5", ready=True, demand=demand)
+
+
 INVALID_MEMBERSHIP = {
     "bad pod id": ("Heartbeat", mpb.HeartbeatRequest(pod_id="pod 1", endpoint="127.0.0.1:5"), C.INVALID_ARGUMENT,
                    "set --pod-id"),
@@ -71,6 +78,12 @@ INVALID_MEMBERSHIP = {
                         "port in 1-65535"),
     "pod of another model": ("Heartbeat", mpb.HeartbeatRequest(pod_id="p", endpoint="h:5", base_model="other"),
                              C.FAILED_PRECONDITION, "start the pod with the fleet's model"),
+    "demand rate negative": ("Heartbeat", heartbeat(("a", -1.0)), C.INVALID_ARGUMENT, "finite number >= 0"),
+    "demand rate NaN": ("Heartbeat", heartbeat(("a", float("nan"))), C.INVALID_ARGUMENT, "finite number >= 0"),
+    "demand rate infinite": ("Heartbeat", heartbeat(("a", float("inf"))), C.INVALID_ARGUMENT, "finite number"),
+    "demand for a bad name": ("Heartbeat", heartbeat(("a b", 1.0)), C.INVALID_ARGUMENT, "not a valid adapter name"),
+    "demand too long": ("Heartbeat", heartbeat(*((f"a{i}", 1.0) for i in range(1001))), C.INVALID_ARGUMENT,
+                        "lower the pod's --demand-report-top"),
     "resolve unknown": ("ResolveAdapter", mpb.ResolveAdapterRequest(name="nope"), C.NOT_FOUND, "register it first"),
 }
 

@@ -109,3 +109,13 @@ def test_a_bad_adapter_weight_is_refused_with_what_to_write(flag, words, capsys)
 def test_a_base_model_weight_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="weight of the base model must be a positive number"):
         config("--base-model-weight", "0")
+
+
+def test_the_cpu_matmul_precision_is_measured_unless_named():
+    assert config().cpu_matmul == "auto"
+    assert config("--cpu-matmul", "bfloat16").cpu_matmul == "bfloat16"
+
+
+def test_an_unknown_cpu_matmul_precision_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="--cpu-matmul must be one of auto, float32, bfloat16, not 'fast'"):
+        DataPlaneConfig(model=None, cpu_matmul="fast")

@@ -51,6 +51,34 @@ def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
     assert PathTuner(timer=clock).choose(PLAN, 1, SEGMENTS[:1], clock.run) is CpuLoraPath.LOOP
 
 
+def test_a_path_far_slower_on_its_first_run_is_not_run_again():
+    # gathered takes PRUNE_FACTOR times more than dense and a bit on its first run: it cannot win
+    slow = cpu_lora.PRUNE_FACTOR * 1e-4 * 1.01
+    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4})
+    tuner = PathTuner(timer=clock)
+    assert tuner.choose(PLAN, 4, SEGMENTS, clock.run) is CpuLoraPath.DENSE
+    assert clock.runs == [*CpuLoraPath, CpuLoraPath.DENSE, CpuLoraPath.LOOP, CpuLoraPath.DENSE, CpuLoraPath.LOOP]
+    assert tuner.timings[(PLAN, 4, 2)][CpuLoraPath.GATHERED] == pytest.approx(slow)  # its first run's time
+
+
+def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
+    # the loop's first run is slow (a cold cache), but within the factor: its timed runs decide
+    clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4,
+                   CpuLoraPath.LOOP: [cpu_lora.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4, 1e-4]})
+    assert PathTuner(timer=clock).choose(PLAN, 4, SEGMENTS, clock.run) is CpuLoraPath.LOOP
+
+
+# by buckets: gathered is measured while the token bucket is under 8 times the segment bucket
+@pytest.mark.parametrize(("tokens", "segments", "gathered"), [(4, 1, True), (5, 1, False), (32, 8, True),
+                                                              (33, 8, False), (512, 1, False), (256, 64, True)])
+def test_the_gathered_path_is_not_measured_where_each_adapter_has_many_tokens(tokens, segments, gathered):
+    clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
+    tuner = PathTuner(timer=clock)
+    tuner.choose(PLAN, tokens, tuple((s, s, s + 1, s) for s in range(segments)), clock.run)
+    assert (CpuLoraPath.GATHERED in clock.runs) is gathered
+    assert (CpuLoraPath.GATHERED in next(iter(tuner.timings.values()))) is gathered
+
+
 def test_equal_timings_choose_in_the_enums_order():
     clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
     assert PathTuner(timer=clock).choose(PLAN, 3, SEGMENTS, clock.run) is list(CpuLoraPath)[0]
@@ -63,7 +91,7 @@ def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
     measured = len(clock.runs)
     tuner.choose(PLAN, 7, SEGMENTS, clock.run)  # 5 and 7 tokens share the bucket of 8
     assert len(clock.runs) == measured
-    for tokens, segments, plan_ in [(9, SEGMENTS, PLAN), (5, SEGMENTS * 2, PLAN), (5, SEGMENTS, OTHER_PLAN)]:
+    for tokens, segments, plan_ in [(3, SEGMENTS, PLAN), (5, SEGMENTS * 2, PLAN), (5, SEGMENTS, OTHER_PLAN)]:
         tuner.choose(plan_, tokens, segments, clock.run)
         assert len(clock.runs) == measured + 9, (tokens, len(segments), plan_ is PLAN)
         measured = len(clock.runs)

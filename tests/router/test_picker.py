@@ -63,3 +63,31 @@ def test_the_pod_a_cold_adapter_was_just_sent_to_keeps_its_next_requests():
     picker.started(first.pod.id, "a")
     again = picker.choose("a")[0]
     assert (again.pod.id, again.decision) == (first.pod.id, Decision.CPU_HIT)
+
+
+def test_a_just_sent_adapter_stops_counting_as_resident_after_five_seconds_of_the_pickers_clock():
+    views = Views()
+    views.read("p1", "p2", at=1.0)
+    now = [100.0]
+    picker = PodPicker(lambda: views.view, clock=lambda: now[0])
+    first = picker.choose("a")[0].pod.id
+    picker.started(first, "a")
+    picker.finished(first)
+    now[0] += 4.9
+    assert (picker.choose("a")[0].pod.id, picker.choose("a")[0].decision) == (first, Decision.CPU_HIT)
+    now[0] += 0.2
+    assert {c.decision for c in picker.choose("a")} == {Decision.FREE_SLOT}
+
+
+def test_the_record_of_adapters_just_sent_forgets_expired_entries_as_it_grows():
+    views = Views()
+    views.read("p1", at=1.0)
+    now = [0.0]
+    picker = PodPicker(lambda: views.view, clock=lambda: now[0])
+    for i in range(5000):
+        now[0] = i * 0.01  # 5 s holds 500 entries
+        picker.started("p1", f"a{i}")
+        picker.finished("p1")
+    assert picker._sent_count <= 4096
+    assert picker._sent_count == sum(map(len, picker._sent.values()))
+    assert "a4999" in picker._sent and "a0" not in picker._sent

@@ -27,7 +27,7 @@ def test_residency_orders_idle_pods_device_then_cpu_then_free_slot_then_evict():
 
 
 def test_a_busy_device_hit_loses_to_an_idle_pod_that_must_load():
-    busy = pod("busy", {"a": Tier.DEVICE}, running=6, waiting=2)
+    busy = pod("busy", {"a": Tier.DEVICE}, running=12, waiting=2)
     assert order("a", busy, pod("idle"))[0] == ("idle", Decision.FREE_SLOT)
     assert order("a", pod("light", {"a": Tier.DEVICE}, running=2), pod("idle"))[0] == ("light", Decision.DEVICE_HIT)
 

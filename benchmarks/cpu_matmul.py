@@ -1,0 +1,126 @@
+"""float32 against bfloat16 decode matmuls on this CPU, on the demo model: speed and accuracy, in one run.
+
+What ``--cpu-matmul auto`` decides at pod start-up, shown in full: the start-up measurement's
+totals (``cpu_linear.choose_precision``), then whole decode steps of ``--seqs`` sequences (the
+serving mix of benchmarks/serve.py: base model, the demo adapters and a random rank-16 adapter)
+with the reordered weights in each precision, interleaved step by step in one process, and the
+deviation of the bfloat16 steps' logits from the float32 ones (largest |Δlogit| against the
+largest |logit|, greedy tokens that agree, largest change in the float32 token's log-probability).
+Prints markdown for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes.py
+from serve import EXTRA_ADAPTER  # benchmarks/serve.py
+from synthetic import write_random_adapter  # benchmarks/synthetic.py
+
+from data_plane.config import DataPlaneConfig
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.engine.scheduler import ScheduledSeq
+from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.metrics import PodMetrics
+from data_plane.model import cpu_linear
+from data_plane.model.cpu_linear import MatmulPrecision
+from data_plane.model.demo_model import ensure_demo_model
+from data_plane.model.llama import Projection
+from data_plane.pod import build_engine
+
+
+def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[ScheduledSeq]:
+    """``seqs`` sequences one decode token past ``context`` cached ones, adapters round-robin over ``slots``."""
+    blocks = -(-(context + 1) // engine.limits.block_size)
+    batch = []
+    for i in range(seqs):
+        seq = Sequence(f"s{i}", None, [5] * context, SamplingParams(), context + 2,
+                       block_table=list(range(i * blocks, (i + 1) * blocks)), slot=slots[i % len(slots)])
+        seq.num_computed = context - 1
+        batch.append(ScheduledSeq(seq, 1))
+    return batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--context", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per precision and mix")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = ensure_demo_model(quiet=True)
+        write_random_adapter(Path(tmp) / EXTRA_ADAPTER, json.loads((model_dir / "config.json").read_text()), 16,
+                             dtype=torch.float32)
+        roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(tmp))
+        config = DataPlaneConfig(model=model_dir, max_num_seqs=args.seqs, max_loras=len(DEMO_ADAPTERS) + 1,
+                                 max_cpu_loras=32, adapter_roots=roots, cpu_matmul="float32")
+        engine = build_engine(config, PodMetrics())
+        model, lora = engine.model, engine.lora
+        slots = [-1]
+        for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):
+            lora.load(name, str(next(r for r in roots if (r / name).is_dir()) / name))
+            slots.append(lora.cache.acquire(name))
+        n = min(args.seqs, cpu_linear.PACKED_MAX_ROWS)
+        choice = cpu_linear.choose_precision(model.matmul_weights(), sorted({1, min(8, n), n}))
+
+        projections = [m for m in model.modules() if isinstance(m, Projection)]
+        packs = {p: ([cpu_linear.prepack(m.weight, p) for m in projections], cpu_linear.prepack(model.head_weight, p))
+                 for p in MatmulPrecision}
+
+        def use(precision: MatmulPrecision) -> None:
+            for module, packed in zip(projections, packs[precision][0], strict=True):
+                module.packed = packed
+            model._packed_head = packs[precision][1]
+
+        mixes = {"base + 4 adapters": decode_batch(engine, slots, args.seqs, args.context),
+                 "base only": decode_batch(engine, [-1], args.seqs, args.context)}
+        times: dict[tuple[MatmulPrecision, str], list[float]] = {}
+        for precision in MatmulPrecision:  # warm both
+            use(precision)
+            for batch in mixes.values():
+                engine.runner.run(batch)
+        for _ in range(args.steps):
+            for precision in MatmulPrecision:
+                use(precision)
+                for mix, batch in mixes.items():
+                    started = time.perf_counter()
+                    engine.runner.run(batch)
+                    times.setdefault((precision, mix), []).append(time.perf_counter() - started)
+
+        logits = {}
+        with torch.inference_mode():
+            for precision in MatmulPrecision:
+                use(precision)
+                step = engine.runner.prepare(mixes["base + 4 adapters"])
+                logits[precision] = model.logits(model(step.batch)[step.sample_rows])
+    f32, bf16 = logits[MatmulPrecision.FLOAT32], logits[MatmulPrecision.BFLOAT16]
+    top = f32.argmax(-1, keepdim=True)
+    logprob_change = (f32.log_softmax(-1).gather(1, top) - bf16.log_softmax(-1).gather(1, top)).abs().max()
+
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads, torch "
+          f"{torch.__version__}, load average {load_average()}; demo model, {args.seqs} decode sequences at "
+          f"context {args.context}, median of {args.steps} interleaved steps\n")
+    secs = choice.seconds
+    print(f"start-up measurement: float32 {secs.get(MatmulPrecision.FLOAT32, 0) * 1e3:.2f} ms, bfloat16 "
+          f"{secs.get(MatmulPrecision.BFLOAT16, 0) * 1e3:.2f} ms -> {choice.precision.value} ({choice.reason})\n")
+    print("| mix | float32 step ms | bfloat16 step ms | bfloat16 / float32 |")
+    print("|---|---|---|---|")
+    for mix in mixes:
+        a, b = (statistics.median(times[(p, mix)]) * 1e3 for p in MatmulPrecision)
+        print(f"| {mix} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+    print(f"\nbfloat16 logits against float32 on the mixed step ({f32.shape[0]} rows): largest |Δlogit| "
+          f"{(f32 - bf16).abs().max():.3f} with largest |logit| {f32.abs().max():.1f}; greedy tokens agree on "
+          f"{int((f32.argmax(-1) == bf16.argmax(-1)).sum())} of {f32.shape[0]} rows; the float32 token's "
+          f"log-probability moves by at most {logprob_change:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Where a CPU pod's slow steps come from: the serving mix of benchmarks/serve.py run through the
+pod's engine in this process, every step timed and attributed.
+
+Inter-token latency at p99 is set by a few slow steps: with 32 streams a step's delay reaches 32
+gaps at once, so the 1% slowest gaps of a 4096-token run are about its slowest step or two. For
+each step this records its forward pass's wall time, its shape (tokens, sequences, prefill tokens,
+adapter segments), how many CPU LoRA path choices it measured (``kernels.cpu_lora.PATH_TUNER``),
+and the garbage collector's pauses inside it; then prints the step-time and ITL percentiles and the
+slowest steps with what they held, per round of (LoRA, base only). The engine is the pod's
+(``data_plane.pod.build_engine``); there is no gRPC, so the figures are the engine's alone.
+
+    python benchmarks/step_trace.py [--rounds 2] [--cpu-matmul auto|float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes.py
+from serve import EXTRA_ADAPTER  # benchmarks/serve.py
+from stream_load import PROMPTS  # benchmarks/stream_load.py
+from synthetic import write_random_adapter  # benchmarks/synthetic.py
+
+from data_plane.config import DataPlaneConfig
+from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.engine.sequence import SamplingParams
+from data_plane.local import prompt_ids
+from data_plane.metrics import PodMetrics
+from data_plane.model.demo_model import ensure_demo_model
+from data_plane.pod import build_engine
+from kernels import cpu_lora
+
+
+@dataclass
+class Step:
+    seconds: float
+    tokens: int
+    seqs: int
+    prefill_tokens: int
+    segments: int
+    measured: int  # path choices measured during the step
+    gc_ms: float
+
+
+@dataclass
+class Trace:
+    steps: list[Step] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    gc_ms: float = 0.0
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_ms += (time.perf_counter() - self._gc_started) * 1e3
+
+
+def traced(execute, trace: Trace):
+    """``execute`` timed and attributed into ``trace``."""
+
+    def run(step):
+        measured, gc_ms = len(cpu_lora.PATH_TUNER.timings), trace.gc_ms
+        started = time.perf_counter()
+        out = execute(step)
+        tokens, seqs = step.batch.input_ids.numel(), len(step.order)
+        trace.steps.append(Step(time.perf_counter() - started, tokens, seqs,
+                                tokens - sum(o is not None for o in out), len(step.batch.lora.host_segments),
+                                len(cpu_lora.PATH_TUNER.timings) - measured, trace.gc_ms - gc_ms))
+        return out
+
+    return run
+
+
+async def serve_once(engine, requests: list[tuple[list[int], str | None]], new_tokens: int, trace: Trace) -> float:
+    async def one(ids, adapter):
+        last = None
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True), adapter):
+            now = time.perf_counter()
+            if last is not None:
+                trace.itl.append(now - last)
+            last = now
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(ids, adapter) for ids, adapter in requests))
+    return time.perf_counter() - started
+
+
+def report(label: str, trace: Trace, wall_s: float, tokens: int, slowest: int) -> None:
+    times = sorted(s.seconds for s in trace.steps)
+    itl = sorted(trace.itl)
+    pct = lambda v, q: v[min(len(v) - 1, int(q * len(v)))] * 1e3  # noqa: E731
+    print(f"\n{label}: {tokens / wall_s:.1f} tok/s, {len(times)} steps; step p50 {pct(times, 0.5):.0f} ms, "
+          f"p99 {pct(times, 0.99):.0f} ms, max {times[-1] * 1e3:.0f} ms; ITL p50 {pct(itl, 0.5):.0f} ms, "
+          f"p99 {pct(itl, 0.99):.0f} ms; garbage collection {trace.gc_ms:.0f} ms in all; "
+          f"{sum(s.measured for s in trace.steps)} path choices measured")
+    print("| step ms | tokens | sequences | prefill tokens | adapter segments | path choices measured | gc ms |")
+    print("|---|---|---|---|---|---|---|")
+    for s in sorted(trace.steps, key=lambda s: -s.seconds)[:slowest]:
+        print(f"| {s.seconds * 1e3:.0f} | {s.tokens} | {s.seqs} | {s.prefill_tokens} | {s.segments} | {s.measured} "
+              f"| {s.gc_ms:.0f} |")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = ensure_demo_model(quiet=True)
+        config = json.loads((model_dir / "config.json").read_text())
+        write_random_adapter(Path(tmp) / EXTRA_ADAPTER, config, 16, dtype=torch.float32)
+        roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(tmp))
+        pod = DataPlaneConfig(model=model_dir, max_num_seqs=args.requests, max_loras=len(DEMO_ADAPTERS) + 1,
+                              max_cpu_loras=32, adapter_roots=roots, cpu_matmul=args.cpu_matmul)
+        engine = await asyncio.to_thread(build_engine, pod, PodMetrics())
+        if args.freeze_gc:
+            gc.freeze()  # as the pod process does once started
+        engine.start()
+        cycle = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
+        ids = [prompt_ids(engine, PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
+        execute = engine.runner.execute
+        try:
+            await serve_once(engine, [(ids[0], a) for a in cycle], 4, Trace())  # loads every adapter, as serve.py
+            for r in range(1, args.rounds + 1):
+                for label, adapters in (("LoRA", cycle), ("base only", [None])):
+                    trace = Trace()
+                    engine.runner.execute = traced(execute, trace)
+                    gc.callbacks.append(trace.gc_callback)
+                    requests = [(ids[i], adapters[i % len(adapters)]) for i in range(args.requests)]
+                    wall = await serve_once(engine, requests, args.new_tokens, trace)
+                    gc.callbacks.remove(trace.gc_callback)
+                    report(f"round {r}, {label}", trace, wall, args.requests * args.new_tokens, args.slowest)
+        finally:
+            engine.runner.execute = execute
+            await engine.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--slowest", type=int, default=5, help="slowest steps listed per run")
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
+                        help="leave start-up objects to the collector (the pod freezes them)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads, torch "
+          f"{torch.__version__}, load average {load_average()}; demo model, {args.requests} requests x "
+          f"{args.new_tokens} tokens, --cpu-matmul {args.cpu_matmul}, gc frozen: {args.freeze_gc}")
+    asyncio.run(main_async(args))
+    print(f"\nload average at the end {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""What a request would wait for on a pod, in units of "one request already running": the one cost that
+both the router (to route a request) and the control plane (to place an adapter's extra replica) rank
+pods by, so that a replica goes where the router would have sent the adapter's overflow anyway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Costs in units of one running request. A CPU-to-slot copy takes milliseconds. A cold load costs
+    more than its read: the adapter takes a slot and a CPU entry for as long as its requests run, the
+    copy it makes duplicates one held elsewhere, and an eviction makes the evicted adapter's next request
+    cold. The fleet simulator (benchmarks/fleet_sim.py, 100 pods x 10,000 adapters) showed it: with
+    free_slot/evict at 4/6 the router spread adapters too eagerly, and at 14/20 cold loads per 1,000
+    requests fell by about a third with queueing p99 no worse (benchmarks/RESULTS.md, "Fleet
+    simulation"). A waiting request costs more than a running one
+    because it means the pod's batch is full, and a nearly full KV cache means preemptions."""
+
+    cpu_hit: float = 0.5
+    free_slot: float = 14.0
+    evict: float = 20.0
+    running: float = 1.0
+    waiting: float = 2.0
+    kv_usage: float = 4.0
+
+    def __post_init__(self) -> None:
+        if min(vars(self).values()) < 0:
+            raise ValueError(f"routing weights must not be negative: {self}")
+
+    def load(self, running: int, waiting: int, kv_usage: float) -> float:
+        """The cost of a pod's load: its running and waiting requests and its KV-cache usage (0..1)."""
+        return self.running * running + self.waiting * waiting + self.kv_usage * kv_usage
+
+    def cold(self, has_free_slot: bool) -> float:
+        """The cost of an adapter a pod does not hold: a read into a free slot, or that plus an eviction."""
+        return self.free_slot if has_free_slot else self.evict

@@ -1,0 +1,72 @@
+"""The control plane's reconcile pass over the simulated pods, with the real placement, plan and replica
+decision: each pass reads every pod's state as a heartbeat reports it (its per-adapter request rates
+from the pod's own ``DemandMeter`` among them), places the pins (``place``), sends the commands
+``plan_actions`` returns, then those of the leader's ``Replicator`` when replication is on. Command round
+trips take no simulated time; loads do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from control_plane.placement import Pin, PodSlots, pinned_capacity, place
+from control_plane.plan import Command, plan_actions
+from control_plane.records import AdapterRecord, PodRecord, Residency
+from control_plane.replication import Policy as ReplicaPolicy
+from control_plane.replicator import Replicator
+from fleetsim.config import FleetConfig
+from fleetsim.pod import SimPod
+
+
+class ControlPlane:
+    def __init__(self, config: FleetConfig, pods: Sequence[SimPod], names: Sequence[str], pins: Sequence[Pin],
+                 replication: ReplicaPolicy | None, clock: Callable[[], float]) -> None:
+        self._config = config
+        self.replicator = Replicator(replication, config.reserved_unpinned_slots, clock) if replication else None
+        self.releases_refused = 0
+        self._pods = pods
+        self._by_id = {p.id: p for p in pods}
+        self.pins = list(pins)
+        replicas = {p.adapter: p.replicas for p in pins}
+        self._adapters = [AdapterRecord(name, f"sim://{name}", "", "sim", pinned=name in replicas,
+                                        pin_replicas=replicas.get(name, 0)) for name in names]
+        self.assigned: dict[str, tuple[str, ...]] = {}
+        self.unsatisfied: dict[str, str] = {}
+
+    def reconcile(self, now: float) -> int:
+        """One pass; returns the number of commands sent."""
+        cfg = self._config
+        slots = [PodSlots(p.id, pinned_capacity(cfg.slots, cfg.cpu_entries, cfg.reserved_unpinned_slots),
+                          frozenset(p.pinned)) for p in self._pods]
+        assignment = place(self.pins, slots)
+        self.assigned, self.unsatisfied = assignment.pods, assignment.unsatisfied
+        ready = [heartbeat(p, now) for p in self._pods]
+        actions = plan_actions(self._adapters, ready, assignment.pods, {}, now, cfg.max_load_attempts,
+                               cfg.retry_backoff_s)
+        if self.replicator is not None:
+            actions += self.replicator.actions(self._adapters, ready, assignment.pods, {}, now,
+                                               cfg.max_load_attempts, cfg.retry_backoff_s)
+        for action in actions:
+            pod = self._by_id[action.pod]
+            if action.command in (Command.LOAD_AND_PIN, Command.PIN):
+                pod.load_and_pin(action.adapter, now)
+            elif action.command is Command.UNPIN:
+                pod.unpin(action.adapter)
+            elif action.command is Command.UNLOAD:
+                pod.unload(action.adapter)
+            elif action.command is Command.LOAD:
+                pod.load(action.adapter, now)
+            elif action.command is Command.RELEASE:
+                self.releases_refused += not pod.release(action.adapter)
+        return len(actions)
+
+
+def heartbeat(pod: SimPod, now: float) -> PodRecord:
+    """What ``pod`` reports of itself at ``now``: the adapters in its CPU tier (loaded), pinned or not, on a
+    slot or not."""
+    cfg = pod.config
+    residents = tuple(Residency(name, pinned=name in pod.pinned, on_device=bool(pod.slots.get(name)))
+                      for name, ready in pod.cpu.items() if ready)
+    return PodRecord(pod.id, f"{pod.id}:1", "sim", True, now, cfg.slots, len(pod.slots),
+                     sum(1 for n in pod.slots if n in pod.pinned), cfg.cpu_entries, len(pod.cpu), len(pod.pinned),
+                     pod.running, len(pod.waiting), residents, pod.kv_usage,
+                     pod.demand.report(cfg.demand_report_top).top)

@@ -1,0 +1,187 @@
+"""Routing policies on the same simulated pods: ours is the router's real PodPicker over a FleetView the
+simulator refreshes as the router's refresher does; the peers' are written from their published rules.
+
+The peers read each pod's live state at every request (running and waiting requests, the adapters of
+both): an advantage over ours, which reads a view refreshed every ``view_interval_s`` plus its own count
+of the requests it started and finished since, as the real router does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from control_plane.config import ControlPlaneConfig
+from control_plane.placement import Pin
+from control_plane.replication import Policy as ReplicaPolicy
+from conventions.pod_cost import Weights
+from fleetsim.config import shipped
+from fleetsim.pod import SimPod
+from router.picker import PodPicker
+from router.view import FleetView
+
+
+class Policy:
+    """Picks a pod for each request. ``places_pins``: the policy places pinned adapters itself
+    (``place_pins``) instead of the control plane's placement; ``replication``: the control plane's
+    replica thresholds when it runs replicas that follow popularity (None: it does not)."""
+
+    name = ""
+    places_pins = False
+    replication: ReplicaPolicy | None = None
+
+    def attach(self, pods: Sequence[SimPod], clock: Callable[[], float], view: Callable[[], FleetView],
+               rng: np.random.Generator) -> None:
+        self.pods, self.clock, self.view, self.rng = pods, clock, view, rng
+
+    def route(self, adapter: str) -> int:
+        raise NotImplementedError
+
+    def started(self, pod: int, adapter: str) -> None:
+        """A request for ``adapter`` went to ``pod``."""
+
+    def finished(self, pod: int) -> None:
+        """A request sent to ``pod`` completed."""
+
+    def place_pins(self, pins: Sequence[Pin]) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def _least_requests(self, pods: Sequence[SimPod]) -> int:
+        """The pod with the fewest running plus waiting requests, ties at random."""
+        loads = [p.running + len(p.waiting) for p in pods]
+        low = min(loads)
+        best = [p for p, load in zip(pods, loads, strict=True) if load == low]
+        return best[int(self.rng.integers(len(best)))].index if len(best) > 1 else best[0].index
+
+
+def shipped_replication() -> ReplicaPolicy:
+    """The replica thresholds the control plane ships with (its --replica-* defaults)."""
+    return ReplicaPolicy(*(shipped(ControlPlaneConfig, f) for f in ("replica_high_rate", "replica_low_rate",
+                                                                      "replica_hold_s", "max_replicas")))
+
+
+class Ours(Policy):
+    """The router's PodPicker (router/picker.py, router/scoring.py) on the simulator's clock; pins are
+    placed by the control plane's reconcile pass (control_plane/placement.py, control_plane/plan.py), and
+    with ``replicas`` (as shipped) hot adapters get extra replicas (control_plane/replicator.py)."""
+
+    def __init__(self, weights: Weights | None = None, replicas: bool = True,
+                 replication: ReplicaPolicy | None = None) -> None:
+        self.weights = weights
+        self.replication = (replication or shipped_replication()) if replicas else None
+        self.name = "ours" if replicas else "ours-no-replicas"
+
+    def attach(self, pods, clock, view, rng) -> None:
+        super().attach(pods, clock, view, rng)
+        self._index = {p.id: p.index for p in pods}
+        self._picker = PodPicker(view, self.weights, clock=clock)
+
+    def route(self, adapter: str) -> int:
+        return self._index[self._picker.choose(adapter)[0].pod.id]
+
+    def started(self, pod: int, adapter: str) -> None:
+        self._picker.started(self.pods[pod].id, adapter)
+
+    def finished(self, pod: int) -> None:
+        self._picker.finished(self.pods[pod].id)
+
+
+class RoundRobin(Policy):
+    """What a Kubernetes Service does: each pod in turn, blind to adapters and load."""
+
+    name = "round-robin"
+
+    def attach(self, pods, clock, view, rng) -> None:
+        super().attach(pods, clock, view, rng)
+        self._next = 0
+
+    def route(self, adapter: str) -> int:
+        self._next = (self._next + 1) % len(self.pods)
+        return self._next
+
+
+class LeastLoaded(Policy):
+    """The pod with the fewest running plus waiting requests, blind to adapters."""
+
+    name = "least-loaded"
+
+    def route(self, adapter: str) -> int:
+        return self._least_requests(self.pods)
+
+
+class GatewayLoraAffinity(Policy):
+    """The Gateway API inference extension's scheduler with its LoRA-affinity scorer: each pod scores
+    1.0 when the adapter has running requests there, else 0.8 when the pod's distinct running and
+    waiting adapters leave a slot, else 0.6 when the adapter has waiting requests there, else 0; plus its
+    queue scorer (1 for the shortest queue, 0 for the longest, linear between) and KV-cache scorer
+    (1 - usage), weighed equally; the highest total wins, ties at random."""
+
+    name = "gateway-lora-affinity"
+
+    def route(self, adapter: str) -> int:
+        queues = [len(p.waiting) for p in self.pods]
+        low, span = min(queues), max(queues) - min(queues)
+        best, best_score = [], -1.0
+        for pod, queue in zip(self.pods, queues, strict=True):
+            if pod.in_use[adapter]:
+                lora = 1.0
+            elif len(pod.in_use) + sum(1 for a in pod.wanted if a not in pod.in_use) < pod.config.slots:
+                lora = 0.8
+            elif pod.wanted[adapter]:
+                lora = 0.6
+            else:
+                lora = 0.0
+            score = lora + (1.0 - (queue - low) / span if span else 1.0) + (1.0 - pod.kv_usage)
+            if score > best_score + 1e-12:
+                best, best_score = [pod.index], score
+            elif score > best_score - 1e-12:
+                best.append(pod.index)
+        return best[int(self.rng.integers(len(best)))] if len(best) > 1 else best[0]
+
+
+class AIBrix(Policy):
+    """AIBrix: pinned adapters placed on the pods with the fewest adapters placed so far, and its
+    lora-affinity router: pods where the adapter has running or waiting requests are the affinity group,
+    pods whose distinct running and waiting adapters leave a slot the available group; with probability
+    ``affinity`` (its default 0.999) the affinity group when both have pods, else whichever has any; the
+    pod with the fewest requests in the group (ties at random); a random pod when both are empty."""
+
+    name = "aibrix"
+    places_pins = True
+
+    def __init__(self, affinity: float = 0.999) -> None:
+        self.affinity = affinity
+
+    def route(self, adapter: str) -> int:
+        near, free = [], []
+        for pod in self.pods:
+            if pod.in_use[adapter] or pod.wanted[adapter]:
+                near.append(pod)
+            elif len(pod.in_use) + sum(1 for a in pod.wanted if a not in pod.in_use) < pod.config.slots:
+                free.append(pod)
+        if near and free:
+            group = near if self.rng.random() < self.affinity else free
+        else:
+            group = near or free
+        if not group:
+            return int(self.rng.integers(len(self.pods)))
+        return self._least_requests(group)
+
+    def place_pins(self, pins: Sequence[Pin]) -> dict[str, tuple[int, ...]]:
+        placed = [0] * len(self.pods)
+        chosen = {}
+        for pin in sorted(pins, key=lambda p: p.adapter):
+            want = pin.replicas or len(self.pods)
+            pods = sorted(range(len(self.pods)), key=lambda i: (placed[i], i))[:want]
+            for i in pods:
+                placed[i] += 1
+            chosen[pin.adapter] = tuple(sorted(pods))
+        return chosen
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    **{p.name: p for p in (RoundRobin, LeastLoaded, AIBrix, GatewayLoraAffinity)},
+    "ours-no-replicas": lambda: Ours(replicas=False),
+    "ours": Ours,
+}
