@@ -60,12 +60,12 @@ class Fleet:
             raise BaseModelMismatch(f"pod {pod.id!r} serves base model {pod.base_model!r} but this fleet serves "
                                     f"{self._base_model!r}; start the pod with the fleet's model")
         pod = dataclasses.replace(pod, last_heartbeat=self._store.now())
-        await self._store.put_pod(pod)
+        token = await self._store.put_pod(pod)
         if self._cache_s > 0:
             self._recorded[pod.id] = pod
             if self._cached is not None:
                 self._cached[pod.id] = pod
-        return await self._store.fencing_token()
+        return token
 
     async def pods(self) -> list[PodView]:
         """Every pod within its lease plus grace, in id order, READY when its lease runs and it

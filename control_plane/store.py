@@ -307,15 +307,18 @@ class Store:
 
     # ---- pods -----------------------------------------------------------------------------
 
-    async def put_pod(self, pod: PodRecord) -> None:
-        """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat."""
+    async def put_pod(self, pod: PodRecord) -> int:
+        """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat.
+        Returns the newest fencing token, read in the same round trip (see fencing_token)."""
         async with _available(), self._r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("pod", pod.id), pod.to_json())
             pipe.zadd(self._k("pods"), {pod.id: pod.last_heartbeat})
-            _, added = await pipe.execute()
+            pipe.get(self._k("fencing"))
+            _, added, token = await pipe.execute()
             if added:
                 await self._r.xadd(self._k("events"), {"kind": "pod_joined", "name": pod.id, "version": "0"},
                                    maxlen=self._maxlen, approximate=True)
+        return int(token or 0)
 
     async def list_pods(self, heard_since: float = 0.0) -> list[PodRecord]:
         """Pods whose last heartbeat is at or after ``heard_since``, in id order."""

@@ -351,3 +351,13 @@ def test_more_concurrent_calls_than_pooled_connections_wait_for_one_instead_of_f
         return await asyncio.gather(*(store.get_adapter("a") for _ in range(300)))
 
     assert {r.name for r in with_store(redis_server, body)} == {"a"}
+
+
+def test_recording_a_heartbeat_returns_the_newest_fencing_token(redis_server):
+    async def body(store):
+        before = await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=1.0))
+        token = await store.acquire_leadership("r1", 5)
+        return before, token, await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=2.0))
+
+    before, token, after = with_store(redis_server, body)
+    assert (before, after) == (0, token) and token > 0
