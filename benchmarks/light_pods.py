@@ -36,6 +36,7 @@ from lorafleet.v1 import data_plane_admin_pb2_grpc
 from cli.up.child_process import spawn, stop_process, tail
 from conventions.auth import BearerAuthInterceptor, read_token
 from conventions.status import ErrorStatusInterceptor
+from data_plane.demand import DemandMeter
 from data_plane.errors import AdapterNotFound, CapacityExceeded
 from data_plane.membership import FencingGuard, MembershipClient
 
@@ -157,6 +158,7 @@ class LightPod:
     heartbeats: list[tuple[float, float, str]] = field(default_factory=list)
     port: int = 0
     server: grpc.aio.Server | None = None
+    demand: DemandMeter | None = None  # per-adapter request rates its heartbeats report (none unless given)
 
     def command(self, kind: str, fencing_token: int) -> None:
         self.guard.check(fencing_token)
@@ -185,7 +187,7 @@ class LightPod:
         """Heartbeats every ``interval_s`` (the first after a random part of it, so that a fleet
         started at once spreads its beats) until ``stop``, then says goodbye (ready=false)."""
         client = MembershipClient(control_plane, token, self.pod_id, self.endpoint, self.base_model, self.state,
-                                  interval_s, guard=self.guard)
+                                  interval_s, guard=self.guard, demand=self.demand)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), random.uniform(0, interval_s))
         while not stop.is_set():

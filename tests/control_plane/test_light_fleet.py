@@ -15,6 +15,7 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 
 from benchmarks.light_pods import LightFleet
 from benchmarks.processes import BASE_MODEL, TOKEN, ControlPlaneProcess
+from data_plane.demand import DemandMeter
 from tests.control_plane.conftest import auth
 
 pytestmark = pytest.mark.slow
@@ -85,3 +86,32 @@ def test_every_pin_is_placed_across_light_pods_and_listed_as_the_pods_hold_it(re
         ready = {p.pod for p in a.placements if p.state == pb.READY and p.pinned}
         assert ready == held.get(a.name, set()), a.name
         assert a.pinned == (a.name in held)
+
+
+def test_demand_a_light_pod_reports_gets_a_hot_unpinned_adapter_replicas(redis_server, token_file, tmp_path):
+    """The light pods speak the heartbeat's demand report too: a rate above the control plane's
+    --replica-high-rate (5 requests/s by default) has the leader load the adapter on more pods, unpinned."""
+    async def body() -> list[str]:
+        cp = ControlPlaneProcess(redis_server.url, token_file, tmp_path, "cp", lease_s=2.0, grace_s=2.0).start()
+        fleet = LightFleet(cp.target, TOKEN, 4, BASE_MODEL, interval_s=0.3)
+        fleet.pods[0].demand = DemandMeter(window_s=60.0)
+        for _ in range(1200):  # 20 requests/s over the window
+            fleet.pods[0].demand.record("hot")
+        channel = grpc.aio.insecure_channel(cp.target)
+        try:
+            await pb_grpc.AdapterAdminStub(channel).RegisterAdapter(pb.RegisterAdapterRequest(
+                name="hot", source="file:///adapters/hot", sha256=SHA, base_model=BASE_MODEL),
+                metadata=auth(), timeout=10)
+            await fleet.start()
+            deadline = time.monotonic() + 30
+            while len(holders := [p.pod_id for p in fleet.pods if "hot" in p.cache.entries]) < 2:
+                assert time.monotonic() < deadline, f"no replicas within 30 s: {holders}"
+                await asyncio.sleep(0.2)
+            assert not any(p.cache.entries["hot"].pinned for p in fleet.pods if "hot" in p.cache.entries)
+            return holders
+        finally:
+            await channel.close()
+            await fleet.stop()
+            cp.stop()
+
+    assert len(asyncio.run(body())) >= 2
