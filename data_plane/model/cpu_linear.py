@@ -94,15 +94,37 @@ BFLOAT16_MIN_GAIN = 0.9
 
 
 def choose_precision(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int],
-                     timer: Callable[[], float] = time.perf_counter, repeats: int = 3) -> PrecisionChoice:
+                     timer: Callable[[], float] = time.thread_time, repeats: int = 3) -> PrecisionChoice:
     """The faster precision for reordered copies of ``weights`` ((weight [out, in], how many
     weights of that shape the model has)) in steps of ``rows`` rows, measured on this CPU: each
     weight is packed in both precisions, run once to warm, then ``repeats`` times interleaved per
     row count, timed with ``timer``; a precision's time is the sum over weights and row counts of
     its best run times the weight's count. bfloat16 wins only below ``BFLOAT16_MIN_GAIN`` of
-    float32's time. Deterministic given the timings."""
+    float32's time. Deterministic given the timings.
+
+    It runs on one torch thread, timed by default in that thread's CPU time: what each precision costs
+    in instructions and memory traffic, which other jobs on the machine barely change. Wall time on
+    two threads is not: on a loaded 2-core machine it measured bfloat16 at 0.80-1.24x float32 from
+    one start-up to the next (one pod of a fleet choosing bfloat16 and its twin float32), this at
+    0.61-0.63x."""
     if not bfloat16_supported():
         return PrecisionChoice(MatmulPrecision.FLOAT32, {}, "oneDNN has no bfloat16 matmul on this CPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        total = _measure(weights, rows, timer, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    f32, bf16 = total[MatmulPrecision.FLOAT32], total[MatmulPrecision.BFLOAT16]
+    faster = bf16 < BFLOAT16_MIN_GAIN * f32
+    choice = MatmulPrecision.BFLOAT16 if faster else MatmulPrecision.FLOAT32
+    reason = (f"measured bfloat16 at {bf16 / f32:.2f}x float32's time" if f32 > 0
+              else "no time measured for float32")
+    return PrecisionChoice(choice, total, reason)
+
+
+def _measure(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int], timer: Callable[[], float],
+             repeats: int) -> dict[MatmulPrecision, float]:
     total = dict.fromkeys(MatmulPrecision, 0.0)
     for weight, count in weights:
         packs = {p: prepack(weight, p) for p in MatmulPrecision}
@@ -118,9 +140,4 @@ def choose_precision(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence
                     best[p] = min(best[p], timer() - started)
             for p in MatmulPrecision:
                 total[p] += best[p] * count
-    f32, bf16 = total[MatmulPrecision.FLOAT32], total[MatmulPrecision.BFLOAT16]
-    faster = bf16 < BFLOAT16_MIN_GAIN * f32
-    choice = MatmulPrecision.BFLOAT16 if faster else MatmulPrecision.FLOAT32
-    reason = (f"measured bfloat16 at {bf16 / f32:.2f}x float32's time" if f32 > 0
-              else "no time measured for float32")
-    return PrecisionChoice(choice, total, reason)
+    return total
