@@ -165,7 +165,8 @@ class SimPod:
         self.held.discard(name)
 
     def unload(self, name: str) -> None:
-        if self.cpu.get(name) and not self.in_use[name] and self.slots.get(name) is not False:
+        """UnloadAdapter of a stale adapter; left alone while it serves, waits or loads."""
+        if self.cpu.get(name) and not self.in_use[name] and not self.wanted[name] and self.slots.get(name) is not False:
             self.unpin(name)
             self._drop(name)
 

@@ -31,6 +31,9 @@ class FleetEvent(enum.IntEnum):
     WARM = 12  # the warm-up ends: counters start
 
 
+_DRAIN_LIMIT_S = 3600.0  # a request unfinished this long after the last arrival is stuck, not slow
+
+
 @dataclass(frozen=True)
 class SimResult:
     policy: str
@@ -105,6 +108,9 @@ class Simulation:
                 i += 1
             if i >= n and not self._outstanding:
                 break  # what is left on the queue are the periodic passes and superseded completions
+            if i >= n and self.now > times[-1] + _DRAIN_LIMIT_S:
+                raise InvariantViolated(f"{self._outstanding} requests still unfinished {_DRAIN_LIMIT_S:.0f} s "
+                                        "after the last arrival")
         return self._result(time.perf_counter() - started)
 
     # ---- events -------------------------------------------------------------------------------
