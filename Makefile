@@ -55,6 +55,7 @@ bench: setup
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/control_plane.py
+	$(PY) benchmarks/control_plane_scale.py
 	$(PY) benchmarks/fleet_sim.py --jobs 2 --plots benchmarks/plots
 
 # The reliability suite at full size (60 s of load, 2,000 load/unload cycles, ...); its measured figures

@@ -63,6 +63,16 @@ def cpu_flags() -> str:
     return "unknown flags"
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds that process ``pid`` (all its threads) has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime: fields 14 and 15 of stat(5)
+
+
 def load_average() -> str:
     """The machine's 1, 5 and 15 minute load averages, for a benchmark's report."""
     with open("/proc/loadavg") as f:
@@ -98,11 +108,13 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
 
 
 class RedisServer:
-    """A redis-server child process with an append-only file fsynced on every write."""
+    """A redis-server child process with an append-only file fsynced on every write (unless not
+    ``durable``: then it keeps nothing on disk, so that a benchmark measures the registry, not fsync)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, durable: bool = True) -> None:
         self.port = free_port()
         self.dir = directory
+        self.durable = durable
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -112,7 +124,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+             "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always", "--dir", str(self.dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_listening("127.0.0.1", self.port, self.proc, 10, what="redis-server")
 

@@ -36,21 +36,20 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from processes import Fleet, RouterProcess, copy_demo_adapters, cpu_model, load_average  # benchmarks/processes.py
+from processes import (  # benchmarks/processes.py
+    Fleet,
+    RouterProcess,
+    copy_demo_adapters,
+    cpu_model,
+    cpu_seconds,
+    load_average,
+)
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 
 from data_plane.demo_adapters import DEMO_ADAPTERS
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 QUICK = {"requests": 8, "concurrency": 4, "max_tokens": 8, "rounds": 1,
          "flood_requests": 16, "flood_streams": 16, "flood_max_tokens": 4}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds that process ``pid`` (all its threads) has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime: fields 14 and 15 of stat(5)
 
 
 def own_cpu_seconds() -> float:

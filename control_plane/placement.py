@@ -52,12 +52,16 @@ def place(pins: list[Pin], pods: list[PodSlots], failed: frozenset[tuple[str, st
     schedulable = [p for p in pods if p.schedulable]
     want = {p.adapter: p.replicas or len(schedulable) + _held_in_grace(p.adapter, pods, failed) for p in pins}
 
+    holding: dict[str, list[str]] = {}  # adapter -> the pods that hold it pinned, in id order
+    for pod in sorted(by_id.values(), key=lambda p: p.id):
+        for a in pod.pinned:
+            holding.setdefault(a, []).append(pod.id)
     for pin in pins:  # keep what is already pinned
-        for pod in sorted(by_id.values(), key=lambda p: p.id):
-            a = pin.adapter
-            if a in pod.pinned and (a, pod.id) not in failed and free[pod.id] > 0 and len(chosen[a]) < want[a]:
-                chosen[a].append(pod.id)
-                free[pod.id] -= 1
+        a = pin.adapter
+        for pod_id in holding.get(a, ()):
+            if (a, pod_id) not in failed and free[pod_id] > 0 and len(chosen[a]) < want[a]:
+                chosen[a].append(pod_id)
+                free[pod_id] -= 1
 
     progress = True
     while progress:  # round robin over adapters still short of replicas

@@ -22,6 +22,7 @@ from control_plane.store import Store
 
 log = logging.getLogger(__name__)
 _MAX_POD_BACKOFF_S = 60.0
+_NO_PASS_NEEDED = frozenset({"registered"})  # change events that cannot alter placement
 _LOADS = (Command.LOAD_AND_PIN, Command.LOAD)
 _REPLICA_CHANGE = {Command.LOAD: "added", Command.RELEASE: "released"}
 
@@ -46,6 +47,7 @@ class Reconciler:
         self._pod_retry: dict[str, tuple[int, float]] = {}
         self._unsatisfied_logged: dict[str, str] = {}
         self._probe_logged: dict[str, Probe] = {}
+        self._indexed_token = 0  # the lease under which the pinned index was last rebuilt
         policy = config.replica_policy()
         self._replicator = Replicator(policy, config.reserved_unpinned_slots) if policy else None
 
@@ -58,15 +60,25 @@ class Reconciler:
                     cursor = await self._store.last_event_id()
                 if self._lease.token:
                     await self.reconcile_once()
-                # Sleep until the next pass is due, or a change event arrives, whichever is first.
-                events = await self._store.events(cursor, count=100,
-                                                  block_ms=int(self._config.reconcile_interval_s * 1000))
-                if events:
-                    cursor = events[-1].id
+                cursor = await self._wait_for_change(cursor)
             except StoreUnavailable as e:
                 log.warning("reconciliation paused: Redis unavailable", extra={"error": str(e)})
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._config.reconcile_interval_s)
+
+    async def _wait_for_change(self, cursor: str) -> str:
+        """Sleeps until the next pass is due, or a change event that may alter placement arrives,
+        whichever is first; returns the cursor past the events read. A registration alone does not
+        wake it: a new adapter is unpinned, and registering thousands would otherwise run a pass each."""
+        deadline = time.monotonic() + self._config.reconcile_interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            events = await self._store.events(cursor, count=100, block_ms=max(1, int(left * 1000)))
+            if not events:
+                break
+            cursor = events[-1].id
+            if any(e.kind not in _NO_PASS_NEEDED for e in events):
+                break
+        return cursor
 
     async def reconcile_once(self) -> list[Action]:
         """One pass as leader; returns the actions it planned (none while this replica does not
@@ -90,14 +102,24 @@ class Reconciler:
         views = await self._fleet.pods()
         gone = await self._remove_refusing(views, token)
         views = [v for v in views if v.pod.id not in gone]
-        adapters = await self._store.all_adapters()
+        if token != self._indexed_token:  # once per lease: the index may predate this version's writers
+            await self._store.index_pins()
+            self._indexed_token = token
+        # Only the adapters that are pinned, that pods hold or that pods report demand for are read
+        # (with their placements, replicas' included): a pass costs what the fleet holds, not what
+        # the registry holds.
+        pinned = await self._store.pinned_adapters()
+        seen = {r.name for v in views for r in v.pod.residents} | {n for v in views for n, _ in v.pod.demand}
+        adapters = pinned + await self._store.adapters(sorted(seen - {a.name for a in pinned}))
         placements = await self._store.placements([a.name for a in adapters])
         failed = frozenset((r.adapter, r.pod) for recs in placements.values() for r in recs
                            if r.state is PlacementState.FAILED and r.attempts >= cfg.max_load_attempts)
+        accepted = _accepted_since_heartbeat(views, placements)
         slots = [PodSlots(v.pod.id, pinned_capacity(v.pod.slots_total, v.pod.cpu_cache_capacity,
                                                      cfg.reserved_unpinned_slots),
-                          frozenset(r.name for r in v.pod.residents if r.pinned), v.ready) for v in views]
-        pins = [Pin(a.name, a.pin_replicas) for a in adapters if a.pinned]
+                          frozenset(r.name for r in v.pod.residents if r.pinned) | accepted[v.pod.id], v.ready)
+                 for v in views]
+        pins = [Pin(a.name, a.pin_replicas) for a in pinned]
         assignment = place(pins, slots, failed)
         await self._store.set_pin_status(assignment.unsatisfied, token)
         for name, why in assignment.unsatisfied.items():
@@ -118,7 +140,7 @@ class Reconciler:
         await asyncio.gather(*(self._drive(pod_actions, attempts) for pod_actions in by_pod.values()))
         await self._pods.forget({v.pod.endpoint for v in views})
 
-        self._metrics.adapters.set(len(adapters))
+        self._metrics.adapters.set(await self._store.count_adapters())
         self._metrics.adapters_pinned.set(len(pins))
         self._metrics.pins_unsatisfied.set(len(assignment.unsatisfied))
         self._metrics.pods.labels("true").set(sum(v.ready for v in views))
@@ -158,7 +180,7 @@ class Reconciler:
                                                         "outcome": outcome.value,
                                                         "silent_s": round(now - pod.last_heartbeat, 1)})
             # fenced, and refused by Redis if a heartbeat arrived since the one this pass saw
-            if outcome is Probe.REFUSED and await self._store.remove_pod(pod.id, pod.last_heartbeat, token):
+            if outcome is Probe.REFUSED and await self._fleet.remove(pod.id, pod.last_heartbeat, token):
                 gone.add(pod.id)
                 log.warning("pod removed: silent and its port refuses connections", extra={"pod": pod.id})
         self._metrics.pods_removed.labels("refused").inc(len(gone))
@@ -220,3 +242,18 @@ class Reconciler:
     async def _record(self, action: Action, token: int, state: PlacementState, error: str, attempts: int) -> None:
         await self._store.put_placement(PlacementRecord(action.adapter, action.pod, state, error, attempts,
                                                         self._store.now(), action.command is not Command.LOAD), token)
+
+
+def _accepted_since_heartbeat(views: list[PodView], placements: dict[str, list[PlacementRecord]],
+                              ) -> defaultdict[str, set[str]]:
+    """Pod id -> adapters it loaded and pinned for this leader after its last heartbeat. Placement
+    counts them as held: otherwise a pass that runs before the pod reports them places them anew,
+    possibly elsewhere, and the pod's next report has them unpinned again (churn that grows with
+    the fleet)."""
+    pods = {v.pod.id: v.pod for v in views}
+    accepted: defaultdict[str, set[str]] = defaultdict(set)
+    for recs in placements.values():
+        for r in recs:
+            if r.pinned and r.pod in pods and r.ready_since(pods[r.pod]):
+                accepted[r.pod].add(r.adapter)
+    return accepted

@@ -94,6 +94,12 @@ class PodRecord:
                            "demand": tuple((a, rate) for a, rate in d.get("demand", ()))}))
 
 
+# How much older than its arrival a heartbeat's report may be: its time in flight and queued at the
+# control plane (seconds under load at a hundred pods). A report that lacks a pin recorded this
+# little before it does not undo the pin; one that lacks it later does.
+REPORT_LAG_S = 2.0
+
+
 @dataclass(frozen=True)
 class PlacementRecord:
     """The reconciler's record of what it asked one pod to do with one adapter."""
@@ -110,8 +116,10 @@ class PlacementRecord:
         return json.dumps(dataclasses.asdict(self) | {"state": self.state.name})
 
     def ready_since(self, pod: PodRecord) -> bool:
-        """READY, recorded after ``pod``'s last heartbeat: the pod has it, though its report does not show it yet."""
-        return self.state is PlacementState.READY and self.updated_at > pod.last_heartbeat
+        """READY, recorded after ``pod``'s last heartbeat: the pod has it, though its report does not show it yet.
+        A heartbeat is stamped when it arrives, but the pod took its state when it sent it; under load that
+        can be REPORT_LAG_S earlier, so a report that arrives this soon after the record may predate it."""
+        return self.state is PlacementState.READY and self.updated_at > pod.last_heartbeat - REPORT_LAG_S
 
     @classmethod
     def from_json(cls, raw: str) -> PlacementRecord:

@@ -9,7 +9,7 @@ from urllib.parse import unquote, urlparse
 
 from control_plane.errors import InvalidArgument
 from control_plane.fleet import Fleet, PodView
-from control_plane.records import AdapterRecord, PlacementRecord, PlacementState
+from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, Residency
 from control_plane.store import Store
 from conventions.names import NAME_RULE, is_valid_name
 
@@ -118,7 +118,10 @@ class Registry:
         pods = await self._fleet.pods()
         placements = await self._store.placements(names)
         statuses = await self._store.pin_status(names)
-        return [_join(r, pods, placements.get(r.name, []), statuses.get(r.name, "")) for r in records]
+        by_id = {v.pod.id: v for v in pods}
+        held = _holders(pods, set(names))
+        return [_join(r, by_id, held.get(r.name, {}), placements.get(r.name, []), statuses.get(r.name, ""))
+                for r in records]
 
 
 def validate_name(name: str) -> None:
@@ -145,13 +148,26 @@ def _load(v: PodView) -> int:
     return v.pod.running_requests + v.pod.waiting_requests
 
 
-def _join(rec: AdapterRecord, pods: list[PodView], records: list[PlacementRecord], pin_status: str) -> AdapterView:
+def _holders(pods: list[PodView], names: set[str]) -> dict[str, dict[str, Residency]]:
+    """Adapter -> pod id -> its residency there, for the adapters in ``names``: one walk over the
+    pods' reports for a whole page, rather than one per adapter and pod."""
+    out: dict[str, dict[str, Residency]] = {}
+    for v in pods:
+        for r in v.pod.residents:
+            if r.name in names:
+                out.setdefault(r.name, {})[v.pod.id] = r
+    return out
+
+
+def _join(rec: AdapterRecord, pods: dict[str, PodView], held: dict[str, Residency], records: list[PlacementRecord],
+          pin_status: str) -> AdapterView:
     """What each pod reports wins over what the reconciler asked: a resident adapter with the
-    registered weights is READY; otherwise the reconciler's LOADING or FAILED record shows."""
+    registered weights is READY; otherwise the reconciler's LOADING or FAILED record shows.
+    ``held``: pod id -> the adapter's residency there; placements list in pod id order."""
     asked = {p.pod: p for p in records}
     out, rank = [], 0
-    for v in pods:
-        res = v.pod.resident(rec.name)
+    for v in (pods[i] for i in sorted(held.keys() | asked.keys()) if i in pods):
+        res = held.get(v.pod.id)
         if res is not None and res.sha256 in ("", rec.sha256):
             rank = max(rank, res.rank)
             out.append(PlacementView(v.pod.id, v.pod.endpoint, PlacementState.READY, res.pinned, load=_load(v)))

@@ -3,6 +3,7 @@
 Key layout, all under ``{prefix}:``
     adapter:{name}     hash   name, source, sha256, base_model, version, pinned, pin_replicas
     adapters           zset   every adapter name at score 0 (name order, for paging by ZRANGEBYLEX)
+    pinned             set    names of the pinned adapters: all a reconciliation pass reads of the registry
     placement:{name}   hash   pod id -> JSON PlacementRecord (what the reconciler asked of that pod)
     pin_status         hash   adapter name -> why its pin is not fully placed
     pods               zset   pod id -> unix time of its last heartbeat
@@ -43,6 +44,8 @@ from control_plane.errors import (
 from control_plane.records import AdapterRecord, Event, PlacementRecord, PodRecord
 
 _CAS_ATTEMPTS = 32
+_MAX_CONNECTIONS = 64
+_CONNECTION_WAIT_S = 5.0  # then StoreUnavailable, as for a Redis that does not answer
 _Writes = Callable[[Pipeline], None]  # queues one transaction's commands
 
 # KEYS: leader, fencing. ARGV: replica, ttl ms. Returns the holder's fencing token, or 0 when
@@ -89,6 +92,16 @@ for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 return 0
 """
 
+# KEYS: adapters, pinned. ARGV: the prefix of adapter:{name} keys. Rebuilds the pinned index from
+# the records themselves, in one step, so that no pin written meanwhile is lost from it.
+_INDEX_PINS = """
+redis.call('DEL', KEYS[2])
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('HGET', ARGV[1] .. name, 'pinned') == '1' then redis.call('SADD', KEYS[2], name) end
+end
+return redis.call('SCARD', KEYS[2])
+"""
+
 # KEYS: leader, pods, pod:{id}, events, then placement:{name} of every adapter. ARGV: token, id,
 # cutoff, maxlen. Removes the pod and its placements only if no heartbeat arrived since the
 # caller decided it was dead.
@@ -108,8 +121,12 @@ class Store:
 
     def __init__(self, redis_url: str, prefix: str, event_maxlen: int = 10_000,
                  clock: Callable[[], float] = time.time) -> None:
-        self._r = redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
-                                 socket_connect_timeout=2.0)
+        # A bounded pool that makes a call wait for a free connection: redis-py's default pool fails
+        # the call instead ("Too many connections") once 100 are in use, which a hundred pods'
+        # heartbeats arriving together with admin calls and a reconciliation pass reach.
+        self._r = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=_MAX_CONNECTIONS, timeout=_CONNECTION_WAIT_S, decode_responses=True,
+            socket_timeout=5.0, socket_connect_timeout=2.0))
         self._p = prefix
         self._maxlen = event_maxlen
         self._clock = clock
@@ -119,6 +136,7 @@ class Store:
         self._put_placement = self._r.register_script(_PUT_PLACEMENT)
         self._delete_placement = self._r.register_script(_DELETE_PLACEMENT)
         self._set_pin_status = self._r.register_script(_SET_PIN_STATUS)
+        self._index_pins = self._r.register_script(_INDEX_PINS)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -148,6 +166,7 @@ class Store:
             def write(pipe: Pipeline) -> None:
                 pipe.hset(self._k("adapter", rec.name), mapping=new.to_fields())
                 pipe.zadd(self._k("adapters"), {rec.name: 0})
+                self._index_pin(pipe, new)
                 self._event(pipe, "registered", rec.name, 1)
             return new, write
 
@@ -176,6 +195,7 @@ class Store:
 
             def write(pipe: Pipeline) -> None:
                 pipe.hset(self._k("adapter", name), mapping=new.to_fields())
+                self._index_pin(pipe, new)
                 if clear_placements:
                     pipe.delete(self._k("placement", name))
                 self._event(pipe, event, name, new.version)
@@ -191,6 +211,7 @@ class Store:
             def write(pipe: Pipeline) -> None:
                 pipe.delete(self._k("adapter", name), self._k("placement", name))
                 pipe.zrem(self._k("adapters"), name)
+                pipe.srem(self._k("pinned"), name)
                 pipe.hdel(self._k("pin_status"), name)
                 self._event(pipe, "unregistered", name, old.version + 1)
             return old, write
@@ -245,7 +266,38 @@ class Store:
         async with _available():
             return await self._adapters(await self._r.zrange(self._k("adapters"), 0, -1))
 
+    async def adapters(self, names: list[str]) -> list[AdapterRecord]:
+        """The records of those of ``names`` that are registered, in the order given."""
+        async with _available():
+            return await self._adapters(names)
+
+    async def pinned_adapters(self) -> list[AdapterRecord]:
+        """Every pinned adapter's record, in name order: read through the pinned index, so the cost
+        grows with the pins, not with the registry."""
+        async with _available():
+            names = sorted(await self._r.smembers(self._k("pinned")))
+            return [rec for rec in await self._adapters(names) if rec.pinned]
+
+    async def count_adapters(self) -> int:
+        async with _available():
+            return await self._r.zcard(self._k("adapters"))
+
+    async def index_pins(self) -> int:
+        """Rebuilds the pinned index from the adapter records (one atomic step, a scan of the whole
+        registry in Redis), for a registry written before the index existed; returns the pin count."""
+        async with _available():
+            return int(await self._index_pins(keys=[self._k("adapters"), self._k("pinned")],
+                                              args=[self._k("adapter", "")]))
+
+    def _index_pin(self, pipe: Pipeline, rec: AdapterRecord) -> None:
+        if rec.pinned:
+            pipe.sadd(self._k("pinned"), rec.name)
+        else:
+            pipe.srem(self._k("pinned"), rec.name)
+
     async def _adapters(self, names: list[str]) -> list[AdapterRecord]:
+        if not names:
+            return []
         async with self._r.pipeline(transaction=False) as pipe:
             for n in names:
                 pipe.hgetall(self._k("adapter", n))
@@ -255,15 +307,18 @@ class Store:
 
     # ---- pods -----------------------------------------------------------------------------
 
-    async def put_pod(self, pod: PodRecord) -> None:
-        """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat."""
+    async def put_pod(self, pod: PodRecord) -> int:
+        """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat.
+        Returns the newest fencing token, read in the same round trip (see fencing_token)."""
         async with _available(), self._r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("pod", pod.id), pod.to_json())
             pipe.zadd(self._k("pods"), {pod.id: pod.last_heartbeat})
-            _, added = await pipe.execute()
+            pipe.get(self._k("fencing"))
+            _, added, token = await pipe.execute()
             if added:
                 await self._r.xadd(self._k("events"), {"kind": "pod_joined", "name": pod.id, "version": "0"},
                                    maxlen=self._maxlen, approximate=True)
+        return int(token or 0)
 
     async def list_pods(self, heard_since: float = 0.0) -> list[PodRecord]:
         """Pods whose last heartbeat is at or after ``heard_since``, in id order."""

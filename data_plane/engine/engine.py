@@ -304,9 +304,10 @@ class Engine:
         seq.last_token_time = now
 
     def warm_up(self, rank: int = 8) -> None:
-        """Fills every adapter slot with a zero adapter and runs, on the model thread, decode batches
-        of every CPU row bucket up to a full batch and a full prefill chunk through every slot, so
-        the first real request pays no first-use cost. Call before ``start``, off the event loop."""
+        """Fills every adapter slot with a zero adapter and runs, on the model thread, steps of every
+        CPU row bucket (decode batches up to a full batch, prefills of a bucket's size beyond it) and a
+        full prefill chunk through every slot, so the first real request pays no first-use cost. Call
+        before ``start``, off the event loop."""
         cache = self.lora.cache
         cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
         n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
@@ -317,9 +318,13 @@ class Engine:
         for size in sorted({b for b in cpu_linear.ROW_BUCKETS if b < n} | {n}):
             self._model_thread.submit(self.runner.run, decodes[:size]).result()
         chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size)
-        prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1,
-                           block_table=list(range(-(-chunk // self.limits.block_size))), slot=0)
-        self._model_thread.submit(self.runner.run, [ScheduledSeq(prefill, chunk)]).result()
+        # A step that mixes a prefill chunk with decodes can have any row count up to the chunk: the row
+        # buckets past a full batch would otherwise first meet oneDNN mid-serving (a kernel built then,
+        # and memory that grows under load).
+        for size in [b for b in cpu_linear.ROW_BUCKETS if n < b < chunk] + [chunk]:
+            prefill = Sequence(f"warm-up-prefill-{size}", None, [0] * size, SamplingParams(), size + 1,
+                               block_table=list(range(-(-size // self.limits.block_size))), slot=0)
+            self._model_thread.submit(self.runner.run, [ScheduledSeq(prefill, size)]).result()
         cache.clear_free_slots()
 
     # ---- state -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from control_plane.plan import Command, plan_actions, retry_due
-from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
+from control_plane.records import REPORT_LAG_S, AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
 
 SHA, OTHER = "ab" * 32, "cd" * 32
 
@@ -57,8 +57,11 @@ def test_a_pin_the_pod_accepted_after_its_last_heartbeat_is_not_sent_again():
     loaded = {"a": [PlacementRecord("a", "p0", PlacementState.READY, "", 0, 50.0)]}
     reported_before = PodRecord("p0", "127.0.0.1:1", last_heartbeat=49.0)
     assert plan(registered("a"), [reported_before], {"a": ("p0",)}, loaded) == []
-    # a heartbeat after the load that lacks the adapter (the pod restarted): it is loaded again
-    reported_after = PodRecord("p0", "127.0.0.1:1", last_heartbeat=51.0)
+    # a heartbeat arriving just after the load, sent before it (late in flight or queued): not sent again
+    sent_before = PodRecord("p0", "127.0.0.1:1", last_heartbeat=50.0 + REPORT_LAG_S - 0.5)
+    assert plan(registered("a"), [sent_before], {"a": ("p0",)}, loaded) == []
+    # a heartbeat well after the load that lacks the adapter (the pod restarted): it is loaded again
+    reported_after = PodRecord("p0", "127.0.0.1:1", last_heartbeat=50.0 + REPORT_LAG_S + 0.5)
     assert plan(registered("a"), [reported_after], {"a": ("p0",)}, loaded) == [("p0", Command.LOAD_AND_PIN, "a")]
 
 

@@ -4,10 +4,12 @@ scripted stand-in for the pod clients (pods themselves are integration-tested wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import grpc
 import pytest
+import redis
 
 from control_plane.fleet import Fleet
 from control_plane.leader import LeaderLease
@@ -76,7 +78,8 @@ class Harness:
         self.registry = Registry(self.store, self.fleet, "")
         self.lease = LeaderLease(self.store, "me", 30.0, ControlPlaneMetrics())
         self.pods = ScriptedPods()
-        self.reconciler = Reconciler(self.config, self.store, self.fleet, self.lease, self.pods, ControlPlaneMetrics())
+        self.metrics = ControlPlaneMetrics()
+        self.reconciler = Reconciler(self.config, self.store, self.fleet, self.lease, self.pods, self.metrics)
 
     async def pod(self, pod_id: str, *residents: Residency, slots: int = 3) -> None:
         await self.fleet.heartbeat(PodRecord(pod_id, endpoint(pod_id), reported_ready=True,
@@ -314,6 +317,68 @@ def test_an_unregistered_adapter_is_unpinned_and_unloaded_from_pods(config, redi
         return await h.sent()
 
     assert run(config, redis_server, body) == [("p0", Command.UNPIN, "old"), ("p0", Command.UNLOAD, "old")]
+
+
+def test_a_pin_written_before_the_pinned_index_existed_is_placed(config, redis_server):
+    async def body(h):
+        await h.adapter("a")
+        await h.pod("p0")
+        # pinned as a version before the pinned index wrote it: in the record alone
+        redis.Redis.from_url(redis_server.url).hset("rec:adapter:a", mapping={"pinned": "1", "pin_replicas": "1"})
+        await h.lease.renew()
+        return await h.sent()
+
+    assert run(config, redis_server, body) == [("p0", Command.LOAD_AND_PIN, "a")]
+
+
+def test_pins_a_pod_accepted_but_has_not_reported_yet_stay_where_they_are(config, redis_server):
+    """A pass that runs before the pods' next heartbeats must not place their new pins again
+    elsewhere (and have the pods unpin them once they report them)."""
+    async def body(h):
+        await h.pod("p0")
+        await h.pod("p1")
+        await h.lease.renew()
+        h.clock.t += 0.5  # after the heartbeats, which therefore do not show what this pass does
+        await h.adapter("b", replicas=1)
+        first = await h.sent()
+        await h.adapter("a", replicas=1)
+        return first, await h.sent()
+
+    first, second = run(config, redis_server, body)
+    assert first == [("p0", Command.LOAD_AND_PIN, "b")]
+    assert second == [("p1", Command.LOAD_AND_PIN, "a")]
+
+
+def test_a_pin_wakes_the_loop_for_a_pass_at_once_and_a_registration_does_not(config, redis_server):
+    async def body(h):
+        await h.pod("p0")
+        await h.lease.renew()
+        stop = asyncio.Event()
+        task = asyncio.create_task(h.reconciler.run(stop))
+        passes = lambda: h.metrics.registry.get_sample_value("lorafleet_control_plane_reconcile_duration_seconds_count")
+        try:
+            await eventually(lambda: passes() == 1)
+            await h.adapter("a")
+            await asyncio.sleep(1.0)  # a quarter of the interval: only an event could have woken the loop
+            after_registering = passes()
+            await h.registry.pin("a", 1)
+            await eventually(lambda: passes() == 2)
+            return after_registering, [c[:3] for c in h.pods.calls]
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    slow = dataclasses.replace(config, reconcile_interval_s=4.0)
+    assert run(slow, redis_server, body) == (1, [("p0", Command.LOAD_AND_PIN, "a")])
+
+
+async def eventually(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])

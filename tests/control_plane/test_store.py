@@ -308,3 +308,56 @@ def test_an_unreachable_redis_is_reported_as_store_unavailable(redis_server):
             await store.get_adapter("a")
 
     with_store(redis_server, body)
+
+
+def test_the_pinned_index_follows_pins_unpins_and_unregistrations(redis_server):
+    async def body(store):
+        for name in ("a", "b", "c"):
+            await store.create_adapter(adapter(name))
+        await store.update_adapter("a", pin(1), "pinned")
+        await store.update_adapter("b", pin(0), "pinned")
+        first = [r.name for r in await store.pinned_adapters()]
+        await store.update_adapter("a", lambda r: dataclasses.replace(r, pinned=False), "unpinned")
+        await store.delete_adapter("b")
+        return first, await store.pinned_adapters()
+
+    first, then = with_store(redis_server, body)
+    assert first == ["a", "b"]
+    assert then == []
+
+
+def test_rebuilding_the_pinned_index_finds_pins_written_without_it_and_drops_stale_entries(redis_server):
+    """A registry written before the index existed (or by an older replica) has pins the index lacks."""
+    other = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
+
+    async def body(store):
+        for name in ("a", "b", "c"):
+            await store.create_adapter(adapter(name))
+        other.hset("t:adapter:b", mapping={"pinned": "1", "pin_replicas": "2"})  # no index entry
+        other.sadd("t:pinned", "c")  # an index entry for an adapter that is not pinned
+        before = [r.name for r in await store.pinned_adapters()]
+        count = await store.index_pins()
+        return before, count, await store.pinned_adapters()
+
+    before, count, after = with_store(redis_server, body)
+    assert before == []
+    assert count == 1
+    assert [(r.name, r.pin_replicas) for r in after] == [("b", 2)]
+
+
+def test_more_concurrent_calls_than_pooled_connections_wait_for_one_instead_of_failing(redis_server):
+    async def body(store):
+        await store.create_adapter(adapter("a"))
+        return await asyncio.gather(*(store.get_adapter("a") for _ in range(300)))
+
+    assert {r.name for r in with_store(redis_server, body)} == {"a"}
+
+
+def test_recording_a_heartbeat_returns_the_newest_fencing_token(redis_server):
+    async def body(store):
+        before = await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=1.0))
+        token = await store.acquire_leadership("r1", 5)
+        return before, token, await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=2.0))
+
+    before, token, after = with_store(redis_server, body)
+    assert (before, after) == (0, token) and token > 0
