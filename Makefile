@@ -56,6 +56,7 @@ bench: setup
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/control_plane.py
 	$(PY) benchmarks/control_plane_scale.py
+	$(PY) benchmarks/fleet_sim.py --jobs 2 --plots benchmarks/plots
 
 # The reliability suite at full size (60 s of load, 2,000 load/unload cycles, ...); its measured figures
 # become docs/RELIABILITY.md. `make test` runs the same tests at reduced sizes.

@@ -15,8 +15,8 @@ class Weights:
     cold. The fleet simulator (benchmarks/fleet_sim.py, 100 pods x 10,000 adapters) showed it: with
     free_slot/evict at 4/6 the router spread adapters too eagerly, and at 14/20 cold loads per 1,000
     requests fell by about a third with queueing p99 no worse (benchmarks/RESULTS.md, "Fleet
-    simulation"). A waiting request costs more than a running one
-    because it means the pod's batch is full, and a nearly full KV cache means preemptions."""
+    simulation"). A waiting request costs more than a running one because it means the pod's batch is
+    full, and a nearly full KV cache means preemptions."""
 
     cpu_hit: float = 0.5
     free_slot: float = 14.0

@@ -17,6 +17,7 @@ the fewest steps left. Events come only at arrivals, load ends and completions.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -32,7 +33,7 @@ class InvariantViolated(AssertionError):
     """The simulated pod broke a promise the real one keeps (a bug in the simulator or a policy)."""
 
 
-class Event:
+class Event(enum.IntEnum):
     """Kinds of pod events on the simulator's queue."""
 
     DISK_DONE = 1
@@ -164,7 +165,8 @@ class SimPod:
         self.held.discard(name)
 
     def unload(self, name: str) -> None:
-        if self.cpu.get(name) and not self.in_use[name] and self.slots.get(name) is not False:
+        """UnloadAdapter of a stale adapter; left alone while it serves, waits or loads."""
+        if self.cpu.get(name) and not self.in_use[name] and not self.wanted[name] and self.slots.get(name) is not False:
             self.unpin(name)
             self._drop(name)
 

@@ -8,6 +8,7 @@ of the requests it started and finished since, as the real router does.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ from router.picker import PodPicker
 from router.view import FleetView
 
 
-class Policy:
+class Policy(abc.ABC):
     """Picks a pod for each request. ``places_pins``: the policy places pinned adapters itself
     (``place_pins``) instead of the control plane's placement; ``replication``: the control plane's
     replica thresholds when it runs replicas that follow popularity (None: it does not)."""
@@ -35,17 +36,19 @@ class Policy:
                rng: np.random.Generator) -> None:
         self.pods, self.clock, self.view, self.rng = pods, clock, view, rng
 
+    @abc.abstractmethod
     def route(self, adapter: str) -> int:
-        raise NotImplementedError
+        """The index of the pod a request for ``adapter`` goes to."""
 
-    def started(self, pod: int, adapter: str) -> None:
+    def started(self, pod: int, adapter: str) -> None:  # noqa: B027 (an optional hook)
         """A request for ``adapter`` went to ``pod``."""
 
-    def finished(self, pod: int) -> None:
+    def finished(self, pod: int) -> None:  # noqa: B027 (an optional hook)
         """A request sent to ``pod`` completed."""
 
     def place_pins(self, pins: Sequence[Pin]) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
+        """Adapter -> indexes of the pods it is pinned on; only called when ``places_pins``."""
+        raise TypeError(f"{self.name} leaves pin placement to the control plane")
 
     def _least_requests(self, pods: Sequence[SimPod]) -> int:
         """The pod with the fewest running plus waiting requests, ties at random."""

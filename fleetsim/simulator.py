@@ -4,6 +4,7 @@ Seeded: the same trace, policy and seed give the same result."""
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import math
@@ -21,7 +22,16 @@ from fleetsim.policies import Policy
 from fleetsim.trace import Trace
 from router.view import FleetView, PodView, Tier
 
-_VIEW, _RECONCILE, _WARM = 10, 11, 12  # fleet-wide events; pod events are fleetsim.pod.Event
+
+class FleetEvent(enum.IntEnum):
+    """Fleet-wide events on the queue, beside the pods' own (fleetsim.pod.Event)."""
+
+    VIEW = 10  # the router reads the fleet
+    RECONCILE = 11  # the control plane's pass
+    WARM = 12  # the warm-up ends: counters start
+
+
+_DRAIN_LIMIT_S = 3600.0  # a request unfinished this long after the last arrival is stuck, not slow
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,11 @@ class Simulation:
     def run(self) -> SimResult:
         started = time.perf_counter()
         times, n = self.trace.times, len(self.trace)
-        self._push(0.0, _VIEW, -1, None)
+        self._push(0.0, FleetEvent.VIEW, -1, None)
         if self.warmup_s > 0:
-            self._push(self.warmup_s, _WARM, -1, None)
+            self._push(self.warmup_s, FleetEvent.WARM, -1, None)
         if not self.policy.places_pins:
-            self._push(0.0, _RECONCILE, -1, None)
+            self._push(0.0, FleetEvent.RECONCILE, -1, None)
         i = 0
         while i < n or self._heap:
             if self._heap and (i >= n or self._heap[0][0] <= times[i]):
@@ -98,6 +108,9 @@ class Simulation:
                 i += 1
             if i >= n and not self._outstanding:
                 break  # what is left on the queue are the periodic passes and superseded completions
+            if i >= n and self.now > times[-1] + _DRAIN_LIMIT_S:
+                raise InvariantViolated(f"{self._outstanding} requests still unfinished {_DRAIN_LIMIT_S:.0f} s "
+                                        "after the last arrival")
         return self._result(time.perf_counter() - started)
 
     # ---- events -------------------------------------------------------------------------------
@@ -117,16 +130,16 @@ class Simulation:
             self.pods[pod].check()
 
     def _handle(self, kind: int, pod: int, payload: object) -> None:
-        if kind == _VIEW:
+        if kind == FleetEvent.VIEW:
             self._view = self._read_view()
-            self._push(self.now + self.config.view_interval_s, _VIEW, -1, None)
-        elif kind == _RECONCILE:
+            self._push(self.now + self.config.view_interval_s, FleetEvent.VIEW, -1, None)
+        elif kind == FleetEvent.RECONCILE:
             self.control.reconcile(self.now)
-            self._push(self.now + self.config.reconcile_interval_s, _RECONCILE, -1, None)
+            self._push(self.now + self.config.reconcile_interval_s, FleetEvent.RECONCILE, -1, None)
             if self.audit:
                 for p in self.pods:
                     p.check()
-        elif kind == _WARM:
+        elif kind == FleetEvent.WARM:
             for p in self.pods:
                 p.counters = PodCounters(peak_slots=p.counters.peak_slots, peak_cpu=p.counters.peak_cpu,
                                          peak_running=p.counters.peak_running)

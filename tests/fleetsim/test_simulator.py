@@ -108,3 +108,11 @@ def test_pins_past_a_pods_capacity_are_refused_by_the_pod():
         pod.load_and_pin(f"a{i:05d}", 0.0)
     with pytest.raises(InvariantViolated, match="past capacity"):
         pod.load_and_pin("a00299", 0.0)
+
+
+def test_requests_that_can_never_run_are_reported_instead_of_waited_for_forever():
+    sim = Simulation(FLEET, make_trace(TRACE), POLICIES["round-robin"](), ())
+    for pod in sim.pods:
+        pod._start_disk_load = lambda name, now: None  # a disk that never answers
+    with pytest.raises(InvariantViolated, match="requests still unfinished 3600 s after the last arrival"):
+        sim.run()
