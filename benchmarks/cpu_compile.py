@@ -1,5 +1,5 @@
 """torch.compile (inductor, CPU C++ backend) of the pod's decode step against eager, on the demo model,
-in one run: compile times, step times interleaved in one process, deviation of the logits.
+in one command: compile times, step times interleaved with eager's, deviation of the logits.
 
 The pod's forward (``LlamaForCausalLM.forward`` as ``ModelRunner.execute`` runs it) holds Python that a
 compiled graph cannot: the LoRA layers' per-step path tuner and packs (``kernels.lora_backend``) and
@@ -15,12 +15,13 @@ oneDNN's opaque reordered weights (``cpu_linear``). Variants, each beside eager:
   (``torch.compiler.disable``, one graph break per projection), layer ints unspecialised so the
   layers share graphs.
 
-All compile with ``dynamic=True`` into a fresh inductor cache (cold: the compile time a pod would
-pay at start-up). Then, per sequence count and adapter mix, eager and the variants run in turn for
-``--steps`` rounds. Inductor fixes a kernel's thread count when it compiles, so each thread count
-runs in its own process: with 1 thread the figures are the calling thread's CPU time
-(``time.thread_time``, which a shared machine's descheduling does not inflate), with more, wall
-time. Prints markdown for benchmarks/RESULTS.md.
+Each variant runs in a process of its own, with eager beside it, and compiles with ``dynamic=True``
+into a fresh inductor cache (cold: the compile time a pod would pay at start-up); inductor fixes a
+kernel's thread count when it compiles, so each thread count has its own processes too. Then, per
+sequence count and adapter mix, eager and the variant run in turn for ``--steps`` rounds. With 1
+thread the figures are the calling thread's CPU time (``time.thread_time``, which a shared
+machine's descheduling does not inflate), with more, wall time. Prints markdown for
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -220,12 +221,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--steps", type=int, default=15, help="interleaved rounds per sequence count and mix")
     parser.add_argument("--threads", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2],
-                        help="one process per thread count: 1 measures CPU time, more wall time")
+                        help="one process per thread count and variant: 1 measures CPU time, more wall time")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=["blocks", "decode-attn", "forward"])
     args = parser.parse_args()
-    if len(args.threads) > 1:  # each in a fresh process, so that each compiles for its thread count
-        for threads in args.threads:
-            subprocess.run([sys.executable, *sys.argv, f"--threads={threads}"], check=True)
+    runs = [(t, v) for t in args.threads for v in args.variants]
+    if len(runs) > 1:  # each in a fresh process: it compiles cold, for its thread count, untouched by the others
+        for threads, variant in runs:
+            subprocess.run([sys.executable, *sys.argv, f"--threads={threads}", f"--variants={variant}"], check=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
         # Inductor reads its cache directory when it first compiles: a fresh one makes compiles cold.
