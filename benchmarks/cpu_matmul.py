@@ -25,6 +25,7 @@ from synthetic import write_random_adapter  # benchmarks/synthetic.py
 
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.engine.engine import Engine
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.metrics import PodMetrics
@@ -47,6 +48,24 @@ def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[Sche
     return batch
 
 
+def build_demo_engine(seqs: int, adapter_dir: Path, cpu_matmul: str = "float32") -> tuple[Engine, list[int]]:
+    """The pod's engine on the demo model for decode steps of up to ``seqs`` sequences, with the demo
+    adapters and a random rank-16 one (written into ``adapter_dir``) resident; returns it with the
+    slots of the mix: -1 (base) then each adapter's."""
+    model_dir = ensure_demo_model(quiet=True)
+    write_random_adapter(adapter_dir / EXTRA_ADAPTER, json.loads((model_dir / "config.json").read_text()), 16,
+                         dtype=torch.float32)
+    roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, adapter_dir)
+    config = DataPlaneConfig(model=model_dir, max_num_seqs=seqs, max_loras=len(DEMO_ADAPTERS) + 1,
+                             max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+    engine = build_engine(config, PodMetrics())
+    slots = [-1]
+    for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):
+        engine.lora.load(name, str(next(r for r in roots if (r / name).is_dir()) / name))
+        slots.append(engine.lora.cache.acquire(name))
+    return engine, slots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=32)
@@ -56,18 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = ensure_demo_model(quiet=True)
-        write_random_adapter(Path(tmp) / EXTRA_ADAPTER, json.loads((model_dir / "config.json").read_text()), 16,
-                             dtype=torch.float32)
-        roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(tmp))
-        config = DataPlaneConfig(model=model_dir, max_num_seqs=args.seqs, max_loras=len(DEMO_ADAPTERS) + 1,
-                                 max_cpu_loras=32, adapter_roots=roots, cpu_matmul="float32")
-        engine = build_engine(config, PodMetrics())
-        model, lora = engine.model, engine.lora
-        slots = [-1]
-        for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):
-            lora.load(name, str(next(r for r in roots if (r / name).is_dir()) / name))
-            slots.append(lora.cache.acquire(name))
+        engine, slots = build_demo_engine(args.seqs, Path(tmp))
+        model = engine.model
         n = min(args.seqs, cpu_linear.PACKED_MAX_ROWS)
         choice = cpu_linear.choose_precision(model.matmul_weights(), sorted({1, min(8, n), n}))
 
