@@ -28,23 +28,25 @@ packed once, when the slots change, and both cost a fixed number of ops per laye
 
 Which of the three is fastest depends on the CPU (its vector width, caches, memory bandwidth and
 torch's per-op overhead there) as much as on the shapes, so no machine's constants decide it:
-``PathTuner`` times the three on the step's own inputs the first time a layer plan meets a
-token-count and segment-count bucket, and keeps the fastest (the way autotuners pick kernel
-configurations). A packed copy is built only for layers that measure or take its path. What every
-layer of one step can share (the path for a plan, the dense mask for a layout, the gather index)
-is kept in that step's ``CpuStepCache``.
+``PathTuner`` times the three on the step's own inputs, each on torch's threads and on one thread
+(``CpuLoraRun``), the first time a layer plan meets a token-count and segment-count bucket, and
+keeps the fastest (the way autotuners pick kernel configurations). A packed copy is built only for
+layers that measure or take its path. What every layer of one step can share (the path for a plan,
+the dense mask for a layout, the gather index) is kept in that step's ``CpuStepCache``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +60,34 @@ class CpuLoraPath(enum.Enum):
     DENSE = "dense"
     GATHERED = "gathered"
     LOOP = "loop"
+
+
+class CpuLoraRun(NamedTuple):
+    """A path and the torch threads its ops run on. A LoRA op is small: on two threads each one pays
+    the threads' hand-over, which can cost more than the split saves (measured on the demo model's
+    decode step, 2-core AMD EPYC: LoRA's share of the step ~35 ms on two threads, ~20 ms on one)."""
+
+    path: CpuLoraPath
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.value}/{self.threads}t"
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block (the process's setting: call it from the one
+    thread that runs the model)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -142,69 +172,76 @@ PRUNE_FACTOR = 8
 GATHER_MAX_TOKENS_PER_SEGMENT = 8
 
 
-def candidates(num_tokens: int, num_segments: int) -> list[CpuLoraPath]:
-    """The paths worth measuring for steps of ``num_tokens`` in ``num_segments`` adapter segments (the
-    tuner passes its buckets, so that every step of a bucket has had the same candidates)."""
+def candidates(num_tokens: int, num_segments: int, threads: int) -> list[CpuLoraRun]:
+    """The runs worth measuring for steps of ``num_tokens`` in ``num_segments`` adapter segments (the
+    tuner passes its buckets, so that every step of a bucket has had the same candidates): each path on
+    ``threads`` threads and, where that is more, on one."""
+    paths = list(CpuLoraPath)
     if num_tokens >= GATHER_MAX_TOKENS_PER_SEGMENT * max(1, num_segments):
-        return [p for p in CpuLoraPath if p is not CpuLoraPath.GATHERED]
-    return list(CpuLoraPath)
+        paths.remove(CpuLoraPath.GATHERED)
+    return [CpuLoraRun(p, t) for p in paths for t in dict.fromkeys((threads, 1))]
 
 
 class PathTuner:
-    """Chooses each step's CPU path by measurement on this machine. The first time a layer plan
-    meets a (token bucket, segment bucket), ``choose`` runs each of the bucket's ``candidates`` once to
-    warm it (packs built, memory touched), then those within ``PRUNE_FACTOR`` of the fastest warm run
-    ``repeats`` more times interleaved, timing each with ``timer``, and keeps the path with the lowest
-    best time (ties: the order of ``CpuLoraPath``); later steps of that key reuse it. A new resident
-    layout is a new plan, measured anew. Deterministic given the timings."""
+    """Chooses each step's CPU path, and the threads it runs on, by measurement on this machine. The
+    first time a layer plan meets a (token bucket, segment bucket), ``choose`` runs each of the
+    bucket's ``candidates`` once to warm it (packs built, memory touched), then those within
+    ``PRUNE_FACTOR`` of the fastest warm run ``repeats`` more times interleaved, timing each with
+    ``timer``, and keeps the run with the lowest best time (ties: the order of ``candidates``); later
+    steps of that key reuse it. A new resident layout is a new plan, measured anew. ``threads`` is the
+    most threads a run may take (None: torch's setting when a choice is measured). Deterministic given
+    the timings."""
 
-    def __init__(self, timer: Callable[[], float] = time.perf_counter, repeats: int = 2, capacity: int = 4096) -> None:
-        if repeats < 1 or capacity < 1:
-            raise ValueError(f"repeats and capacity must be at least 1, got {repeats} and {capacity}")
+    def __init__(self, timer: Callable[[], float] = time.perf_counter, repeats: int = 2, capacity: int = 4096,
+                 threads: int | None = None) -> None:
+        if repeats < 1 or capacity < 1 or (threads is not None and threads < 1):
+            raise ValueError(f"repeats, capacity and threads must be at least 1, got {repeats}, {capacity}, {threads}")
         self._timer = timer
         self._repeats = repeats
         self._capacity = capacity
-        self._chosen: OrderedDict[PathKey, CpuLoraPath] = OrderedDict()
-        self.timings: dict[PathKey, dict[CpuLoraPath, float]] = {}  # the measurement behind each choice
+        self._threads = threads
+        self._chosen: OrderedDict[PathKey, CpuLoraRun] = OrderedDict()
+        self.timings: dict[PathKey, dict[CpuLoraRun, float]] = {}  # the measurement behind each choice
 
     def choose(self, plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...],
-               run: Callable[[CpuLoraPath], None]) -> CpuLoraPath:
-        """The fastest path for a step of ``num_tokens`` whose adapter segments are ``segments``
-        ((slot, start, end, run), as in ``LoraMeta.host_segments``); ``run(path)`` applies the step's
-        adapters by ``path`` into scratch output, and is called only when this key is new."""
+               run: Callable[[CpuLoraRun], None]) -> CpuLoraRun:
+        """The fastest run for a step of ``num_tokens`` whose adapter segments are ``segments``
+        ((slot, start, end, run), as in ``LoraMeta.host_segments``); ``run(choice)`` applies the step's
+        adapters by ``choice`` into scratch output, and is called only when this key is new."""
         key = (plan, bucket(num_tokens), bucket(len(segments)))
-        path = self._chosen.get(key)
-        if path is not None:
+        chosen = self._chosen.get(key)
+        if chosen is not None:
             self._chosen.move_to_end(key)
-            return path
-        seconds = self._measure(run, candidates(key[1], key[2]))
-        path = min(seconds, key=lambda p: seconds[p])  # min keeps the first of equal times
-        self._chosen[key] = path
+            return chosen
+        threads = self._threads or torch.get_num_threads()
+        seconds = self._measure(run, candidates(key[1], key[2], threads))
+        chosen = min(seconds, key=lambda c: seconds[c])  # min keeps the first of equal times
+        self._chosen[key] = chosen
         self.timings[key] = seconds
         while len(self._chosen) > self._capacity:
             self.timings.pop(self._chosen.popitem(last=False)[0], None)
         log.debug("cpu lora path measured", extra={
             "in_features": plan.in_features, "out_features": plan.out_features, "rank": plan.rank,
-            "tokens_bucket": key[1], "segments_bucket": key[2], "path": path.value,
-            **{f"{p.value}_us": round(t * 1e6, 1) for p, t in seconds.items()}})
-        return path
+            "tokens_bucket": key[1], "segments_bucket": key[2], "path": chosen.label,
+            **{f"{c.label}_us": round(t * 1e6, 1) for c, t in seconds.items()}})
+        return chosen
 
-    def _measure(self, run: Callable[[CpuLoraPath], None], paths: list[CpuLoraPath]) -> dict[CpuLoraPath, float]:
+    def _measure(self, run: Callable[[CpuLoraRun], None], runs: list[CpuLoraRun]) -> dict[CpuLoraRun, float]:
         first = {}
-        for path in paths:  # the warm run, timed only to drop hopeless paths (it may build a pack)
+        for choice in runs:  # the warm run, timed only to drop hopeless runs (it may build a pack)
             started = self._timer()
-            run(path)
-            first[path] = self._timer() - started
-        # A path PRUNE_FACTOR times slower than another on its first run cannot win, and measuring it
+            run(choice)
+            first[choice] = self._timer() - started
+        # A run PRUNE_FACTOR times slower than another on its first run cannot win, and measuring it
         # again costs the step most (the gathered path at a 512-token prefill: ~100 ms a layer where
         # the others take 1 ms): it keeps its first time and is not run again.
-        contenders = [p for p in paths if first[p] <= PRUNE_FACTOR * min(first.values())]
-        best = {p: math.inf if p in contenders else first[p] for p in paths}
+        contenders = [c for c in runs if first[c] <= PRUNE_FACTOR * min(first.values())]
+        best = {c: math.inf if c in contenders else first[c] for c in runs}
         for _ in range(self._repeats):
-            for path in contenders:  # interleaved, so that a burst of load falls on every path
+            for choice in contenders:  # interleaved, so that a burst of load falls on every run
                 started = self._timer()
-                run(path)
-                best[path] = min(best[path], self._timer() - started)
+                run(choice)
+                best[choice] = min(best[choice], self._timer() - started)
         return best
 
 
@@ -213,8 +250,8 @@ PATH_TUNER = PathTuner()
 
 
 def choose_path(plan: CpuPlan, num_tokens: int, segments: tuple[tuple[int, int, int, int], ...],
-                run: Callable[[CpuLoraPath], None]) -> CpuLoraPath:
-    """The path ``PATH_TUNER`` measured fastest for a step like this one (see ``PathTuner.choose``)."""
+                run: Callable[[CpuLoraRun], None]) -> CpuLoraRun:
+    """The run ``PATH_TUNER`` measured fastest for a step like this one (see ``PathTuner.choose``)."""
     return PATH_TUNER.choose(plan, num_tokens, segments, run)
 
 
@@ -224,7 +261,7 @@ class CpuStepCache:
     layers with equal plans take one path, layers of one dense layout use one mask, and gathered
     layers one index. Each step has its own (``LoraMeta.step_cache``)."""
 
-    paths: dict[CpuPlan, CpuLoraPath] = field(default_factory=dict)
+    paths: dict[CpuPlan, CpuLoraRun] = field(default_factory=dict)
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)  # by DensePack.layout
     gather_indices: dict[int, torch.Tensor] = field(default_factory=dict)  # by GatherPack.zero_slot
 

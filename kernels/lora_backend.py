@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from kernels import cpu_lora, reference
-from kernels.cpu_lora import CpuLoraPath
+from kernels.cpu_lora import CpuLoraPath, CpuLoraRun, intra_op_threads
 from kernels.lora_meta import LoraMeta
 
 
@@ -93,7 +93,11 @@ class CpuBackend:
         if path is not None:  # None: no resident adapter adapts this layer
             self._run(path, y, x, meta)
 
-    def _run(self, path: CpuLoraPath, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
+    def _run(self, choice: CpuLoraRun, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
+        with intra_op_threads(choice.threads):
+            self._run_path(choice.path, y, x, meta)
+
+    def _run_path(self, path: CpuLoraPath, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
         sl, step = self.slots, meta.step_cache
         if path is CpuLoraPath.DENSE:
             pack = self._dense_pack()
@@ -106,10 +110,10 @@ class CpuBackend:
             reference.lora_shrink(x, sl.lora_a, sl.ranks, meta, buf, sl.host_ranks)
             reference.lora_expand(y, buf, sl.lora_b, sl.ranks, sl.host_offsets, meta, sl.host_ranks)
 
-    def path(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> CpuLoraPath | None:
-        """The path this layer takes in the step of ``meta`` (``y``, ``x`` as for ``apply``; a path
-        not measured yet for steps like this one is timed on them, into a scratch copy of ``y``);
-        None when no resident adapter has a rank on it."""
+    def path(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> CpuLoraRun | None:
+        """The path, and the threads it runs on, this layer takes in the step of ``meta`` (``y``, ``x``
+        as for ``apply``; runs not measured yet for steps like this one are timed on them, into a
+        scratch copy of ``y``); None when no resident adapter has a rank on it."""
         plan = self._plan
         if plan is None:
             sl = self.slots

@@ -15,7 +15,7 @@ from data_plane.lora.layer import LoRAProjection
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, Projection
 from kernels import cpu_lora
-from kernels.cpu_lora import CpuLoraPath
+from kernels.cpu_lora import CpuLoraPath, CpuLoraRun
 from kernels.lora_backend import CpuBackend, TritonBackend
 from kernels.lora_meta import LoraMetaBuilder
 from tests.tolerances import magnitude, tolerances
@@ -79,7 +79,7 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
     assert isinstance(layer.backend, CpuBackend), "a layer on CPU runs the CPU paths"
-    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraPath.LOOP)
+    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.LOOP, 1))
     on_reference = layer(x, batch)
 
     # What a layer on CUDA runs, on CPU tensors: the kernels run under the interpreter.
@@ -135,7 +135,7 @@ def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, pa
     calls = _counting(monkeypatch, cpu_lora, kernel)
 
     def run(on: CpuLoraPath) -> torch.Tensor:
-        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: on)
+        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(on, 1))
         before = len(calls)
         out = layer(X, _step())
         assert len(calls) - before == (on == path), f"{on} step took the wrong path"

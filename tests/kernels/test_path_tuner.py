@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_lora
-from kernels.cpu_lora import CpuLoraPath, PathTuner, bucket, plan
+from kernels.cpu_lora import CpuLoraPath, CpuLoraRun, PathTuner, bucket, plan
 from tests.kernels.test_lora_layer_paths import X, _qkv_layer, _step
 
 PLAN = plan([[8, 0, 4]], in_features=64, out_features=32)
@@ -17,55 +17,58 @@ SEGMENTS = ((0, 0, 3, 0), (2, 3, 5, 1))
 
 
 class Clock:
-    """A clock that moves only when a scripted path runs: ``costs[path]`` seconds per run, or the
-    next of a list of seconds."""
+    """A clock that moves only when a scripted run happens: ``costs[run]`` (or ``costs[run.path]``)
+    seconds per run, or the next of a list of seconds. ``runs`` records the paths run."""
 
-    def __init__(self, costs: dict[CpuLoraPath, float | list[float]]) -> None:
+    def __init__(self, costs: dict[CpuLoraPath | CpuLoraRun, float | list[float]]) -> None:
         self.t = 0.0
         self.costs = costs
         self.runs: list[CpuLoraPath] = []
+        self.choices: list[CpuLoraRun] = []
 
     def __call__(self) -> float:
         return self.t
 
-    def run(self, path: CpuLoraPath) -> None:
-        self.runs.append(path)
-        cost = self.costs[path]
+    def run(self, choice: CpuLoraRun) -> None:
+        self.runs.append(choice.path)
+        self.choices.append(choice)
+        cost = self.costs[choice] if choice in self.costs else self.costs[choice.path]
         self.t += cost.pop(0) if isinstance(cost, list) else cost
 
 
 @pytest.mark.parametrize("fastest", list(CpuLoraPath))
 def test_the_measured_fastest_path_is_chosen(fastest):
     clock = Clock({p: 1e-4 if p is fastest else 3e-4 for p in CpuLoraPath})
-    tuner = PathTuner(timer=clock)
-    assert tuner.choose(PLAN, 5, SEGMENTS, clock.run) is fastest
+    tuner = PathTuner(timer=clock, threads=1)
+    assert tuner.choose(PLAN, 5, SEGMENTS, clock.run).path is fastest
     # one warm run of each, then two timed runs interleaved
     assert clock.runs == [*CpuLoraPath] * 3
-    assert tuner.timings[(PLAN, 8, 2)][fastest] == pytest.approx(1e-4)
+    assert tuner.timings[(PLAN, 8, 2)][CpuLoraRun(fastest, 1)] == pytest.approx(1e-4)
 
 
 def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
     # loop is fastest, but its first timed run met a stall; warm-up times are not counted at all
     clock = Clock({CpuLoraPath.DENSE: [9.0, 2e-4, 2e-4], CpuLoraPath.GATHERED: [9.0, 3e-4, 3e-4],
                    CpuLoraPath.LOOP: [9.0, 5e-3, 1e-4]})
-    assert PathTuner(timer=clock).choose(PLAN, 1, SEGMENTS[:1], clock.run) is CpuLoraPath.LOOP
+    assert PathTuner(timer=clock, threads=1).choose(PLAN, 1, SEGMENTS[:1], clock.run).path is CpuLoraPath.LOOP
 
 
 def test_a_path_far_slower_on_its_first_run_is_not_run_again():
     # gathered takes PRUNE_FACTOR times more than dense and a bit on its first run: it cannot win
     slow = cpu_lora.PRUNE_FACTOR * 1e-4 * 1.01
     clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4})
-    tuner = PathTuner(timer=clock)
-    assert tuner.choose(PLAN, 4, SEGMENTS, clock.run) is CpuLoraPath.DENSE
+    tuner = PathTuner(timer=clock, threads=1)
+    assert tuner.choose(PLAN, 4, SEGMENTS, clock.run).path is CpuLoraPath.DENSE
     assert clock.runs == [*CpuLoraPath, CpuLoraPath.DENSE, CpuLoraPath.LOOP, CpuLoraPath.DENSE, CpuLoraPath.LOOP]
-    assert tuner.timings[(PLAN, 4, 2)][CpuLoraPath.GATHERED] == pytest.approx(slow)  # its first run's time
+    # its first run's time
+    assert tuner.timings[(PLAN, 4, 2)][CpuLoraRun(CpuLoraPath.GATHERED, 1)] == pytest.approx(slow)
 
 
 def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
     # the loop's first run is slow (a cold cache), but within the factor: its timed runs decide
     clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4,
                    CpuLoraPath.LOOP: [cpu_lora.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4, 1e-4]})
-    assert PathTuner(timer=clock).choose(PLAN, 4, SEGMENTS, clock.run) is CpuLoraPath.LOOP
+    assert PathTuner(timer=clock, threads=1).choose(PLAN, 4, SEGMENTS, clock.run).path is CpuLoraPath.LOOP
 
 
 # by buckets: gathered is measured while the token bucket is under 8 times the segment bucket
@@ -73,20 +76,43 @@ def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
                                                               (33, 8, False), (512, 1, False), (256, 64, True)])
 def test_the_gathered_path_is_not_measured_where_each_adapter_has_many_tokens(tokens, segments, gathered):
     clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
-    tuner = PathTuner(timer=clock)
+    tuner = PathTuner(timer=clock, threads=1)
     tuner.choose(PLAN, tokens, tuple((s, s, s + 1, s) for s in range(segments)), clock.run)
     assert (CpuLoraPath.GATHERED in clock.runs) is gathered
-    assert (CpuLoraPath.GATHERED in next(iter(tuner.timings.values()))) is gathered
+    assert (CpuLoraRun(CpuLoraPath.GATHERED, 1) in next(iter(tuner.timings.values()))) is gathered
+
+
+def test_each_path_is_also_measured_on_one_thread_and_the_fastest_pair_wins():
+    # dense is fastest, and fastest of all on one thread: small ops can lose to the threads' hand-over
+    clock = Clock({CpuLoraRun(CpuLoraPath.DENSE, 2): 3e-4, CpuLoraRun(CpuLoraPath.DENSE, 1): 1e-4,
+                   CpuLoraPath.GATHERED: 5e-4, CpuLoraPath.LOOP: 4e-4})
+    tuner = PathTuner(timer=clock, threads=2)
+    assert tuner.choose(PLAN, 4, SEGMENTS, clock.run) == CpuLoraRun(CpuLoraPath.DENSE, 1)
+    assert set(clock.choices) == {CpuLoraRun(p, t) for p in CpuLoraPath for t in (1, 2)}
+    assert clock.choices[:2] == [CpuLoraRun(CpuLoraPath.DENSE, 2), CpuLoraRun(CpuLoraPath.DENSE, 1)]
+
+
+def test_with_one_thread_there_is_one_run_per_path():
+    clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
+    PathTuner(timer=clock, threads=1).choose(PLAN, 4, SEGMENTS, clock.run)
+    assert {c.threads for c in clock.choices} == {1} and len(clock.choices) == 3 * len(CpuLoraPath)
+
+
+def test_a_run_on_one_thread_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with cpu_lora.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
 
 
 def test_equal_timings_choose_in_the_enums_order():
     clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
-    assert PathTuner(timer=clock).choose(PLAN, 3, SEGMENTS, clock.run) is list(CpuLoraPath)[0]
+    assert PathTuner(timer=clock, threads=1).choose(PLAN, 3, SEGMENTS, clock.run).path is list(CpuLoraPath)[0]
 
 
 def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
     clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: 2e-4, CpuLoraPath.LOOP: 3e-4})
-    tuner = PathTuner(timer=clock)
+    tuner = PathTuner(timer=clock, threads=1)
     tuner.choose(PLAN, 5, SEGMENTS, clock.run)
     measured = len(clock.runs)
     tuner.choose(PLAN, 7, SEGMENTS, clock.run)  # 5 and 7 tokens share the bucket of 8
@@ -99,7 +125,7 @@ def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
 
 def test_the_oldest_choices_are_forgotten_past_capacity():
     clock = Clock(dict.fromkeys(CpuLoraPath, 1e-4))
-    tuner = PathTuner(timer=clock, capacity=2)
+    tuner = PathTuner(timer=clock, capacity=2, threads=1)
     for tokens in (1, 2, 4):
         tuner.choose(PLAN, tokens, SEGMENTS, clock.run)
     assert sorted(key[1] for key in tuner.timings) == [2, 4]
@@ -113,9 +139,10 @@ def test_buckets_are_powers_of_two(n, expected):
     assert bucket(n) == expected
 
 
-def test_bad_settings_are_refused():
+@pytest.mark.parametrize("settings", [dict(repeats=0), dict(capacity=0), dict(threads=0)])
+def test_bad_settings_are_refused(settings):
     with pytest.raises(ValueError, match="at least 1"):
-        PathTuner(repeats=0)
+        PathTuner(**settings)
 
 
 def test_a_real_layer_takes_the_path_measured_fastest_and_measuring_changes_no_output(monkeypatch):
@@ -126,6 +153,6 @@ def test_a_real_layer_takes_the_path_measured_fastest_and_measuring_changes_no_o
     assert len(tuner.timings) == 1
     ((key, seconds),) = tuner.timings.items()
     taken = layer.backend.path(layer.base(X), X, _step().lora)  # a later step: no measurement
-    assert taken is min(CpuLoraPath, key=lambda p: seconds[p])
+    assert taken == min(seconds, key=lambda c: seconds[c])
     assert all(t > 0 for t in seconds.values())
     assert torch.equal(layer(X, _step()), measured), "the measurement's runs reached the real output"
