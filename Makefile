@@ -53,6 +53,8 @@ bench: setup
 	$(PY) benchmarks/model_cpu.py
 	$(PY) benchmarks/adapter_load.py
 	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/cpu_matmul.py
+	$(PY) benchmarks/step_trace.py
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/control_plane.py
 	$(PY) benchmarks/control_plane_scale.py
