@@ -81,13 +81,12 @@ def main() -> None:
         choice = cpu_linear.choose_precision(model.matmul_weights(), sorted({1, min(8, n), n}))
 
         projections = [m for m in model.modules() if isinstance(m, Projection)]
-        packs = {p: ([cpu_linear.prepack(m.weight, p) for m in projections], cpu_linear.prepack(model.head_weight, p))
-                 for p in MatmulPrecision}
+        # the projections in each precision; the output head stays float32, as in the pod
+        packs = {p: [cpu_linear.prepack(m.weight, p) for m in projections] for p in MatmulPrecision}
 
         def use(precision: MatmulPrecision) -> None:
-            for module, packed in zip(projections, packs[precision][0], strict=True):
+            for module, packed in zip(projections, packs[precision], strict=True):
                 module.packed = packed
-            model._packed_head = packs[precision][1]
 
         mixes = {"base + 4 adapters": decode_batch(engine, slots, args.seqs, args.context),
                  "base only": decode_batch(engine, [-1], args.seqs, args.context)}

@@ -41,7 +41,6 @@ import contextlib
 import enum
 import functools
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -65,7 +64,8 @@ class CpuLoraPath(enum.Enum):
 class CpuLoraRun(NamedTuple):
     """A path and the torch threads its ops run on. A LoRA op is small: on two threads each one pays
     the threads' hand-over, which can cost more than the split saves (measured on the demo model's
-    decode step, 2-core AMD EPYC: LoRA's share of the step ~35 ms on two threads, ~20 ms on one)."""
+    32-sequence decode step, 2-core AMD EPYC: LoRA added ~30 ms to the step with every op on two
+    threads, ~18 ms with the runs the tuner chose once it also measured one)."""
 
     path: CpuLoraPath
     threads: int
@@ -77,8 +77,9 @@ class CpuLoraRun(NamedTuple):
 
 @contextlib.contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` for the block (the process's setting: call it from the one
-    thread that runs the model)."""
+    """torch's intra-op threads set to ``n`` for the block. With OpenMP this is the calling thread's
+    count (and the default a thread that starts parallel work meanwhile takes): call it from the thread
+    that runs the model."""
     before = torch.get_num_threads()
     if n == before:
         yield
@@ -163,12 +164,13 @@ def bucket(n: int) -> int:
 
 
 PathKey = tuple[CpuPlan, int, int]  # a plan, its steps' token bucket and segment bucket
-# A path whose first (warm) run is this many times the fastest first run is not timed further:
-# building a pack (the most a first run adds) costs less than that, so it could not have won.
+# A run whose first timed run is this many times the fastest one is not timed further: the noise
+# between two timings of one run on a loaded machine stays well under that.
 PRUNE_FACTOR = 8
-# The gathered path copies each token's adapter: where every adapter has this many tokens on average it
-# moves that many copies of each A and B for the products the loop computes from one, so it is not a
-# candidate (measuring it at a 1024-token prefill alone took about a second on the demo model).
+# The gathered path copies each row's adapter (an all-zero one for base-model rows): where the step has
+# this many rows per adapter segment it moves that many copies of each A and B for the products the
+# loop computes from one, so it is not a candidate (measuring it at a 1024-token prefill alone took
+# about a second on the demo model).
 GATHER_MAX_TOKENS_PER_SEGMENT = 8
 
 
@@ -185,9 +187,9 @@ def candidates(num_tokens: int, num_segments: int, threads: int) -> list[CpuLora
 class PathTuner:
     """Chooses each step's CPU path, and the threads it runs on, by measurement on this machine. The
     first time a layer plan meets a (token bucket, segment bucket), ``choose`` runs each of the
-    bucket's ``candidates`` once to warm it (packs built, memory touched), then those within
-    ``PRUNE_FACTOR`` of the fastest warm run ``repeats`` more times interleaved, timing each with
-    ``timer``, and keeps the run with the lowest best time (ties: the order of ``candidates``); later
+    bucket's ``candidates`` once to warm it (packs built, memory touched), then each once more timed
+    with ``timer``, then those within ``PRUNE_FACTOR`` of the fastest ``repeats`` - 1 more times,
+    interleaved, and keeps the run with the lowest best time (ties: the order of ``candidates``); later
     steps of that key reuse it. A new resident layout is a new plan, measured anew. ``threads`` is the
     most threads a run may take (None: torch's setting when a choice is measured). Deterministic given
     the timings."""
@@ -227,17 +229,18 @@ class PathTuner:
         return chosen
 
     def _measure(self, run: Callable[[CpuLoraRun], None], runs: list[CpuLoraRun]) -> dict[CpuLoraRun, float]:
-        first = {}
-        for choice in runs:  # the warm run, timed only to drop hopeless runs (it may build a pack)
+        for choice in runs:  # the warm run (it may build a pack): not timed
+            run(choice)
+        best = {}
+        for choice in runs:
             started = self._timer()
             run(choice)
-            first[choice] = self._timer() - started
-        # A run PRUNE_FACTOR times slower than another on its first run cannot win, and measuring it
-        # again costs the step most (the gathered path at a 512-token prefill: ~100 ms a layer where
-        # the others take 1 ms): it keeps its first time and is not run again.
-        contenders = [c for c in runs if first[c] <= PRUNE_FACTOR * min(first.values())]
-        best = {c: math.inf if c in contenders else first[c] for c in runs}
-        for _ in range(self._repeats):
+            best[choice] = self._timer() - started
+        # A run PRUNE_FACTOR times slower than another on its first timed run cannot win, and running
+        # it again costs the step most (the gathered path at a 512-token prefill: ~100 ms a layer where
+        # the others take 1 ms): it keeps that time and is not run again.
+        contenders = [c for c in runs if best[c] <= PRUNE_FACTOR * min(best.values())]
+        for _ in range(self._repeats - 1):
             for choice in contenders:  # interleaved, so that a burst of load falls on every run
                 started = self._timer()
                 run(choice)

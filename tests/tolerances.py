@@ -64,10 +64,11 @@ def tolerances(dtype: torch.dtype, *, depth: int, scale: float) -> tuple[float, 
 def rounded_operands_atol(dtype: torch.dtype, *, depth: int, scale: float) -> float:
     """The largest |a - b| between a float32 matmul and the same matmul with both operands rounded
     to ``dtype``, the products summed in float32 and the result rounded to ``dtype``: each rounding is
-    within u = eps/2 relatively, so a product is within 2u + u² of the exact one and the result within
-    u more, on top of the float32 sums' ``sum_atol``; ``scale`` as there."""
+    within u = eps/2 relatively, so a product is within (1 + u)² - 1 of the exact one and the rounded
+    result within (1 + u)³ - 1 = 3u + 3u² + u³, on top of the float32 sums' ``sum_atol``; ``scale`` as
+    there."""
     u = eps(dtype) / 2
-    return (3 * u + u * u) * scale + sum_atol(depth, scale)
+    return ((1 + u) ** 3 - 1) * scale + sum_atol(depth, scale)
 
 
 def longest_sum(config, *, rank: int = 0, tokens: int = 0) -> int:

@@ -306,8 +306,9 @@ class Engine:
     def warm_up(self, rank: int = 8) -> None:
         """Fills every adapter slot with a zero adapter and runs, on the model thread, steps of every
         CPU row bucket (decode batches up to a full batch, prefills of a bucket's size beyond it) and a
-        full prefill chunk through every slot, so the first real request pays no first-use cost. Call
-        before ``start``, off the event loop."""
+        full prefill chunk through every slot, so that no oneDNN kernel or buffer is first built while
+        requests wait (the CPU LoRA paths are still measured when real adapters' layouts first run).
+        Call before ``start``, off the event loop."""
         cache = self.lora.cache
         cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
         n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)

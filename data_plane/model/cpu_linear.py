@@ -12,12 +12,15 @@ it in bfloat16.
 The reordered copy may be float32 or bfloat16 (``MatmulPrecision``). On a CPU with native
 bfloat16 dot products (AVX512-BF16, AMX) a bfloat16 weight halves the bytes a memory-bound decode
 step reads and doubles the products per instruction; elsewhere oneDNN emulates them and they are
-slower. Which one a float32 model uses is measured when it loads (``choose_precision``), on its own
-weight shapes, not inferred from CPU flags. In bfloat16 the inputs and weights of these matmuls are
-rounded to bfloat16 (8 significant bits) and the products summed in float32, and each output is
-rounded to bfloat16 once: an output moves from its float32 value by at most about 3·2⁻⁸ of the sum
-of its products' magnitudes (tests/tolerances.py, ``rounded_operands_atol``).
-Everything else (norms, attention, the residual stream, LoRA, prefill) stays float32.
+slower. Which one a float32 pod uses is measured at start-up (``choose_precision``, called by
+``data_plane.pod``), on its model's own weight shapes, not inferred from CPU flags. In bfloat16 the
+inputs and weights of these matmuls are rounded to bfloat16 (8 significant bits) and the products
+summed in float32, and each output is rounded to bfloat16 once: an output moves from its float32
+value by at most about 3·2⁻⁸ of the sum of its products' magnitudes (tests/tolerances.py,
+``rounded_operands_atol``). Once chosen, bfloat16 serves the projections at every row count
+(prefill too, in chunks), so a token rounds alike in any step. Everything else (norms, attention,
+the residual stream, LoRA, and the output head, whose logits and log-probabilities would otherwise
+come in steps of 2⁻⁸ of their size) stays float32.
 """
 
 from __future__ import annotations
@@ -71,8 +74,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x @ weight.T + bias``, through ``packed`` when there is one and ``x`` has few rows; in
     ``x``'s dtype whatever the precision of ``packed``."""
     rows = x.shape[0]
-    if packed is None or x.dim() != 2 or rows > PACKED_MAX_ROWS or x.device.type != "cpu":
+    if packed is None or x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if rows > PACKED_MAX_ROWS:
+        if packed.dtype == x.dtype:
+            return F.linear(x, weight, bias)
+        # A bfloat16 copy serves every row count, in chunks of bucketed sizes, so that a token's
+        # projections round alike whether its step is a small decode or a long prefill.
+        return torch.cat([linear(chunk, weight, bias, packed) for chunk in x.split(PACKED_MAX_ROWS)])
     bucket = next(b for b in ROW_BUCKETS if b >= rows)
     if bucket != rows:
         x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
@@ -84,12 +93,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 @dataclass(frozen=True)
 class PrecisionChoice:
+    """What ``choose_precision`` chose, what it measured and why, for the pod's log."""
+
     precision: MatmulPrecision
     seconds: dict[MatmulPrecision, float]  # measured time of one round over the shapes (empty: not measured)
     reason: str
 
 
-# bfloat16 must be this much faster to be taken: it costs accuracy, so a tie (or noise) keeps float32.
+# bfloat16 is taken only below this fraction of float32's time: it costs accuracy, so a tie keeps float32.
 BFLOAT16_MIN_GAIN = 0.9
 
 

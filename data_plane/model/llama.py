@@ -158,20 +158,22 @@ class LlamaForCausalLM(nn.Module):
         return cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
 
     def prepack_cpu_weights(self, precision: cpu_linear.MatmulPrecision = cpu_linear.MatmulPrecision.FLOAT32) -> None:
-        """Gives every projection and the output head a oneDNN copy of its weight in ``precision``
-        where that applies (float32 on CPU); call once the weights are final."""
+        """Gives every projection a oneDNN copy of its weight in ``precision``, and the output head one
+        in float32 (its logits are the returned log-probabilities), where that applies (float32 on
+        CPU); call once the weights are final."""
         if not cpu_linear.can_prepack(self.head_weight):
             return
         for module in self.modules():
             if isinstance(module, Projection):
                 module.packed = cpu_linear.prepack(module.weight, precision)
-        self._packed_head = cpu_linear.prepack(self.head_weight, precision)
+        if self._packed_head is None:
+            self._packed_head = cpu_linear.prepack(self.head_weight)
 
     def matmul_weights(self) -> list[tuple[torch.Tensor, int]]:
-        """One weight of each projection shape and the output head, each with how many weights of
-        its shape a forward multiplies by: what a step's matmul time is made of."""
+        """One weight of each projection shape, each with how many weights of its shape a forward
+        multiplies by: the matmuls whose precision a pod chooses."""
         first = [m for m in self.layers[0].modules() if isinstance(m, Projection)]
-        return [*((m.weight, len(self.layers)) for m in first), (self.head_weight, 1)]
+        return [(m.weight, len(self.layers)) for m in first]
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config

@@ -64,8 +64,8 @@ needs_bfloat16 = pytest.mark.skipif(not cpu_linear.can_prepack(torch.zeros(1)) o
 
 
 @needs_bfloat16
-@pytest.mark.parametrize("rows", [1, 7, cpu_linear.PACKED_MAX_ROWS])
-def test_a_bfloat16_copy_gives_float32_rows_within_the_rounding_of_its_operands(rows):
+@pytest.mark.parametrize("rows", [1, 7, cpu_linear.PACKED_MAX_ROWS, cpu_linear.PACKED_MAX_ROWS + 1, 300])
+def test_a_bfloat16_copy_gives_float32_rows_within_the_rounding_of_its_operands_at_any_row_count(rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(200, 48, generator=gen), torch.randn(200, generator=gen)
     x = torch.randn(rows, 48, generator=gen)
@@ -129,8 +129,9 @@ def test_the_pod_setting_gives_every_reordered_weight_one_precision(tiny_dir, se
     precision = set_cpu_matmul_precision(model, setting, max_num_seqs=8)
     if setting != "auto":
         assert precision is MatmulPrecision(setting)
-    packs = [m.packed for m in model.modules() if isinstance(m, Projection)] + [model._packed_head]
+    packs = [m.packed for m in model.modules() if isinstance(m, Projection)]
     assert {p.dtype for p in packs} == {precision.dtype}
+    assert model._packed_head.dtype == torch.float32  # logits stay float32: they are the log-probabilities
     logits = run_chunks(model, list(range(3, 40)), [20, 1, 16])
     assert logits.dtype == torch.float32 and logits.isfinite().all()
 
