@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="the pod's --cpu-matmul (a float32 CPU model's decode matmul precision)")
+                        help="the pod's --cpu-matmul (a float32 CPU model's projection matmul precision)")
     parser.add_argument("--tokenizer", type=Path,
                         help="directory with the demo model's tokenizer and config files, for a random-weight "
                              "model where the demo model is not installed (default: the installed demo model)")

@@ -22,7 +22,7 @@ class DataPlaneConfig:
     metrics_port: int = defaults.POD_METRICS_PORT
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
-    # Precision of a float32 CPU model's decode matmuls: "auto" measures float32 and bfloat16 on this
+    # Precision of a float32 CPU model's projection matmuls: "auto" measures float32 and bfloat16 on this
     # CPU at start-up and takes the faster (see data_plane/model/cpu_linear.py); other dtypes and CUDA ignore it.
     cpu_matmul: str = "auto"
     max_loras: int = defaults.MAX_LORAS
@@ -176,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
     p.add_argument("--cpu-matmul", default=d.cpu_matmul, choices=CPU_MATMUL_CHOICES,
-                   help="precision of a float32 CPU model's decode matmuls: auto measures float32 and bfloat16 "
+                   help="precision of a float32 CPU model's projection matmuls: auto measures float32 and bfloat16 "
                         "(operands rounded to bfloat16, float32 sums, outputs rounded to bfloat16) on this CPU at "
                         "start-up and takes the faster")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
