@@ -65,14 +65,15 @@ def bfloat16_supported() -> bool:
 
 def prepack(weight: torch.Tensor, precision: MatmulPrecision = MatmulPrecision.FLOAT32) -> torch.Tensor:
     """``weight`` [out, in] reordered for oneDNN in ``precision`` (an opaque tensor; ``weight``
-    itself is kept for steps of many rows)."""
+    itself is kept for float32 steps of many rows)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(precision.dtype), 32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias``, through ``packed`` when there is one and ``x`` has few rows; in
-    ``x``'s dtype whatever the precision of ``packed``."""
+    """``x @ weight.T + bias``, through ``packed`` when there is one and either ``x`` has few rows or
+    ``packed`` is bfloat16 (then in chunks of few rows); in ``x``'s dtype whatever the precision of
+    ``packed``."""
     rows = x.shape[0]
     if packed is None or x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
