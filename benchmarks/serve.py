@@ -38,6 +38,7 @@ from processes import PodProcess, cpu_flags, cpu_model, load_average  # benchmar
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
+from data_plane.config import CPU_MATMUL_CHOICES
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.model.demo_model import ensure_demo_model
 
@@ -120,7 +121,7 @@ def main() -> None:
                         help="the demo model and adapters, or random weights of a named shape")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
                         help="the pod's --cpu-matmul (a float32 CPU model's projection matmul precision)")
     parser.add_argument("--tokenizer", type=Path,
                         help="directory with the demo model's tokenizer and config files, for a random-weight "

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,10 +26,10 @@ from pathlib import Path
 import torch
 from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes.py
 from serve import EXTRA_ADAPTER  # benchmarks/serve.py
-from stream_load import PROMPTS  # benchmarks/stream_load.py
+from stream_load import PROMPTS, percentile_ms  # benchmarks/stream_load.py
 from synthetic import write_random_adapter  # benchmarks/synthetic.py
 
-from data_plane.config import DataPlaneConfig
+from data_plane.config import CPU_MATMUL_CHOICES, DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.engine.sequence import SamplingParams
 from data_plane.local import prompt_ids
@@ -95,13 +94,11 @@ async def serve_once(engine, requests: list[tuple[list[int], str | None]], new_t
 
 
 def report(label: str, trace: Trace, wall_s: float, tokens: int, slowest: int) -> None:
-    times = sorted(s.seconds for s in trace.steps)
-    itl = sorted(trace.itl)
-    pct = lambda v, q: v[min(len(v) - 1, int(q * len(v)))] * 1e3  # noqa: E731
-    print(f"\n{label}: {tokens / wall_s:.1f} tok/s, {len(times)} steps; step p50 {pct(times, 0.5):.0f} ms, "
-          f"p99 {pct(times, 0.99):.0f} ms, max {times[-1] * 1e3:.0f} ms; ITL p50 {pct(itl, 0.5):.0f} ms, "
-          f"p99 {pct(itl, 0.99):.0f} ms; garbage collection {trace.gc_ms:.0f} ms in all; "
-          f"{sum(s.measured for s in trace.steps)} path choices measured")
+    times = [s.seconds for s in trace.steps]
+    print(f"\n{label}: {tokens / wall_s:.1f} tok/s, {len(times)} steps; step p50 {percentile_ms(times, 0.5)} ms, "
+          f"p99 {percentile_ms(times, 0.99)} ms, max {max(times) * 1e3:.0f} ms; ITL p50 "
+          f"{percentile_ms(trace.itl, 0.5)} ms, p99 {percentile_ms(trace.itl, 0.99)} ms; garbage collection "
+          f"{trace.gc_ms:.0f} ms in all; {sum(s.measured for s in trace.steps)} path choices measured")
     print("| step ms | tokens | sequences | prefill tokens | adapter segments | path choices measured | gc ms |")
     print("|---|---|---|---|---|---|---|")
     for s in sorted(trace.steps, key=lambda s: -s.seconds)[:slowest]:
@@ -147,12 +144,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slowest", type=int, default=5, help="slowest steps listed per run")
-    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES)
     parser.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                         help="leave start-up objects to the collector (the pod freezes them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads, torch "
           f"{torch.__version__}, load average {load_average()}; demo model, {args.requests} requests x "
           f"{args.new_tokens} tokens, --cpu-matmul {args.cpu_matmul}, gc frozen: {args.freeze_gc}")
