@@ -15,6 +15,11 @@ Phases, in order, on one fleet:
 4. ``list``: ListAdapters paging over every adapter, at page sizes 100 and 1000: time per page and for
    the whole listing; every adapter is checked to come back exactly once.
 5. ``idle``: ``--idle-seconds`` with no admin traffic: reconcile passes over the settled fleet.
+6. ``traffic``: ``--traffic-seconds`` of simulated requests in the light pods (``--traffic-rate`` per
+   second, Zipf(``--traffic-alpha``) over the registered adapters, each on a random pod): the pods'
+   CPU entries fill with unpinned adapters and their heartbeats report per-adapter rates, so passes
+   read what the pods hold and the leader replicates the hottest; GetAdapter is timed one call at a
+   time throughout.
 
 Reconcile passes are read from the control plane's own Prometheus histogram
 (``lorafleet_control_plane_reconcile_duration_seconds``), scraped every 0.1 s: between two scrapes that
@@ -203,7 +208,8 @@ def adapter_name(i: int) -> str:
     return f"scale-{i:05d}"
 
 
-async def run(args: argparse.Namespace, cp: ControlPlaneProcess, r: redis.Redis, marks: dict, out: dict) -> None:
+async def run(args: argparse.Namespace, cp: ControlPlaneProcess, r: redis.Redis, marks: dict, out: dict,
+              start_traffic) -> None:
     admin = Admin(cp.target)
     names = [adapter_name(i) for i in range(args.adapters)]
 
@@ -258,6 +264,15 @@ async def run(args: argparse.Namespace, cp: ControlPlaneProcess, r: redis.Redis,
     progress("idle")
     marks["idle"] = time.time()
     await asyncio.sleep(args.idle_seconds)
+
+    progress(f"traffic: {args.traffic_rate:.0f} requests/s for {args.traffic_seconds} s")
+    marks["traffic"] = time.time()
+    start_traffic()
+    gets = []
+    while time.time() - marks["traffic"] < args.traffic_seconds:
+        gets.append((await admin.timed("GetAdapter", pb.GetAdapterRequest(name=random.choice(names))))[0])
+        await asyncio.sleep(0.2)
+    out["traffic"] = gets
     marks["end"] = time.time()
     await admin.channel.close()
 
@@ -273,6 +288,9 @@ def main() -> None:
     parser.add_argument("--admin-calls", type=int, default=100, help="calls of each kind in the admin phase")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--traffic-seconds", type=float, default=40.0)
+    parser.add_argument("--traffic-rate", type=float, default=300.0, help="simulated requests per second, whole fleet")
+    parser.add_argument("--traffic-alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     parser.add_argument("--baseline-seconds", type=float, default=15.0,
                         help="heartbeats to an empty registry first: this machine's floor for the latencies")
     parser.add_argument("--converge-timeout", type=float, default=600.0, help="seconds to wait for the pins")
@@ -295,8 +313,14 @@ def main() -> None:
         cp = pods = sampler = None
         try:
             cp = ControlPlaneProcess(server.url, token_file, workdir, "cp", base_model=BASE_MODEL, lease_s=None).start()
+            traffic_names = workdir / "traffic-names"
+            popularity = [adapter_name(i) for i in range(args.adapters)]
+            random.Random(11).shuffle(popularity)  # popularity unrelated to which adapters are pinned
+            traffic_names.write_text("".join(f"{n} {SHA}\n" for n in popularity))
             pods = LightPodsProcess(workdir, cp.target, token_file, args.pods, BASE_MODEL, "--slots", str(args.slots),
-                                    "--heartbeat-interval", str(args.heartbeat_interval)).start()
+                                    "--heartbeat-interval", str(args.heartbeat_interval),
+                                    "--traffic-names", str(traffic_names), "--traffic-rate", str(args.traffic_rate),
+                                    "--traffic-alpha", str(args.traffic_alpha)).start()
             sampler = Sampler(cp.metrics_port, {"control plane": cp.proc.pid, "light pods": pods.proc.pid,
                                                     "redis-server": server.proc.pid})
             sampler.start()
@@ -304,7 +328,7 @@ def main() -> None:
             wait_until(lambda: cp.metric("lorafleet_control_plane_pods", ready="true") == args.pods, 120,
                        f"{args.pods} light pods ready")
             client = redis.Redis(port=server.port)
-            asyncio.run(run(args, cp, client, marks, out))
+            asyncio.run(run(args, cp, client, marks, out, lambda: pods.proc.send_signal(signal.SIGUSR1)))
             report = pods.stop()
             pods = None
         finally:
@@ -321,7 +345,7 @@ def main() -> None:
 
 
 def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict, sampler: Sampler) -> None:
-    phases = ["baseline", "register", "pin", "admin", "list", "idle"]
+    phases = ["baseline", "register", "pin", "admin", "list", "idle", "traffic"]
     bounds = {p: (marks[p], marks[phases[i + 1]] if i + 1 < len(phases) else marks["end"])
               for i, p in enumerate(phases)}
     beats = report["heartbeats"]
@@ -330,7 +354,8 @@ def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict,
           f"Python {platform.python_version()}, grpcio {version('grpcio')}, redis-py {version('redis')}, "
           f"load average {load_average()}")
     print(f"{args.pods} light pods (heartbeat every {args.heartbeat_interval} s, {args.slots} slots), "
-          f"{args.adapters} adapters, {args.pins} pinned x {args.pin_replicas} replicas\n")
+          f"{args.adapters} adapters, {args.pins} pinned x {args.pin_replicas} replicas; traffic "
+          f"{args.traffic_rate:g} requests/s, Zipf {args.traffic_alpha:g}, random pods\n")
     names = list(sampler.pids)
     print("| phase | seconds | reconcile passes: n, p50 / p99 / max | heartbeats: n, p50 / p99 / max | CPU share of "
           f"one core: {', '.join(names)} |")
@@ -362,6 +387,10 @@ def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict,
           f" all loaded and pinned after {out['converge_s']:.1f} s |")
     for method, lat in out["admin"].items():
         print(f"| {method} under heartbeats, {len(lat)} calls one at a time, p50 / p99 / max | {ms(lat)} |")
+    print(f"| GetAdapter during traffic, {len(out['traffic'])} calls one at a time, p50 / p99 / max | "
+          f"{ms(out['traffic'])} |")
+    print(f"| traffic: requests served; adapters held at the end (distinct) | {report['requests']}; "
+          f"{report['held']} ({report['distinct_held']}) |")
     for size, (pages, total) in out["list"].items():
         print(f"| ListAdapters over all {args.adapters + args.admin_calls}, page size {size}: {len(pages)} pages, "
               f"per page p50 / p99 / max | {ms(pages)}; whole listing {total:.2f} s |")

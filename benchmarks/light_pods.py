@@ -10,6 +10,13 @@ and CPU entries, LRU, pins never evicted). Each heartbeats the control plane thr
 Run as a process (``python benchmarks/light_pods.py --control-plane H:P --pods 100 ...``) it serves
 until SIGTERM, then writes a JSON report (every heartbeat's start time, latency and outcome; commands
 served) to ``--report``. Tests may run ``LightFleet`` in their own event loop instead.
+
+With ``--traffic-names``, SIGUSR1 starts simulated request traffic: Poisson arrivals at
+``--traffic-rate`` per second over the whole fleet, each for an adapter drawn from the file's names
+with Zipf(``--traffic-alpha``) popularity and sent to a pod drawn at random. A pod serving a request
+loads the adapter (LRU, as a real pod does on a request) and counts it in the per-adapter rates its
+heartbeats report. Random pods are the worst case for the control plane: every pod's CPU entries fill
+with a different tail of the registry.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -41,6 +49,7 @@ from data_plane.errors import AdapterNotFound, CapacityExceeded
 from data_plane.membership import FencingGuard, MembershipClient
 
 RANK = 8  # what every light pod reports as each adapter's rank
+DEMAND_WINDOW_S = 30.0  # a real pod's default --demand-window
 
 
 @dataclass
@@ -160,6 +169,12 @@ class LightPod:
     server: grpc.aio.Server | None = None
     demand: DemandMeter | None = None  # per-adapter request rates its heartbeats report (none unless given)
 
+    def serve(self, name: str, sha256: str) -> None:
+        """One simulated request for ``name``: the adapter is loaded (or touched) and its rate counted."""
+        self.cache.load(name, sha256)
+        if self.demand is not None:
+            self.demand.record(name)
+
     def command(self, kind: str, fencing_token: int) -> None:
         self.guard.check(fencing_token)
         self.commands[kind] += 1
@@ -214,6 +229,7 @@ class LightFleet:
         self.pods = [LightPod(f"{prefix}-{i:03d}", base_model, LightCache(slots, cpu_entries)) for i in range(pods)]
         self._stop = asyncio.Event()
         self._beats: list[asyncio.Task] = []
+        self.requests = 0  # simulated requests served (``traffic``)
 
     async def start(self) -> LightFleet:
         for pod in self.pods:
@@ -227,8 +243,29 @@ class LightFleet:
         await asyncio.gather(*self._beats, return_exceptions=True)
         await asyncio.gather(*(p.server.stop(0) for p in self.pods if p.server))
 
+    async def traffic(self, adapters: list[tuple[str, str]], rate: float, alpha: float, seed: int = 0) -> None:
+        """Serves simulated requests until ``stop``: Poisson arrivals at ``rate`` per second, each for one of
+        ``adapters`` ((name, sha256), Zipf(``alpha``) popularity in list order) on a pod drawn at random."""
+        rng = random.Random(seed)
+        weights = list(itertools.accumulate(1.0 / (i + 1) ** alpha for i in range(len(adapters))))
+        for pod in self.pods:
+            pod.demand = pod.demand or DemandMeter(window_s=DEMAND_WINDOW_S)
+        due = time.monotonic()
+        while not self._stop.is_set():
+            due += rng.expovariate(rate)
+            if (wait := due - time.monotonic()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), wait)
+                if self._stop.is_set():
+                    break
+            name, sha256 = rng.choices(adapters, cum_weights=weights)[0]
+            rng.choice(self.pods).serve(name, sha256)
+            self.requests += 1
+
     def report(self) -> dict:
-        return {"heartbeats": [b for p in self.pods for b in p.heartbeats],
+        return {"heartbeats": [b for p in self.pods for b in p.heartbeats], "requests": self.requests,
+                "held": sum(len(p.cache.entries) for p in self.pods),
+                "distinct_held": len({n for p in self.pods for n in p.cache.entries}),
                 "commands": dict(sum((p.commands for p in self.pods), Counter())),
                 "pinned": {p.pod_id: sorted(n for n, e in p.cache.entries.items() if e.pinned) for p in self.pods}}
 
@@ -264,9 +301,15 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await fleet.start()
+    traffic: list[asyncio.Task] = []
+    if args.traffic_names:
+        adapters = [tuple(line.split()) for line in args.traffic_names.read_text().splitlines() if line.strip()]
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: traffic or traffic.append(
+            asyncio.create_task(fleet.traffic(adapters, args.traffic_rate, args.traffic_alpha))))
     print(f"serving {len(fleet.pods)} light pods", flush=True)
     await stop.wait()
     await fleet.stop()
+    await asyncio.gather(*traffic)
     args.report.write_text(json.dumps(fleet.report()))
 
 
@@ -280,6 +323,10 @@ def main() -> None:
     p.add_argument("--cpu-entries", type=int, default=64, help="CPU cache entries per pod")
     p.add_argument("--heartbeat-interval", type=float, default=3.0, help="seconds (a real pod's default: 3)")
     p.add_argument("--report", type=Path, required=True, help="where to write the JSON report on SIGTERM")
+    p.add_argument("--traffic-names", type=Path,
+                   help="file of 'name sha256' lines, most popular first: SIGUSR1 starts traffic over them")
+    p.add_argument("--traffic-rate", type=float, default=200.0, help="simulated requests per second, whole fleet")
+    p.add_argument("--traffic-alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     asyncio.run(_serve(p.parse_args()))
 
 

@@ -82,7 +82,7 @@ class Fleet:
     async def _cached_records(self, cutoff: float) -> dict[str, PodRecord]:
         if self._cached is None or self._clock() - self._read_at > self._cache_s:
             self._read_at, self._recorded, removals = self._clock(), {}, self._removals
-            read = {p.id: p for p in await self._store.list_pods(heard_since=cutoff)}
+            read = {p.id: p for p in await self._store.list_pods(heard_since=cutoff, known=self._cached)}
             read |= self._recorded  # a heartbeat recorded here during the read is newer than what it read
             if removals != self._removals:  # a pod was removed during the read, which may still show it
                 return read

@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import redis.asyncio as redis
@@ -115,6 +115,13 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'pod_removed', 
 return 1
 """
 
+# KEYS: hashes. Each one's fields and values as one flat array (empty for a missing key): many records
+# come back as one reply, which hiredis parses at once, where a pipeline costs Python work per reply
+# (most of a pass's time with thousands of adapters held in the fleet).
+_HGETALL_MANY = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGETALL', k) end return out"
+# Hashes read per script call: each call holds Redis and this event loop for a bounded time.
+_READ_CHUNK = 500
+
 
 class Store:
     """Async access to the registry; every method is one atomic step in Redis."""
@@ -137,6 +144,7 @@ class Store:
         self._delete_placement = self._r.register_script(_DELETE_PLACEMENT)
         self._set_pin_status = self._r.register_script(_SET_PIN_STATUS)
         self._index_pins = self._r.register_script(_INDEX_PINS)
+        self._hgetall_many = self._r.register_script(_HGETALL_MANY)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -296,14 +304,17 @@ class Store:
             pipe.srem(self._k("pinned"), rec.name)
 
     async def _adapters(self, names: list[str]) -> list[AdapterRecord]:
-        if not names:
-            return []
-        async with self._r.pipeline(transaction=False) as pipe:
-            for n in names:
-                pipe.hgetall(self._k("adapter", n))
-            rows = await pipe.execute()
+        rows = await self._hashes([self._k("adapter", n) for n in names])
         # A name removed between the two reads is skipped rather than reported half-gone.
         return [rec for rec in map(_adapter, rows) if rec is not None]
+
+    async def _hashes(self, keys: list[str]) -> list[dict[str, str]]:
+        """HGETALL of each key, in order ({} for a missing one), ``_READ_CHUNK`` keys per round trip."""
+        rows = []
+        for i in range(0, len(keys), _READ_CHUNK):
+            rows += (dict(zip(flat[::2], flat[1::2], strict=True))
+                     for flat in await self._hgetall_many(keys=keys[i : i + _READ_CHUNK]))
+        return rows
 
     # ---- pods -----------------------------------------------------------------------------
 
@@ -320,14 +331,18 @@ class Store:
                                    maxlen=self._maxlen, approximate=True)
         return int(token or 0)
 
-    async def list_pods(self, heard_since: float = 0.0) -> list[PodRecord]:
-        """Pods whose last heartbeat is at or after ``heard_since``, in id order."""
+    async def list_pods(self, heard_since: float = 0.0, known: Mapping[str, PodRecord] | None = None,
+                        ) -> list[PodRecord]:
+        """Pods whose last heartbeat is at or after ``heard_since``, in id order. A record in ``known`` (read
+        before) whose heartbeat time is still the pod's is returned as it is, neither read nor decoded again:
+        a record changes only with a heartbeat, which changes that time."""
+        known = known or {}
         async with _available():
-            ids = await self._r.zrangebyscore(self._k("pods"), heard_since, "+inf")
-            if not ids:
-                return []
-            rows = await self._r.mget([self._k("pod", i) for i in ids])
-        return sorted((PodRecord.from_json(row) for row in rows if row), key=lambda p: p.id)
+            beats = await self._r.zrangebyscore(self._k("pods"), heard_since, "+inf", withscores=True)
+            kept = [known[i] for i, t in beats if i in known and known[i].last_heartbeat == t]
+            stale = [i for i, t in beats if i not in known or known[i].last_heartbeat != t]
+            rows = await self._r.mget([self._k("pod", i) for i in stale]) if stale else []
+        return sorted([*kept, *(PodRecord.from_json(row) for row in rows if row)], key=lambda p: p.id)
 
     async def remove_pods_silent_since(self, cutoff: float, token: int) -> list[str]:
         """Removes every pod with no heartbeat after ``cutoff``, with its placements; returns their
@@ -361,10 +376,8 @@ class Store:
 
     async def placements(self, names: list[str]) -> dict[str, list[PlacementRecord]]:
         """The placement records of each named adapter, by pod id."""
-        async with _available(), self._r.pipeline(transaction=False) as pipe:
-            for n in names:
-                pipe.hgetall(self._k("placement", n))
-            rows = await pipe.execute()
+        async with _available():
+            rows = await self._hashes([self._k("placement", n) for n in names])
         return {n: sorted(map(PlacementRecord.from_json, row.values()), key=lambda p: p.pod)
                 for n, row in zip(names, rows, strict=True)}
 

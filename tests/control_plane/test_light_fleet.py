@@ -115,3 +115,29 @@ def test_demand_a_light_pod_reports_gets_a_hot_unpinned_adapter_replicas(redis_s
             cp.stop()
 
     assert len(asyncio.run(body())) >= 2
+
+
+def test_light_fleet_traffic_fills_caches_by_popularity_and_reports_rates():
+    """The scale benchmark's traffic: Poisson requests, Zipf popularity, random pods. Pods load what
+    they serve within their CPU entries, and the most popular adapter is the most requested."""
+    adapters = [(f"ad-{i:03d}", SHA) for i in range(50)]
+
+    async def body() -> LightFleet:
+        fleet = LightFleet("127.0.0.1:1", TOKEN, 4, BASE_MODEL, slots=2, cpu_entries=6)
+        task = asyncio.create_task(fleet.traffic(adapters, rate=2000.0, alpha=1.2, seed=5))
+        await asyncio.sleep(0.5)
+        await fleet.stop()  # no pod was started: this only ends the traffic
+        await asyncio.wait_for(task, 5)
+        return fleet
+
+    fleet = asyncio.run(body())
+    assert fleet.requests > 200
+    for pod in fleet.pods:
+        assert 0 < len(pod.cache.entries) <= 6
+        assert sum(e.on_device for e in pod.cache.entries.values()) <= 2
+    rates: dict[str, float] = {}
+    for pod in fleet.pods:
+        for name, rate in pod.demand.rates().items():
+            rates[name] = rates.get(name, 0.0) + rate
+    assert max(rates, key=rates.get) == "ad-000"
+    assert sum(rates.values()) > 0

@@ -361,3 +361,25 @@ def test_recording_a_heartbeat_returns_the_newest_fencing_token(redis_server):
 
     before, token, after = with_store(redis_server, body)
     assert (before, after) == (0, token) and token > 0
+
+
+def test_listing_pods_reuses_known_records_whose_heartbeat_is_unchanged(redis_server):
+    """A record read before is not read or decoded again while the pod's heartbeat time is the same;
+    a newer heartbeat, a new pod and a removed pod all show."""
+    async def body(store):
+        await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=100.0))
+        await store.put_pod(PodRecord("q", "127.0.0.1:2", last_heartbeat=100.0))
+        known = {p.id: p for p in await store.list_pods()}
+        # Rewritten behind the store's back at the same heartbeat time: the known record stands.
+        raw = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
+        raw.set(store._k("pod", "p"), PodRecord("p", "127.0.0.1:9", last_heartbeat=100.0).to_json())
+        reused = await store.list_pods(known=known)
+        await store.put_pod(PodRecord("q", "127.0.0.1:3", last_heartbeat=101.0))
+        await store.put_pod(PodRecord("r", "127.0.0.1:4", last_heartbeat=101.0))
+        token = await store.acquire_leadership("r1", 5)
+        await store.remove_pod("p", 100.0, token)
+        return known, reused, await store.list_pods(known=known)
+
+    known, reused, after = with_store(redis_server, body)
+    assert reused[0] is known["p"] and reused[1] is known["q"]
+    assert [(p.id, p.endpoint) for p in after] == [("q", "127.0.0.1:3"), ("r", "127.0.0.1:4")]
