@@ -1,10 +1,10 @@
-"""The CPU LoRA paths for steps that mix adapters: dense and gathered, beside the segment loop.
+"""The CPU LoRA paths for steps that mix adapters: dense, gathered and segmented, beside the segment loop.
 
 The reference path (``kernels.reference``) runs one shrink and up to S expands per adapter
-segment. On a CPU each of those small matmuls costs tens of microseconds of dispatch whatever
-its size, so a decode step with several adapters pays more for the calls than for the
-arithmetic. Two paths replace the loop where they pay; both work on copies of the resident slots
-packed once, when the slots change, and both cost a fixed number of ops per layer:
+segment. On a CPU each of those small matmuls costs microseconds of dispatch whatever its size,
+so a decode step with several adapters can pay more for the calls than for the arithmetic. Three
+paths replace the loop where they pay; all work on copies of the resident slots packed once, when
+the slots change. Two cost a fixed number of ops per layer:
 
 - dense, for a few adapters: the ranks of every resident adapter side by side,
 
@@ -26,6 +26,18 @@ packed once, when the slots change, and both cost a fixed number of ops per laye
   ``max_loras`` is all zeros: tokens without an adapter add exact zeros. The cost is moving each
   token's adapter once, whatever the number of adapters.
 
+and one costs two ops per adapter segment, against the loop's 1 + S:
+
+- segmented: per slot, its A of every slice side by side and its B of every slice as one
+  block-diagonal matrix,
+
+      a[slot]: [in_features, R_slot]    b[slot]: [R_slot, out_features], zero off each slice's block
+
+  and each segment is ``y[rows] += (x[rows] @ a[slot]) @ b[slot]``, on views of its rows where the
+  step has them in one run (the model runner sorts a step's sequences by slot). Each token meets only
+  its own adapter's ranks, as in the loop; the expand multiplies the zero blocks too, which costs
+  S times the expand's few FLOPs and spares S - 1 calls.
+
 Which of the three is fastest depends on the CPU (its vector width, caches, memory bandwidth and
 torch's per-op overhead there) as much as on the shapes, so no machine's constants decide it:
 ``PathTuner`` times the three on the step's own inputs, each on torch's threads and on one thread
@@ -45,20 +57,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.lora_meta import LoraMeta
 
 log = logging.getLogger(__name__)
 
 
 class CpuLoraPath(enum.Enum):
     """How a CPU step applies its adapters: the packed matmul pair, the gathered matrix-vector
-    products, or ``kernels.reference``'s loop over adapter segments."""
+    products, ``kernels.reference``'s loop over adapter segments, or a matmul pair per segment."""
 
     DENSE = "dense"
     GATHERED = "gathered"
     LOOP = "loop"
+    SEGMENTED = "segmented"
 
 
 class CpuLoraRun(NamedTuple):
@@ -374,3 +390,50 @@ def lora_gathered(
         y.add_(delta)
     else:
         y.copy_(y.float() + delta)
+
+
+@dataclass(frozen=True)
+class SegmentPack:
+    a: dict[int, torch.Tensor]  # slot -> [in_features, R_slot] float32: A of each slice, transposed, side by side
+    b: dict[int, torch.Tensor]  # slot -> [R_slot, out_features] float32: B of each slice on its own rows and columns
+
+
+def pack_segments(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
+                  slice_offsets: list[int]) -> SegmentPack:
+    """Arguments as for ``pack``; slots without a rank on the layer are left out. Only real ranks are
+    copied: slot padding is never read."""
+    num_slices, max_loras = lora_a.shape[:2]
+    a, b = {}, {}
+    for slot in range(max_loras):
+        ranks = [host_ranks[s][slot] for s in range(num_slices)]
+        if not any(ranks):
+            continue
+        a[slot] = torch.cat([lora_a[s, slot, :r] for s, r in enumerate(ranks) if r]).T.float().contiguous()
+        b[slot] = torch.zeros(sum(ranks), lora_b.shape[1], dtype=torch.float32, device=lora_b.device)
+        c = 0
+        for s, r in enumerate(ranks):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            b[slot][c : c + r, lo:hi] = lora_b[slot, lo:hi, :r].T
+            c += r
+    return SegmentPack(a, b)
+
+
+def lora_segmented(
+    y: torch.Tensor,  # [num_tokens, out_features], updated in place
+    x: torch.Tensor,  # [num_tokens, in_features]
+    pack: SegmentPack,
+    meta: LoraMeta,
+) -> None:
+    """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, one segment at a time, with the
+    semantics of ``kernels.reference`` (float32, rounded once to ``y``'s dtype); rows of slot -1 are
+    not touched. Where a token's own product overflows, its other slices' columns get NaN (inf times
+    the zero blocks) where the reference leaves them finite: that row's output is lost either way."""
+    for slot, start, end, run in meta.host_segments:
+        a = pack.a.get(slot)
+        if a is None:
+            continue
+        rows = meta.segment_rows(start, end, run)
+        if isinstance(rows, slice) and y.dtype == torch.float32:  # y[rows] is a view: add in place
+            y[rows].addmm_(x[rows].float() @ a, pack.b[slot])
+        else:
+            y[rows] = y[rows].float().addmm_(x[rows].float() @ a, pack.b[slot]).to(y.dtype)

@@ -73,19 +73,20 @@ class TritonBackend:
 
 
 class CpuBackend:
-    """The CPU paths. After a slot change, the plan (ranks only) and the dense pack are rebuilt
-    when next needed; the gathered pack is patched, one changed slot at a time, by the next step
-    that takes the gathered path."""
+    """The CPU paths. After a slot change, the plan (ranks only) and the dense and segmented packs
+    are rebuilt when next needed; the gathered pack is patched, one changed slot at a time, by the
+    next step that takes the gathered path."""
 
     def __init__(self, slots: LoraSlots) -> None:
         self.slots = slots
         self._plan: cpu_lora.CpuPlan | None = None  # None: slots changed since it was made
         self._dense: cpu_lora.DensePack | None = None
+        self._segmented: cpu_lora.SegmentPack | None = None
         self._gathered: cpu_lora.GatherPack | None = None
         self._stale_slots: set[int] = set()  # slots changed since the gathered pack was last brought up to date
 
     def slot_changed(self, slot: int) -> None:
-        self._plan = self._dense = None
+        self._plan = self._dense = self._segmented = None
         self._stale_slots.add(slot)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
@@ -105,6 +106,10 @@ class CpuBackend:
         elif path is CpuLoraPath.GATHERED:
             pack = self._gathered_pack()
             cpu_lora.lora_gathered(y, x, pack, step.gather_index(pack, meta.token_slots))
+        elif path is CpuLoraPath.SEGMENTED:
+            if self._segmented is None:
+                self._segmented = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
+            cpu_lora.lora_segmented(y, x, self._segmented, meta)
         else:
             buf = meta.buffer[: sl.lora_a.shape[0], : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
             reference.lora_shrink(x, sl.lora_a, sl.ranks, meta, buf, sl.host_ranks)

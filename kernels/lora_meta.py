@@ -37,6 +37,11 @@ class LoraMeta:
     def has_lora(self) -> bool:
         return bool(self.host_segments)
 
+    def segment_rows(self, start: int, end: int, run: int) -> slice | torch.Tensor:
+        """The tokens of a segment of ``host_segments``: a slice when they are one contiguous run, else
+        their indices."""
+        return slice(run, run + end - start) if run >= 0 else self.sorted_tokens[start:end].long()
+
 
 class LoraMetaBuilder:
     """Owns the preallocated metadata buffers and fills them for each step."""

@@ -18,11 +18,6 @@ import torch
 from kernels.lora_meta import LoraMeta
 
 
-def _rows(meta: LoraMeta, start: int, end: int, run: int) -> slice | torch.Tensor:
-    """The tokens of a segment: a slice when they are one contiguous run, else their indices."""
-    return slice(run, run + end - start) if run >= 0 else meta.sorted_tokens[start:end].long()
-
-
 def lora_shrink(
     x: torch.Tensor,  # [num_tokens, in_features]
     lora_a: torch.Tensor,  # [S, max_loras, max_rank, in_features]
@@ -39,7 +34,7 @@ def lora_shrink(
         slot_ranks = [host_ranks[s][slot] for s in range(num_slices)]
         if not any(slot_ranks):
             continue
-        rows = _rows(meta, start, end, run)
+        rows = meta.segment_rows(start, end, run)
         xs = x[rows].float()  # [n, in]
         if len(set(slot_ranks)) == 1:  # one rank for every slice: all slices in one batched matmul
             r = slot_ranks[0]
@@ -67,7 +62,7 @@ def lora_expand(
         slot_ranks = [host_ranks[s][slot] for s in range(len(slice_offsets) - 1)]
         if not any(slot_ranks):
             continue
-        rows = _rows(meta, start, end, run)
+        rows = meta.segment_rows(start, end, run)
         in_place = isinstance(rows, slice) and y.dtype == torch.float32  # y[rows] is then a view of y
         acc = y[rows].float()  # [n, out]
         for s, r in enumerate(slot_ranks):

@@ -1,5 +1,5 @@
-"""The dense and gathered CPU LoRA paths agree with the reference's shrink + expand, and the
-layers of one step share what they compute alike."""
+"""The dense, gathered and segmented CPU LoRA paths agree with the reference's shrink + expand, and
+the layers of one step share what they compute alike."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from kernels.cpu_lora import (
     DensePack,
     lora_dense,
     lora_gathered,
+    lora_segmented,
     pack,
     pack_gathered,
+    pack_segments,
     plan,
     update_gathered,
 )
@@ -45,7 +47,12 @@ def _gathered(y, p, step: CpuStepCache):
     lora_gathered(y, p.x, packed, step.gather_index(packed, p.meta.token_slots))
 
 
-PATHS = {CpuLoraPath.DENSE: _dense, CpuLoraPath.GATHERED: _gathered}
+def _segmented(y, p, step: CpuStepCache):
+    lora_segmented(y, p.x, pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets), p.meta)
+
+
+PATHS = {CpuLoraPath.DENSE: _dense, CpuLoraPath.GATHERED: _gathered, CpuLoraPath.SEGMENTED: _segmented}
+SHARING = (CpuLoraPath.DENSE, CpuLoraPath.GATHERED)  # the paths that compute a per-step value once
 
 
 def _reference(p, y: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,7 @@ def test_packed_columns_hold_only_real_ranks_and_their_slots():
     assert not any(e.b.isnan().any() for e in packed.expands), "rank padding of B (NaN in this problem) was packed"
 
 
-@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
+@pytest.mark.parametrize("path", SHARING, ids=lambda path: path.value)
 def test_layers_of_one_step_share_its_mask_or_gather_index(path):
     p = _problem(QKV, [0, 3, -1, 1], torch.float32, seed=6)
     step = CpuStepCache()

@@ -128,8 +128,9 @@ def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
     assert len(choices) == 2, "a new step chooses again"
 
 
-@pytest.mark.parametrize("path, kernel", [(CpuLoraPath.DENSE, "lora_dense"), (CpuLoraPath.GATHERED, "lora_gathered")],
-                         ids=["dense", "gathered"])
+@pytest.mark.parametrize("path, kernel", [(CpuLoraPath.DENSE, "lora_dense"), (CpuLoraPath.GATHERED, "lora_gathered"),
+                                          (CpuLoraPath.SEGMENTED, "lora_segmented")],
+                         ids=["dense", "gathered", "segmented"])
 def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, path, kernel):
     layer = _qkv_layer(torch.float32)
     calls = _counting(monkeypatch, cpu_lora, kernel)

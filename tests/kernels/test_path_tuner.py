@@ -49,25 +49,26 @@ def test_the_measured_fastest_path_is_chosen(fastest):
 def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
     # loop is fastest, but its first timed run met a stall (within PRUNE_FACTOR); warm-up times are not counted
     clock = Clock({CpuLoraPath.DENSE: [9.0, 2e-4, 2e-4], CpuLoraPath.GATHERED: [9.0, 3e-4, 3e-4],
-                   CpuLoraPath.LOOP: [9.0, 1.5e-3, 1e-4]})
+                   CpuLoraPath.LOOP: [9.0, 1.5e-3, 1e-4], CpuLoraPath.SEGMENTED: [9.0, 2.5e-4, 2.5e-4]})
     assert PathTuner(timer=clock, threads=1).choose(PLAN, 1, SEGMENTS[:1], clock.run).path is CpuLoraPath.LOOP
 
 
 def test_a_path_far_slower_on_its_first_run_is_not_run_again():
     # gathered takes PRUNE_FACTOR times more than dense and a bit on its first timed run: it cannot win
     slow = cpu_lora.PRUNE_FACTOR * 1e-4 * 1.01
-    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4})
+    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4,
+                   CpuLoraPath.SEGMENTED: 3e-4})
     tuner = PathTuner(timer=clock, threads=1, repeats=3)
     assert tuner.choose(PLAN, 4, SEGMENTS, clock.run).path is CpuLoraPath.DENSE
     # warm runs, one timed run of each, then two more of the contenders only
-    assert clock.runs == [*CpuLoraPath] * 2 + [CpuLoraPath.DENSE, CpuLoraPath.LOOP] * 2
+    assert clock.runs == [*CpuLoraPath] * 2 + [CpuLoraPath.DENSE, CpuLoraPath.LOOP, CpuLoraPath.SEGMENTED] * 2
     # its first run's time
     assert tuner.timings[(PLAN, 4, 2)][CpuLoraRun(CpuLoraPath.GATHERED, 1)] == pytest.approx(slow)
 
 
 def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
     # the loop's first timed run is slow (a burst of load), but within the factor: its next run decides
-    clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4,
+    clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4, CpuLoraPath.SEGMENTED: 2.5e-4,
                    CpuLoraPath.LOOP: [1e-4, cpu_lora.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4]})
     assert PathTuner(timer=clock, threads=1).choose(PLAN, 4, SEGMENTS, clock.run).path is CpuLoraPath.LOOP
 
@@ -86,7 +87,7 @@ def test_the_gathered_path_is_not_measured_where_each_adapter_has_many_tokens(to
 def test_each_path_is_also_measured_on_one_thread_and_the_fastest_pair_wins():
     # dense is fastest, and fastest of all on one thread: small ops can lose to the threads' hand-over
     clock = Clock({CpuLoraRun(CpuLoraPath.DENSE, 2): 3e-4, CpuLoraRun(CpuLoraPath.DENSE, 1): 1e-4,
-                   CpuLoraPath.GATHERED: 5e-4, CpuLoraPath.LOOP: 4e-4})
+                   CpuLoraPath.GATHERED: 5e-4, CpuLoraPath.LOOP: 4e-4, CpuLoraPath.SEGMENTED: 2e-4})
     tuner = PathTuner(timer=clock, threads=2)
     assert tuner.choose(PLAN, 4, SEGMENTS, clock.run) == CpuLoraRun(CpuLoraPath.DENSE, 1)
     assert set(clock.choices) == {CpuLoraRun(p, t) for p in CpuLoraPath for t in (1, 2)}
@@ -132,7 +133,8 @@ def test_equal_timings_choose_in_the_enums_order():
 
 
 def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
-    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: 2e-4, CpuLoraPath.LOOP: 3e-4})
+    clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: 2e-4, CpuLoraPath.LOOP: 3e-4,
+                   CpuLoraPath.SEGMENTED: 4e-4})
     tuner = PathTuner(timer=clock, threads=1)
     tuner.choose(PLAN, 5, SEGMENTS, clock.run)
     measured = len(clock.runs)
@@ -140,7 +142,7 @@ def test_a_choice_is_measured_once_per_plan_token_bucket_and_segment_bucket():
     assert len(clock.runs) == measured
     for tokens, segments, plan_ in [(3, SEGMENTS, PLAN), (5, SEGMENTS * 2, PLAN), (5, SEGMENTS, OTHER_PLAN)]:
         tuner.choose(plan_, tokens, segments, clock.run)
-        assert len(clock.runs) == measured + 9, (tokens, len(segments), plan_ is PLAN)
+        assert len(clock.runs) == measured + 3 * len(CpuLoraPath), (tokens, len(segments), plan_ is PLAN)
         measured = len(clock.runs)
 
 
@@ -152,7 +154,7 @@ def test_the_oldest_choices_are_forgotten_past_capacity():
     assert sorted(key[1] for key in tuner.timings) == [2, 4]
     before = len(clock.runs)
     tuner.choose(PLAN, 1, SEGMENTS, clock.run)
-    assert len(clock.runs) == before + 9, "a forgotten key is measured again"
+    assert len(clock.runs) == before + 3 * len(CpuLoraPath), "a forgotten key is measured again"
 
 
 @pytest.mark.parametrize(("n", "expected"), [(0, 1), (1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (200, 256)])
