@@ -106,23 +106,34 @@ def report(label: str, trace: Trace, wall_s: float, tokens: int, slowest: int) -
               f"| {s.gc_ms:.0f} |")
 
 
+# The serve.py mix on the demo model: the base model, the three demo adapters and a random rank-16 one.
+CYCLE = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
+
+
+async def demo_engine(workdir: str, requests: int, cpu_matmul: str, freeze_gc: bool = True):
+    """The pod's engine on the demo model with serve.py's adapters resident (the random one written to
+    ``workdir``), started; and the token ids of ``requests`` prompts."""
+    model_dir = ensure_demo_model(quiet=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    write_random_adapter(Path(workdir) / EXTRA_ADAPTER, config, 16, dtype=torch.float32)
+    roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(workdir))
+    pod = DataPlaneConfig(model=model_dir, max_num_seqs=requests, max_loras=len(DEMO_ADAPTERS) + 1,
+                          max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+    engine = await asyncio.to_thread(build_engine, pod, PodMetrics())
+    if freeze_gc:
+        gc.freeze()  # as the pod process does once started
+    engine.start()
+    ids = [prompt_ids(engine, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+    await serve_once(engine, [(ids[0], a) for a in CYCLE], 4, Trace())  # loads every adapter, as serve.py
+    return engine, ids
+
+
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = ensure_demo_model(quiet=True)
-        config = json.loads((model_dir / "config.json").read_text())
-        write_random_adapter(Path(tmp) / EXTRA_ADAPTER, config, 16, dtype=torch.float32)
-        roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(tmp))
-        pod = DataPlaneConfig(model=model_dir, max_num_seqs=args.requests, max_loras=len(DEMO_ADAPTERS) + 1,
-                              max_cpu_loras=32, adapter_roots=roots, cpu_matmul=args.cpu_matmul)
-        engine = await asyncio.to_thread(build_engine, pod, PodMetrics())
-        if args.freeze_gc:
-            gc.freeze()  # as the pod process does once started
-        engine.start()
-        cycle = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
-        ids = [prompt_ids(engine, PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
+        engine, ids = await demo_engine(tmp, args.requests, args.cpu_matmul, args.freeze_gc)
+        cycle = CYCLE
         execute = engine.runner.execute
         try:
-            await serve_once(engine, [(ids[0], a) for a in cycle], 4, Trace())  # loads every adapter, as serve.py
             for r in range(1, args.rounds + 1):
                 for label, adapters in (("LoRA", cycle), ("base only", [None])):
                     trace = Trace()
