@@ -331,6 +331,8 @@ def main() -> None:
             asyncio.run(run(args, cp, client, marks, out, lambda: pods.proc.send_signal(signal.SIGUSR1)))
             report = pods.stop()
             pods = None
+            if "traffic_error" in report:
+                raise RuntimeError(f"the light pods' traffic failed: {report['traffic_error']}")
         finally:
             if sampler:
                 sampler.halt.set()
@@ -387,10 +389,11 @@ def print_report(args: argparse.Namespace, marks: dict, out: dict, report: dict,
           f" all loaded and pinned after {out['converge_s']:.1f} s |")
     for method, lat in out["admin"].items():
         print(f"| {method} under heartbeats, {len(lat)} calls one at a time, p50 / p99 / max | {ms(lat)} |")
-    print(f"| GetAdapter during traffic, {len(out['traffic'])} calls one at a time, p50 / p99 / max | "
-          f"{ms(out['traffic'])} |")
-    print(f"| traffic: requests served; adapters held at the end (distinct) | {report['requests']}; "
-          f"{report['held']} ({report['distinct_held']}) |")
+    if out["traffic"]:
+        print(f"| GetAdapter during traffic, {len(out['traffic'])} calls one at a time, p50 / p99 / max | "
+              f"{ms(out['traffic'])} |")
+    print(f"| traffic: requests served (refused); adapters held at the end (distinct) | {report['requests']} "
+          f"({report['refused']}); {report['held']} ({report['distinct_held']}) |")
     for size, (pages, total) in out["list"].items():
         print(f"| ListAdapters over all {args.adapters + args.admin_calls}, page size {size}: {len(pages)} pages, "
               f"per page p50 / p99 / max | {ms(pages)}; whole listing {total:.2f} s |")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -30,14 +31,24 @@ from data_plane.engine.sequence import SamplingParams
 from kernels import cpu_lora, lora_backend
 
 
+def kept(step):
+    """``step`` with its own copy of the LoRA metadata, which otherwise lives in buffers every later
+    step's metadata overwrites."""
+    meta = step.batch.lora
+    own = dataclasses.replace(meta, token_slots=meta.token_slots.clone(), sorted_tokens=meta.sorted_tokens.clone(),
+                              seg_slots=meta.seg_slots.clone(), seg_starts=meta.seg_starts.clone(),
+                              step_cache=cpu_lora.CpuStepCache())
+    return dataclasses.replace(step, batch=dataclasses.replace(step.batch, lora=own))
+
+
 async def capture_steps(engine, ids: list[list[int]]) -> dict[str, object]:
     """One prepared step that decodes every sequence, with the mix's adapters and with none."""
     execute, steps = engine.runner.execute, {}
 
     def keep(label: str):
         def run(step):
-            if len(step.order) == len(ids) and step.batch.input_ids.numel() == len(ids):
-                steps.setdefault(label, step)
+            if len(step.order) == len(ids) and step.batch.input_ids.numel() == len(ids) and label not in steps:
+                steps[label] = kept(step)
             return execute(step)
         return run
 
@@ -81,6 +92,9 @@ class ApplyClock:
         lora_backend.CpuBackend.apply = self._real
 
 
+ALL_CANDIDATES = cpu_lora.candidates
+
+
 def restrict(path: cpu_lora.CpuLoraPath | None, step) -> None:
     """A fresh tuner measuring only ``path`` (every candidate for None), and the step's own cached choices dropped."""
     cpu_lora.PATH_TUNER = cpu_lora.PathTuner()
@@ -90,7 +104,29 @@ def restrict(path: cpu_lora.CpuLoraPath | None, step) -> None:
     step.batch.lora.step_cache.paths.clear()
 
 
-ALL_CANDIDATES = cpu_lora.candidates
+def replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_ms, chosen) -> None:
+    """Interleaved rounds: the LoRA step under each variant, then the base-only step; figures into the dicts."""
+    for _ in range(args.rounds):
+        for path in variants:
+            label = path.value if path else "measured"
+            restrict(path, lora_step)
+            for _ in range(3):  # measures the paths, builds packs: not timed
+                execute(lora_step)
+            times = []
+            with ApplyClock() as clock:
+                for _ in range(args.replays):
+                    started = time.perf_counter()
+                    execute(lora_step)
+                    times.append(time.perf_counter() - started)
+            step_ms.setdefault(label, []).append(statistics.median(times) * 1e3)
+            apply_ms.setdefault(label, []).append(clock.seconds / args.replays * 1e3)
+            chosen.setdefault(label, Counter()).update(lora_step.batch.lora.step_cache.paths.values())
+            times = []
+            for _ in range(args.replays):
+                started = time.perf_counter()
+                execute(base_step)
+                times.append(time.perf_counter() - started)
+            step_ms.setdefault("base only", []).append(statistics.median(times) * 1e3)
 
 
 def main() -> None:
@@ -118,37 +154,19 @@ def main() -> None:
     lora_step, base_step = steps["LoRA"], steps["base only"]
     execute = engine.runner.execute
     meta = lora_step.batch.lora
-    offered = {c.path for c in ALL_CANDIDATES(cpu_lora.bucket(meta.num_tokens), cpu_lora.bucket(len(meta.host_segments)),
-                                              args.threads)}
+    buckets = cpu_lora.bucket(meta.num_tokens), cpu_lora.bucket(len(meta.host_segments))
+    offered = {c.path for c in ALL_CANDIDATES(*buckets, args.threads)}
     variants = [*(p for p in cpu_lora.CpuLoraPath if p in offered), None]  # the paths the tuner weighs for this step
     step_ms: dict[str, list[float]] = {}
     apply_ms: dict[str, list[float]] = {}
     chosen: dict[str, Counter] = {}
-    for _ in range(args.rounds):
-        for path in variants:
-            label = path.value if path else "measured"
-            restrict(path, lora_step)
-            for _ in range(3):  # measures the paths, builds packs: not timed
-                execute(lora_step)
-            times = []
-            with ApplyClock() as clock:
-                for _ in range(args.replays):
-                    started = time.perf_counter()
-                    execute(lora_step)
-                    times.append(time.perf_counter() - started)
-            step_ms.setdefault(label, []).append(statistics.median(times) * 1e3)
-            apply_ms.setdefault(label, []).append(clock.seconds / args.replays * 1e3)
-            chosen.setdefault(label, Counter()).update(lora_step.batch.lora.step_cache.paths.values())
-            times = []
-            for _ in range(args.replays):
-                started = time.perf_counter()
-                execute(base_step)
-                times.append(time.perf_counter() - started)
-            step_ms.setdefault("base only", []).append(statistics.median(times) * 1e3)
-    cpu_lora.candidates = ALL_CANDIDATES
+    try:
+        replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_ms, chosen)
+    finally:
+        cpu_lora.candidates = ALL_CANDIDATES
     base = statistics.median(step_ms["base only"])
-    print(f"\n| LoRA path | step ms (median of rounds) | LoRA apply ms | base-only step / this step | runs chosen "
-          f"per layer shape, all rounds |\n|---|---|---|---|---|")
+    print("\n| LoRA path | step ms (median of rounds) | LoRA apply ms | base-only step / this step | runs chosen "
+          "per layer shape, all rounds |\n|---|---|---|---|---|")
     for label in [p.value if p else "measured" for p in variants]:
         runs = ", ".join(f"{run.label} x{n}" for run, n in chosen[label].most_common())
         print(f"| {label} | {statistics.median(step_ms[label]):.1f} | {statistics.median(apply_ms[label]):.1f} | "

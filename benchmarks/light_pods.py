@@ -167,13 +167,19 @@ class LightPod:
     heartbeats: list[tuple[float, float, str]] = field(default_factory=list)
     port: int = 0
     server: grpc.aio.Server | None = None
-    demand: DemandMeter | None = None  # per-adapter request rates its heartbeats report (none unless given)
+    # Per-adapter request rates its heartbeats report, as a real pod's: its heartbeat client reads this
+    # meter, so replace it (if at all) before ``beat`` starts.
+    demand: DemandMeter = field(default_factory=lambda: DemandMeter(window_s=DEMAND_WINDOW_S))
+    refused: int = 0  # simulated requests refused: every CPU entry held a pinned adapter
 
     def serve(self, name: str, sha256: str) -> None:
-        """One simulated request for ``name``: the adapter is loaded (or touched) and its rate counted."""
-        self.cache.load(name, sha256)
-        if self.demand is not None:
-            self.demand.record(name)
+        """One simulated request for ``name``: its rate counted, and the adapter loaded (or touched) unless
+        every CPU entry holds a pinned adapter, which a real pod refuses the same way."""
+        self.demand.record(name)
+        try:
+            self.cache.load(name, sha256)
+        except CapacityExceeded:
+            self.refused += 1
 
     def command(self, kind: str, fencing_token: int) -> None:
         self.guard.check(fencing_token)
@@ -246,24 +252,25 @@ class LightFleet:
     async def traffic(self, adapters: list[tuple[str, str]], rate: float, alpha: float, seed: int = 0) -> None:
         """Serves simulated requests until ``stop``: Poisson arrivals at ``rate`` per second, each for one of
         ``adapters`` ((name, sha256), Zipf(``alpha``) popularity in list order) on a pod drawn at random."""
+        if not adapters or rate <= 0:
+            raise ValueError(f"traffic needs adapters and a rate above 0, got {len(adapters)} and {rate}")
         rng = random.Random(seed)
         weights = list(itertools.accumulate(1.0 / (i + 1) ** alpha for i in range(len(adapters))))
-        for pod in self.pods:
-            pod.demand = pod.demand or DemandMeter(window_s=DEMAND_WINDOW_S)
         due = time.monotonic()
         while not self._stop.is_set():
             due += rng.expovariate(rate)
-            if (wait := due - time.monotonic()) > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), wait)
-                if self._stop.is_set():
-                    break
+            # Behind schedule it still yields, so that a burst of arrivals never holds up the heartbeats.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), max(0.0, due - time.monotonic()))
+            if self._stop.is_set():
+                break
             name, sha256 = rng.choices(adapters, cum_weights=weights)[0]
             rng.choice(self.pods).serve(name, sha256)
             self.requests += 1
 
     def report(self) -> dict:
         return {"heartbeats": [b for p in self.pods for b in p.heartbeats], "requests": self.requests,
+                "refused": sum(p.refused for p in self.pods),
                 "held": sum(len(p.cache.entries) for p in self.pods),
                 "distinct_held": len({n for p in self.pods for n in p.cache.entries}),
                 "commands": dict(sum((p.commands for p in self.pods), Counter())),
@@ -304,13 +311,21 @@ async def _serve(args: argparse.Namespace) -> None:
     traffic: list[asyncio.Task] = []
     if args.traffic_names:
         adapters = [tuple(line.split()) for line in args.traffic_names.read_text().splitlines() if line.strip()]
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: traffic or traffic.append(
-            asyncio.create_task(fleet.traffic(adapters, args.traffic_rate, args.traffic_alpha))))
+
+        def start_traffic() -> None:  # once, on the first SIGUSR1
+            if not traffic:
+                traffic.append(asyncio.create_task(fleet.traffic(adapters, args.traffic_rate, args.traffic_alpha)))
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, start_traffic)
     print(f"serving {len(fleet.pods)} light pods", flush=True)
     await stop.wait()
     await fleet.stop()
-    await asyncio.gather(*traffic)
-    args.report.write_text(json.dumps(fleet.report()))
+    report = fleet.report()
+    for outcome in await asyncio.gather(*traffic, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            report["traffic_error"] = repr(outcome)
+            print(f"traffic failed: {outcome!r}", flush=True)
+    args.report.write_text(json.dumps(report))
 
 
 def main() -> None:

@@ -123,19 +123,22 @@ async def demo_engine(workdir: str, requests: int, cpu_matmul: str, freeze_gc: b
     if freeze_gc:
         gc.freeze()  # as the pod process does once started
     engine.start()
-    ids = [prompt_ids(engine, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
-    await serve_once(engine, [(ids[0], a) for a in CYCLE], 4, Trace())  # loads every adapter, as serve.py
+    try:
+        ids = [prompt_ids(engine, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+        await serve_once(engine, [(ids[0], a) for a in CYCLE], 4, Trace())  # loads every adapter, as serve.py
+    except BaseException:
+        await engine.stop()
+        raise
     return engine, ids
 
 
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine, ids = await demo_engine(tmp, args.requests, args.cpu_matmul, args.freeze_gc)
-        cycle = CYCLE
         execute = engine.runner.execute
         try:
             for r in range(1, args.rounds + 1):
-                for label, adapters in (("LoRA", cycle), ("base only", [None])):
+                for label, adapters in (("LoRA", CYCLE), ("base only", [None])):
                     trace = Trace()
                     engine.runner.execute = traced(execute, trace)
                     gc.callbacks.append(trace.gc_callback)

@@ -6,8 +6,8 @@ Key layout, all under ``{prefix}:``
     pinned             set    names of the pinned adapters: all a reconciliation pass reads of the registry
     placement:{name}   hash   pod id -> JSON PlacementRecord (what the reconciler asked of that pod)
     pin_status         hash   adapter name -> why its pin is not fully placed
-    pods               zset   pod id -> unix time of its last heartbeat
-    pod:{id}           string JSON PodRecord as of its last heartbeat
+    pods               zset   pod id -> unix time of its last heartbeat (each heartbeat a newer one)
+    pod:{id}           string JSON PodRecord as of its last heartbeat: unchanged while that time is
     events             stream change feed: kind, name, version (capped, approximately)
     leader             string "{replica}|{fencing token}" with a TTL: the reconciler lease
     fencing            int    last fencing token issued (INCR; never decreases)
@@ -310,7 +310,7 @@ class Store:
 
     async def _hashes(self, keys: list[str]) -> list[dict[str, str]]:
         """HGETALL of each key, in order ({} for a missing one), ``_READ_CHUNK`` keys per round trip."""
-        rows = []
+        rows: list[dict[str, str]] = []
         for i in range(0, len(keys), _READ_CHUNK):
             rows += (dict(zip(flat[::2], flat[1::2], strict=True))
                      for flat in await self._hgetall_many(keys=keys[i : i + _READ_CHUNK]))
@@ -320,7 +320,9 @@ class Store:
 
     async def put_pod(self, pod: PodRecord) -> int:
         """Records a heartbeat: the pod's state, and its lease renewed from pod.last_heartbeat.
-        Returns the newest fencing token, read in the same round trip (see fencing_token)."""
+        Returns the newest fencing token, read in the same round trip (see fencing_token). Each call
+        must carry a newer last_heartbeat than the pod's previous one: list_pods reuses a record it read
+        before while that time is unchanged."""
         async with _available(), self._r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("pod", pod.id), pod.to_json())
             pipe.zadd(self._k("pods"), {pod.id: pod.last_heartbeat})

@@ -38,9 +38,9 @@ and one costs two ops per adapter segment, against the loop's 1 + S:
   its own adapter's ranks, as in the loop; the expand multiplies the zero blocks too, which costs
   S times the expand's few FLOPs and spares S - 1 calls.
 
-Which of the three is fastest depends on the CPU (its vector width, caches, memory bandwidth and
+Which of the four is fastest depends on the CPU (its vector width, caches, memory bandwidth and
 torch's per-op overhead there) as much as on the shapes, so no machine's constants decide it:
-``PathTuner`` times the three on the step's own inputs, each on torch's threads and on one thread
+``PathTuner`` times the four on the step's own inputs, each on torch's threads and on one thread
 (``CpuLoraRun``), the first time a layer plan meets a token-count and segment-count bucket, and
 keeps the fastest (the way autotuners pick kernel configurations). A packed copy is built only for
 layers that measure or take its path. What every layer of one step can share (the path for a plan,
@@ -394,6 +394,9 @@ def lora_gathered(
 
 @dataclass(frozen=True)
 class SegmentPack:
+    """The segmented path's copy of a layer's slots: per slot with a rank on the layer, one A and one
+    block-diagonal B, so that a segment is one matmul pair."""
+
     a: dict[int, torch.Tensor]  # slot -> [in_features, R_slot] float32: A of each slice, transposed, side by side
     b: dict[int, torch.Tensor]  # slot -> [R_slot, out_features] float32: B of each slice on its own rows and columns
 
@@ -427,7 +430,8 @@ def lora_segmented(
     """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, one segment at a time, with the
     semantics of ``kernels.reference`` (float32, rounded once to ``y``'s dtype); rows of slot -1 are
     not touched. Where a token's own product overflows, its other slices' columns get NaN (inf times
-    the zero blocks) where the reference leaves them finite: that row's output is lost either way."""
+    the zero blocks) where the reference leaves them finite: that row's output is lost either way. Slices
+    the slot does not adapt get zeros added (a -0.0 there becomes +0.0), where the reference leaves them."""
     for slot, start, end, run in meta.host_segments:
         a = pack.a.get(slot)
         if a is None:

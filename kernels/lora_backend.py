@@ -4,10 +4,12 @@ layer is built, called once per forward.
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
   magnitude): per step, the path of ``CpuLoraPath`` that ``kernels.cpu_lora.choose_path``
-  measured fastest on this machine for steps like it: dense or gathered (``kernels.cpu_lora``)
-  over a packed copy of the slots, or the segment loop of ``kernels.reference``.
+  measured fastest on this machine for steps like it: dense, gathered or segmented
+  (``kernels.cpu_lora``) over a packed copy of the slots, or the segment loop of ``kernels.reference``.
 
-Every path has the semantics documented in ``kernels.reference``, so one layer code runs on any.
+Every path has the semantics documented in ``kernels.reference``, so one layer code runs on any. One
+exception, in a row whose own adapter product overflows: the segmented path also turns the row's other
+slices to NaN (``kernels.cpu_lora.lora_segmented``); that row's output is lost on every path.
 """
 
 from __future__ import annotations

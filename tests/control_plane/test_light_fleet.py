@@ -15,6 +15,8 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 
 from benchmarks.light_pods import LightFleet
 from benchmarks.processes import BASE_MODEL, TOKEN, ControlPlaneProcess
+from control_plane.records import PodRecord
+from control_plane.store import Store
 from data_plane.demand import DemandMeter
 from tests.control_plane.conftest import auth
 
@@ -117,27 +119,40 @@ def test_demand_a_light_pod_reports_gets_a_hot_unpinned_adapter_replicas(redis_s
     assert len(asyncio.run(body())) >= 2
 
 
-def test_light_fleet_traffic_fills_caches_by_popularity_and_reports_rates():
-    """The scale benchmark's traffic: Poisson requests, Zipf popularity, random pods. Pods load what
-    they serve within their CPU entries, and the most popular adapter is the most requested."""
+def test_light_fleet_traffic_is_reported_in_heartbeats_by_popularity(redis_server, token_file, tmp_path):
+    """The scale benchmark's traffic (Poisson requests, Zipf popularity, random pods) reaches the control
+    plane as a real pod's does: each pod's stored record carries its per-adapter rates, the most popular
+    adapter's the highest, and lists what the pod loaded to serve."""
     adapters = [(f"ad-{i:03d}", SHA) for i in range(50)]
 
-    async def body() -> LightFleet:
-        fleet = LightFleet("127.0.0.1:1", TOKEN, 4, BASE_MODEL, slots=2, cpu_entries=6)
-        task = asyncio.create_task(fleet.traffic(adapters, rate=2000.0, alpha=1.2, seed=5))
-        await asyncio.sleep(0.5)
-        await fleet.stop()  # no pod was started: this only ends the traffic
-        await asyncio.wait_for(task, 5)
-        return fleet
+    async def body() -> tuple[LightFleet, list[PodRecord]]:
+        cp = ControlPlaneProcess(redis_server.url, token_file, tmp_path, "cp", lease_s=2.0, grace_s=2.0).start()
+        fleet = LightFleet(cp.target, TOKEN, 4, BASE_MODEL, slots=2, cpu_entries=6, interval_s=0.3)
+        store = Store(redis_server.url, "it")
+        try:
+            await fleet.start()
+            traffic = asyncio.create_task(fleet.traffic(adapters, rate=400.0, alpha=1.2, seed=5))
+            deadline = time.monotonic() + 30
+            while True:
+                records = await store.list_pods()
+                if len(records) == 4 and all(r.demand for r in records):
+                    break
+                assert time.monotonic() < deadline, f"no rates reported within 30 s: {records}"
+                await asyncio.sleep(0.2)
+            await fleet.stop()
+            await asyncio.wait_for(traffic, 5)
+            return fleet, records
+        finally:
+            await fleet.stop()
+            await store.close()
+            cp.stop()
 
-    fleet = asyncio.run(body())
-    assert fleet.requests > 200
-    for pod in fleet.pods:
-        assert 0 < len(pod.cache.entries) <= 6
-        assert sum(e.on_device for e in pod.cache.entries.values()) <= 2
+    fleet, records = asyncio.run(body())
+    assert fleet.requests > 0
     rates: dict[str, float] = {}
-    for pod in fleet.pods:
-        for name, rate in pod.demand.rates().items():
+    for record in records:
+        for name, rate in record.demand:
             rates[name] = rates.get(name, 0.0) + rate
+        assert {r.name for r in record.residents} <= {name for name, _ in adapters}
+        assert record.residents, f"pod {record.id} reports nothing loaded"
     assert max(rates, key=rates.get) == "ad-000"
-    assert sum(rates.values()) > 0

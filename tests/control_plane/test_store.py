@@ -366,18 +366,20 @@ def test_recording_a_heartbeat_returns_the_newest_fencing_token(redis_server):
 def test_listing_pods_reuses_known_records_whose_heartbeat_is_unchanged(redis_server):
     """A record read before is not read or decoded again while the pod's heartbeat time is the same;
     a newer heartbeat, a new pod and a removed pod all show."""
+    beat = 1_790_000_000.123457  # a fractional wall-clock time: the sorted set's score must equal the JSON's
+
     async def body(store):
-        await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=100.0))
-        await store.put_pod(PodRecord("q", "127.0.0.1:2", last_heartbeat=100.0))
+        await store.put_pod(PodRecord("p", "127.0.0.1:1", last_heartbeat=beat))
+        await store.put_pod(PodRecord("q", "127.0.0.1:2", last_heartbeat=beat + 0.1))
         known = {p.id: p for p in await store.list_pods()}
         # Rewritten behind the store's back at the same heartbeat time: the known record stands.
-        raw = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
-        raw.set(store._k("pod", "p"), PodRecord("p", "127.0.0.1:9", last_heartbeat=100.0).to_json())
+        with redis_sync.Redis.from_url(redis_server.url, decode_responses=True) as raw:
+            raw.set(store._k("pod", "p"), PodRecord("p", "127.0.0.1:9", last_heartbeat=beat).to_json())
         reused = await store.list_pods(known=known)
-        await store.put_pod(PodRecord("q", "127.0.0.1:3", last_heartbeat=101.0))
-        await store.put_pod(PodRecord("r", "127.0.0.1:4", last_heartbeat=101.0))
+        await store.put_pod(PodRecord("q", "127.0.0.1:3", last_heartbeat=beat + 1.1))
+        await store.put_pod(PodRecord("r", "127.0.0.1:4", last_heartbeat=beat + 1.1))
         token = await store.acquire_leadership("r1", 5)
-        await store.remove_pod("p", 100.0, token)
+        await store.remove_pod("p", beat, token)
         return known, reused, await store.list_pods(known=known)
 
     known, reused, after = with_store(redis_server, body)
