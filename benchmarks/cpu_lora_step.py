@@ -28,7 +28,7 @@ from step_trace import CYCLE, demo_engine  # benchmarks/step_trace.py
 
 from data_plane.config import CPU_MATMUL_CHOICES
 from data_plane.engine.sequence import SamplingParams
-from kernels import cpu_lora, lora_backend
+from kernels import cpu_lora, cpu_tuner, lora_backend
 
 
 def kept(step):
@@ -92,15 +92,15 @@ class ApplyClock:
         lora_backend.CpuBackend.apply = self._real
 
 
-ALL_CANDIDATES = cpu_lora.candidates
+ALL_CANDIDATES = cpu_tuner.candidates
 
 
-def restrict(path: cpu_lora.CpuLoraPath | None, step) -> None:
+def restrict(path: cpu_tuner.CpuLoraPath | None, step) -> None:
     """A fresh tuner measuring only ``path`` (every candidate for None), and the step's own cached choices dropped."""
-    cpu_lora.PATH_TUNER = cpu_lora.PathTuner()
+    cpu_tuner.PATH_TUNER = cpu_tuner.PathTuner()
     candidates = ALL_CANDIDATES if path is None else (
         lambda *a: [c for c in ALL_CANDIDATES(*a) if c.path is path])
-    cpu_lora.candidates = candidates
+    cpu_tuner.candidates = candidates
     step.batch.lora.step_cache.paths.clear()
 
 
@@ -154,16 +154,16 @@ def main() -> None:
     lora_step, base_step = steps["LoRA"], steps["base only"]
     execute = engine.runner.execute
     meta = lora_step.batch.lora
-    buckets = cpu_lora.bucket(meta.num_tokens), cpu_lora.bucket(len(meta.host_segments))
+    buckets = cpu_tuner.bucket(meta.num_tokens), cpu_tuner.bucket(len(meta.host_segments))
     offered = {c.path for c in ALL_CANDIDATES(*buckets, args.threads)}
-    variants = [*(p for p in cpu_lora.CpuLoraPath if p in offered), None]  # the paths the tuner weighs for this step
+    variants = [*(p for p in cpu_tuner.CpuLoraPath if p in offered), None]  # the paths the tuner weighs for this step
     step_ms: dict[str, list[float]] = {}
     apply_ms: dict[str, list[float]] = {}
     chosen: dict[str, Counter] = {}
     try:
         replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_ms, chosen)
     finally:
-        cpu_lora.candidates = ALL_CANDIDATES
+        cpu_tuner.candidates = ALL_CANDIDATES
     base = statistics.median(step_ms["base only"])
     print("\n| LoRA path | step ms (median of rounds) | LoRA apply ms | base-only step / this step | runs chosen "
           "per layer shape, all rounds |\n|---|---|---|---|---|")

@@ -4,7 +4,7 @@ pod's engine in this process, every step timed and attributed.
 Inter-token latency at p99 is set by a few slow steps: with 32 streams a step's delay reaches 32
 gaps at once, so the 1% slowest gaps of a 4096-token run are about its slowest step or two. For
 each step this records its forward pass's wall time, its shape (tokens, sequences, prefill tokens,
-adapter segments), how many CPU LoRA path choices it measured (``kernels.cpu_lora.PATH_TUNER``),
+adapter segments), how many CPU LoRA path choices it measured (``kernels.cpu_tuner.PATH_TUNER``),
 and the garbage collector's pauses inside it; then prints the step-time and ITL percentiles and the
 slowest steps with what they held, per round of (LoRA, base only). The engine is the pod's
 (``data_plane.pod.build_engine``); there is no gRPC, so the figures are the engine's alone.
@@ -36,7 +36,7 @@ from data_plane.local import prompt_ids
 from data_plane.metrics import PodMetrics
 from data_plane.model.demo_model import ensure_demo_model
 from data_plane.pod import build_engine
-from kernels import cpu_lora
+from kernels import cpu_tuner
 
 
 @dataclass
@@ -67,13 +67,13 @@ def traced(execute, trace: Trace):
     """``execute`` timed and attributed into ``trace``."""
 
     def run(step):
-        measured, gc_ms = len(cpu_lora.PATH_TUNER.timings), trace.gc_ms
+        measured, gc_ms = len(cpu_tuner.PATH_TUNER.timings), trace.gc_ms
         started = time.perf_counter()
         out = execute(step)
         tokens, seqs = step.batch.input_ids.numel(), len(step.order)
         trace.steps.append(Step(time.perf_counter() - started, tokens, seqs,
                                 tokens - sum(o is not None for o in out), len(step.batch.lora.host_segments),
-                                len(cpu_lora.PATH_TUNER.timings) - measured, trace.gc_ms - gc_ms))
+                                len(cpu_tuner.PATH_TUNER.timings) - measured, trace.gc_ms - gc_ms))
         return out
 
     return run

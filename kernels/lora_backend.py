@@ -3,7 +3,7 @@ layer is built, called once per forward.
 
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
-  magnitude): per step, the path of ``CpuLoraPath`` that ``kernels.cpu_lora.choose_path``
+  magnitude): per step, the path of ``CpuLoraPath`` that ``kernels.cpu_tuner.choose_path``
   measured fastest on this machine for steps like it: dense, gathered or segmented
   (``kernels.cpu_lora``) over a packed copy of the slots, or the segment loop of ``kernels.reference``.
 
@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_lora, reference
-from kernels.cpu_lora import CpuLoraPath, CpuLoraRun, intra_op_threads
+from kernels import cpu_lora, cpu_tuner, reference
+from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun, intra_op_threads
 from kernels.lora_meta import LoraMeta
 
 
@@ -81,7 +81,7 @@ class CpuBackend:
 
     def __init__(self, slots: LoraSlots) -> None:
         self.slots = slots
-        self._plan: cpu_lora.CpuPlan | None = None  # None: slots changed since it was made
+        self._plan: cpu_tuner.CpuPlan | None = None  # None: slots changed since it was made
         self._dense: cpu_lora.DensePack | None = None
         self._segmented: cpu_lora.SegmentPack | None = None
         self._gathered: cpu_lora.GatherPack | None = None
@@ -124,7 +124,7 @@ class CpuBackend:
         plan = self._plan
         if plan is None:
             sl = self.slots
-            plan = self._plan = cpu_lora.plan(sl.host_ranks, sl.lora_a.shape[3], sl.lora_b.shape[1])
+            plan = self._plan = cpu_tuner.plan(sl.host_ranks, sl.lora_a.shape[3], sl.lora_b.shape[1])
         if plan.rank == 0:
             return None
         # Layers with equal plans (same shape, same resident ranks) choose alike: once per step.
@@ -132,7 +132,7 @@ class CpuBackend:
         path = paths.get(plan)
         if path is None:
             scratch = y.clone()
-            path = paths[plan] = cpu_lora.choose_path(plan, meta.num_tokens, meta.host_segments,
+            path = paths[plan] = cpu_tuner.choose_path(plan, meta.num_tokens, meta.host_segments,
                                                       lambda p: self._run(p, scratch, x, meta))
         return path
 

@@ -12,7 +12,6 @@ import torch
 
 from kernels import reference
 from kernels.cpu_lora import (
-    CpuLoraPath,
     CpuStepCache,
     DensePack,
     lora_dense,
@@ -21,9 +20,9 @@ from kernels.cpu_lora import (
     pack,
     pack_gathered,
     pack_segments,
-    plan,
     update_gathered,
 )
+from kernels.cpu_tuner import CpuLoraPath, plan
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, Layer, _mix, _problem
 from tests.tolerances import magnitude, tolerances
 

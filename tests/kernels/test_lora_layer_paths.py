@@ -14,8 +14,8 @@ import kernels.lora_shrink
 from data_plane.lora.layer import LoRAProjection
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, Projection
-from kernels import cpu_lora
-from kernels.cpu_lora import CpuLoraPath, CpuLoraRun
+from kernels import cpu_lora, cpu_tuner
+from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun
 from kernels.lora_backend import CpuBackend, TritonBackend
 from kernels.lora_meta import LoraMetaBuilder
 from tests.tolerances import magnitude, tolerances
@@ -79,7 +79,7 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
     assert isinstance(layer.backend, CpuBackend), "a layer on CPU runs the CPU paths"
-    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.LOOP, 1))
+    monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.LOOP, 1))
     on_reference = layer(x, batch)
 
     # What a layer on CUDA runs, on CPU tensors: the kernels run under the interpreter.
@@ -110,7 +110,7 @@ def test_a_layer_no_resident_adapter_adapts_returns_the_base_output(monkeypatch)
     layer = _qkv_layer(torch.float32)
     for slot in SLOT_RANKS:
         layer.clear_slot(slot)
-    choices = _counting(monkeypatch, cpu_lora, "choose_path")
+    choices = _counting(monkeypatch, cpu_tuner, "choose_path")
     batch = _step()
     assert layer.backend.path(layer.base(X), X, batch.lora) is None
     assert torch.equal(layer(X, batch), layer.base(X))
@@ -119,7 +119,7 @@ def test_a_layer_no_resident_adapter_adapts_returns_the_base_output(monkeypatch)
 
 def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
     first, second = _qkv_layer(torch.float32), _qkv_layer(torch.float32)
-    choices = _counting(monkeypatch, cpu_lora, "choose_path")
+    choices = _counting(monkeypatch, cpu_tuner, "choose_path")
     batch = _step()
     first(X, batch)
     second(X, batch)
@@ -136,7 +136,7 @@ def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, pa
     calls = _counting(monkeypatch, cpu_lora, kernel)
 
     def run(on: CpuLoraPath) -> torch.Tensor:
-        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(on, 1))
+        monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(on, 1))
         before = len(calls)
         out = layer(X, _step())
         assert len(calls) - before == (on == path), f"{on} step took the wrong path"

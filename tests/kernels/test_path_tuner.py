@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_lora
-from kernels.cpu_lora import CpuLoraPath, CpuLoraRun, PathTuner, bucket, plan
+from kernels import cpu_lora, cpu_tuner
+from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun, PathTuner, bucket, plan
 from tests.kernels.test_lora_layer_paths import X, _qkv_layer, _step
 
 PLAN = plan([[8, 0, 4]], in_features=64, out_features=32)
@@ -55,7 +55,7 @@ def test_the_best_of_the_timed_runs_counts_so_one_stall_does_not_decide():
 
 def test_a_path_far_slower_on_its_first_run_is_not_run_again():
     # gathered takes PRUNE_FACTOR times more than dense and a bit on its first timed run: it cannot win
-    slow = cpu_lora.PRUNE_FACTOR * 1e-4 * 1.01
+    slow = cpu_tuner.PRUNE_FACTOR * 1e-4 * 1.01
     clock = Clock({CpuLoraPath.DENSE: 1e-4, CpuLoraPath.GATHERED: slow, CpuLoraPath.LOOP: 2e-4,
                    CpuLoraPath.SEGMENTED: 3e-4})
     tuner = PathTuner(timer=clock, threads=1, repeats=3)
@@ -69,7 +69,7 @@ def test_a_path_far_slower_on_its_first_run_is_not_run_again():
 def test_a_path_within_the_prune_factor_is_still_timed_and_can_win():
     # the loop's first timed run is slow (a burst of load), but within the factor: its next run decides
     clock = Clock({CpuLoraPath.DENSE: 2e-4, CpuLoraPath.GATHERED: 3e-4, CpuLoraPath.SEGMENTED: 2.5e-4,
-                   CpuLoraPath.LOOP: [1e-4, cpu_lora.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4]})
+                   CpuLoraPath.LOOP: [1e-4, cpu_tuner.PRUNE_FACTOR * 2e-4 * 0.99, 1e-4]})
     assert PathTuner(timer=clock, threads=1).choose(PLAN, 4, SEGMENTS, clock.run).path is CpuLoraPath.LOOP
 
 
@@ -104,7 +104,7 @@ def test_a_run_on_one_thread_restores_the_thread_count_even_when_it_fails():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with pytest.raises(RuntimeError), cpu_lora.intra_op_threads(1):
+        with pytest.raises(RuntimeError), cpu_tuner.intra_op_threads(1):
             assert torch.get_num_threads() == 1
             raise RuntimeError("a failing op")
         assert torch.get_num_threads() == 2
@@ -118,7 +118,7 @@ def test_a_layer_runs_its_path_on_the_chosen_threads(monkeypatch, threads):
     torch.set_num_threads(2)
     seen = []
     real = cpu_lora.lora_dense
-    monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.DENSE, threads))
+    monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.DENSE, threads))
     monkeypatch.setattr(cpu_lora, "lora_dense", lambda *a: (seen.append(torch.get_num_threads()), real(*a)))
     try:
         _qkv_layer(torch.float32)(X, _step())
@@ -170,7 +170,7 @@ def test_bad_settings_are_refused(settings):
 
 def test_a_real_layer_takes_the_path_measured_fastest_and_measuring_changes_no_output(monkeypatch):
     tuner = PathTuner()
-    monkeypatch.setattr(cpu_lora, "PATH_TUNER", tuner)
+    monkeypatch.setattr(cpu_tuner, "PATH_TUNER", tuner)
     layer = _qkv_layer(torch.float32)
     measured = layer(X, _step())  # the first step of this shape measures every path
     assert len(tuner.timings) == 1

@@ -7,8 +7,8 @@ import torch
 
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
-from kernels import cpu_lora
-from kernels.cpu_lora import CpuLoraPath, CpuLoraRun
+from kernels import cpu_tuner
+from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun
 from tests.lora.conftest import ADAPTERS, forward_rows, peft_row_logits, runtime_with_adapters
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
@@ -43,7 +43,7 @@ def _rows(adapters):
 def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix, path, monkeypatch):
     """``path``: every CPU LoRA path in turn (None: the one measured fastest on this machine)."""
     if path is not None:
-        monkeypatch.setattr(cpu_lora, "choose_path", lambda *args: CpuLoraRun(path, 1))
+        monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(path, 1))
     model, runtime = ours
     rows = _rows(mix)
     got = forward_rows(model, runtime, rows)
