@@ -3,10 +3,9 @@
 Which of the four CPU LoRA paths (dense, gathered and segmented in ``kernels.cpu_lora``, the segment
 loop of ``kernels.reference``) is fastest depends on the CPU (its vector width, caches, memory
 bandwidth and torch's per-op overhead there) as much as on the shapes, so no machine's constants
-decide it:
-``PathTuner`` times the four on the step's own inputs, each on torch's threads and on one thread
-(``CpuLoraRun``), the first time a layer plan meets a token-count and segment-count bucket, and
-keeps the fastest (the way autotuners pick kernel configurations).
+decide it: ``PathTuner`` times the bucket's ``candidates`` on the step's own inputs, each on torch's
+threads and on one thread (``CpuLoraRun``), the first time a layer plan meets a token-count and
+segment-count bucket, and keeps the fastest (the way autotuners pick kernel configurations).
 """
 
 from __future__ import annotations
