@@ -104,6 +104,16 @@ def restrict(path: cpu_tuner.CpuLoraPath | None, step) -> None:
     step.batch.lora.step_cache.paths.clear()
 
 
+def median_ms(execute, step, replays: int) -> float:
+    """The median wall time of ``replays`` replays of ``step``, in milliseconds."""
+    times = []
+    for _ in range(replays):
+        started = time.perf_counter()
+        execute(step)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
 def replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_ms, chosen) -> None:
     """Interleaved rounds: the LoRA step under each variant, then the base-only step; figures into the dicts."""
     for _ in range(args.rounds):
@@ -112,21 +122,11 @@ def replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_
             restrict(path, lora_step)
             for _ in range(3):  # measures the paths, builds packs: not timed
                 execute(lora_step)
-            times = []
             with ApplyClock() as clock:
-                for _ in range(args.replays):
-                    started = time.perf_counter()
-                    execute(lora_step)
-                    times.append(time.perf_counter() - started)
-            step_ms.setdefault(label, []).append(statistics.median(times) * 1e3)
+                step_ms.setdefault(label, []).append(median_ms(execute, lora_step, args.replays))
             apply_ms.setdefault(label, []).append(clock.seconds / args.replays * 1e3)
             chosen.setdefault(label, Counter()).update(lora_step.batch.lora.step_cache.paths.values())
-            times = []
-            for _ in range(args.replays):
-                started = time.perf_counter()
-                execute(base_step)
-                times.append(time.perf_counter() - started)
-            step_ms.setdefault("base only", []).append(statistics.median(times) * 1e3)
+            step_ms.setdefault("base only", []).append(median_ms(execute, base_step, args.replays))
 
 
 def main() -> None:

@@ -48,20 +48,26 @@ def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[Sche
     return batch
 
 
-def build_demo_engine(seqs: int, adapter_dir: Path, cpu_matmul: str = "float32") -> tuple[Engine, list[int]]:
-    """The pod's engine on the demo model for decode steps of up to ``seqs`` sequences, with the demo
-    adapters and a random rank-16 one (written into ``adapter_dir``) resident; returns it with the
-    slots of the mix: -1 (base) then each adapter's."""
+def demo_pod_config(seqs: int, adapter_dir: Path, cpu_matmul: str) -> DataPlaneConfig:
+    """A pod on the demo model for steps of up to ``seqs`` sequences, with room for the demo adapters and
+    serve.py's random rank-16 one (written into ``adapter_dir``), all found under its adapter roots."""
     model_dir = ensure_demo_model(quiet=True)
     write_random_adapter(adapter_dir / EXTRA_ADAPTER, json.loads((model_dir / "config.json").read_text()), 16,
                          dtype=torch.float32)
     roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, adapter_dir)
-    config = DataPlaneConfig(model=model_dir, max_num_seqs=seqs, max_loras=len(DEMO_ADAPTERS) + 1,
-                             max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+    return DataPlaneConfig(model=model_dir, max_num_seqs=seqs, max_loras=len(DEMO_ADAPTERS) + 1,
+                           max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+
+
+def build_demo_engine(seqs: int, adapter_dir: Path, cpu_matmul: str = "float32") -> tuple[Engine, list[int]]:
+    """The pod's engine of ``demo_pod_config``, every adapter of the mix resident; returns it with the
+    slots of the mix: -1 (base) then each adapter's."""
+    config = demo_pod_config(seqs, adapter_dir, cpu_matmul)
     engine = build_engine(config, PodMetrics())
     slots = [-1]
     for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):
-        engine.lora.load(name, str(next(r for r in roots if (r / name).is_dir()) / name))
+        root = next(r for r in config.adapter_roots if (r / name).is_dir())
+        engine.lora.load(name, str(root / name))
         slots.append(engine.lora.cache.acquire(name))
     return engine, slots
 

@@ -17,24 +17,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from cpu_matmul import demo_pod_config  # benchmarks/cpu_matmul.py
 from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes.py
 from serve import EXTRA_ADAPTER  # benchmarks/serve.py
 from stream_load import PROMPTS, percentile_ms  # benchmarks/stream_load.py
-from synthetic import write_random_adapter  # benchmarks/synthetic.py
 
-from data_plane.config import CPU_MATMUL_CHOICES, DataPlaneConfig
-from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.config import CPU_MATMUL_CHOICES
+from data_plane.demo_adapters import DEMO_ADAPTERS
 from data_plane.engine.sequence import SamplingParams
 from data_plane.local import prompt_ids
 from data_plane.metrics import PodMetrics
-from data_plane.model.demo_model import ensure_demo_model
 from data_plane.pod import build_engine
 from kernels import cpu_tuner
 
@@ -113,12 +111,7 @@ CYCLE = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
 async def demo_engine(workdir: str, requests: int, cpu_matmul: str, freeze_gc: bool = True):
     """The pod's engine on the demo model with serve.py's adapters resident (the random one written to
     ``workdir``), started; and the token ids of ``requests`` prompts."""
-    model_dir = ensure_demo_model(quiet=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    write_random_adapter(Path(workdir) / EXTRA_ADAPTER, config, 16, dtype=torch.float32)
-    roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, Path(workdir))
-    pod = DataPlaneConfig(model=model_dir, max_num_seqs=requests, max_loras=len(DEMO_ADAPTERS) + 1,
-                          max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+    pod = demo_pod_config(requests, Path(workdir), cpu_matmul)
     engine = await asyncio.to_thread(build_engine, pod, PodMetrics())
     if freeze_gc:
         gc.freeze()  # as the pod process does once started
