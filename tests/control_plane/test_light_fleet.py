@@ -156,3 +156,11 @@ def test_light_fleet_traffic_is_reported_in_heartbeats_by_popularity(redis_serve
         assert {r.name for r in record.residents} <= {name for name, _ in adapters}
         assert record.residents, f"pod {record.id} reports nothing loaded"
     assert max(rates, key=rates.get) == "ad-000"
+
+
+@pytest.mark.parametrize(("adapters", "rate"), [([], 10.0), ([("ad-000", SHA)], 0.0)])
+def test_light_fleet_traffic_refuses_no_adapters_or_no_rate(adapters, rate):
+    fleet = LightFleet("127.0.0.1:1", TOKEN, 1, BASE_MODEL)
+    with pytest.raises(ValueError, match="traffic needs adapters and a rate above 0"):
+        asyncio.run(fleet.traffic(adapters, rate=rate, alpha=1.0))
+    assert fleet.requests == 0
