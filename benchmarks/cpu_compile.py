@@ -42,9 +42,10 @@ import torch.nn.functional as F
 from cpu_matmul import build_demo_engine, decode_batch  # benchmarks/cpu_matmul.py
 from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes.py
 
+from data_plane.engine.step_runner import forward_batch
 from data_plane.lora.layer import LoRAProjection
-from data_plane.model.attention import AttentionMetadata, paged_attention
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM
+from data_plane.model.torch_attention import GatherAttention
 
 Forward = Callable[[ForwardBatch], torch.Tensor]
 
@@ -58,13 +59,13 @@ def split_forward(model: LlamaForCausalLM, decode_attention: bool, compile_fn: C
     assert set(c.sliding_windows) == {None}, "the demo model has no sliding window"
 
     def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: GatherAttention) -> torch.Tensor:
         qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
         qk = qk.view(-1, nh + nkv, hd)
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)
         q, k, v = qk[:, :nh], qk[:, nh:], v.view(-1, nkv, hd)
         if not decode_attention:
-            return paged_attention(q, k, v, k_cache, v_cache, meta, None, scale)
+            return meta(q, k, v, k_cache, v_cache, None, scale)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         seqs, ctx = meta.key_index.shape  # one query per sequence: query_index is [seqs, 1]
@@ -90,11 +91,13 @@ def split_forward(model: LlamaForCausalLM, decode_attention: bool, compile_fn: C
     def forward(batch: ForwardBatch) -> torch.Tensor:
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.tables(batch.positions, x.dtype)
-        batch = replace(batch, rope=(cos, sin))
+        step_attention = model.attention.prepare(batch.attn)
+        batch = replace(batch, rope=(cos, sin), attention=step_attention)
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            a = attend(attn.qkv_proj(h, batch), cos, sin, batch.kv_cache.k[i], batch.kv_cache.v[i], batch.attn)
+            a = attend(attn.qkv_proj(h, batch), cos, sin, batch.kv_cache.k[i], batch.kv_cache.v[i],
+                       step_attention)
             x, h = add_norm(x, attn.o_proj(a, batch), layer.post_attention_layernorm.weight)
             x, h = add_norm(x, mlp.down_proj(silu_mul(mlp.gate_up_proj(h, batch)), batch), norms[i])
         return h
@@ -146,8 +149,8 @@ def run_one(args: argparse.Namespace, threads: int, tmp: Path) -> None:
         with torch.inference_mode():
             prepared = runner.prepare(batch)
             started = timer()
-            hidden = forward(prepared.batch)
-            logits = model.logits(hidden[prepared.sample_rows])
+            hidden = forward(forward_batch(prepared.inputs, runner.kv_cache))
+            logits = model.logits(hidden.index_select(0, prepared.inputs.sample_rows))
             return logits, timer() - started
 
     shapes = [(n, args.context) for n in sorted(args.seqs, reverse=True)] + [(max(args.seqs), 2 * args.context)]

@@ -28,17 +28,12 @@ from step_trace import CYCLE, demo_engine  # benchmarks/step_trace.py
 
 from data_plane.config import CPU_MATMUL_CHOICES
 from data_plane.engine.sequence import SamplingParams
-from kernels import cpu_lora, cpu_tuner, lora_backend
+from kernels import cpu_tuner, lora_backend
 
 
 def kept(step):
-    """``step`` with its own copy of the LoRA metadata, which otherwise lives in buffers every later
-    step's metadata overwrites."""
-    meta = step.batch.lora
-    own = dataclasses.replace(meta, token_slots=meta.token_slots.clone(), sorted_tokens=meta.sorted_tokens.clone(),
-                              seg_slots=meta.seg_slots.clone(), seg_starts=meta.seg_starts.clone(),
-                              step_cache=cpu_lora.CpuStepCache())
-    return dataclasses.replace(step, batch=dataclasses.replace(step.batch, lora=own))
+    """``step`` with its own copy of its inputs, which otherwise live in buffers every later step overwrites."""
+    return dataclasses.replace(step, inputs=step.inputs.clone())
 
 
 async def capture_steps(engine, ids: list[list[int]]) -> dict[str, object]:
@@ -47,7 +42,7 @@ async def capture_steps(engine, ids: list[list[int]]) -> dict[str, object]:
 
     def keep(label: str):
         def run(step):
-            if len(step.order) == len(ids) and step.batch.input_ids.numel() == len(ids) and label not in steps:
+            if len(step.order) == len(ids) and step.inputs.input_ids.numel() == len(ids) and label not in steps:
                 steps[label] = kept(step)
             return execute(step)
         return run
@@ -101,7 +96,7 @@ def restrict(path: cpu_tuner.CpuLoraPath | None, step) -> None:
     candidates = ALL_CANDIDATES if path is None else (
         lambda *a: [c for c in ALL_CANDIDATES(*a) if c.path is path])
     cpu_tuner.candidates = candidates
-    step.batch.lora.step_cache.paths.clear()
+    step.inputs.lora.step_cache.paths.clear()
 
 
 def median_ms(execute, step, replays: int) -> float:
@@ -125,7 +120,7 @@ def replay_rounds(args, execute, lora_step, base_step, variants, step_ms, apply_
             with ApplyClock() as clock:
                 step_ms.setdefault(label, []).append(median_ms(execute, lora_step, args.replays))
             apply_ms.setdefault(label, []).append(clock.seconds / args.replays * 1e3)
-            chosen.setdefault(label, Counter()).update(lora_step.batch.lora.step_cache.paths.values())
+            chosen.setdefault(label, Counter()).update(lora_step.inputs.lora.step_cache.paths.values())
             step_ms.setdefault("base only", []).append(median_ms(execute, base_step, args.replays))
 
 
@@ -153,7 +148,7 @@ def main() -> None:
         engine, steps = asyncio.run(setup())
     lora_step, base_step = steps["LoRA"], steps["base only"]
     execute = engine.runner.execute
-    meta = lora_step.batch.lora
+    meta = lora_step.inputs.lora
     buckets = cpu_tuner.bucket(meta.num_tokens), cpu_tuner.bucket(len(meta.host_segments))
     offered = {c.path for c in ALL_CANDIDATES(*buckets, args.threads)}
     variants = [*(p for p in cpu_tuner.CpuLoraPath if p in offered), None]  # the paths the tuner weighs for this step

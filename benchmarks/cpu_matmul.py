@@ -37,12 +37,16 @@ from data_plane.pod import build_engine
 
 
 def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[ScheduledSeq]:
-    """``seqs`` sequences one decode token past ``context`` cached ones, adapters round-robin over ``slots``."""
+    """``seqs`` sequences one decode token past ``context`` cached ones, adapters round-robin over ``slots``.
+    Sequence ``i`` of every such batch has block-table row ``i`` and the same blocks (written into the
+    table here, past the block manager: the batches are replayed, never scheduled)."""
     blocks = -(-(context + 1) // engine.limits.block_size)
     batch = []
     for i in range(seqs):
-        seq = Sequence(f"s{i}", None, [5] * context, SamplingParams(), context + 2,
-                       block_table=list(range(i * blocks, (i + 1) * blocks)), slot=slots[i % len(slots)])
+        table = list(range(i * blocks, (i + 1) * blocks))
+        engine.blocks.table[i, :blocks] = torch.tensor(table, dtype=torch.int32)
+        seq = Sequence(f"s{i}", None, [5] * context, SamplingParams(), context + 2, block_table=table, kv_row=i,
+                       slot=slots[i % len(slots)])
         seq.num_computed = context - 1
         batch.append(ScheduledSeq(seq, 1))
     return batch
@@ -114,7 +118,8 @@ def main() -> None:
             for precision in MatmulPrecision:
                 use(precision)
                 step = engine.runner.prepare(mixes["base + 4 adapters"])
-                logits[precision] = model.logits(model(step.batch)[step.sample_rows])
+                hidden = engine.runner.step_runner.forward(step.inputs)
+                logits[precision] = model.logits(hidden.index_select(0, step.inputs.sample_rows))
     f32, bf16 = logits[MatmulPrecision.FLOAT32], logits[MatmulPrecision.BFLOAT16]
     top = f32.argmax(-1, keepdim=True)
     logprob_change = (f32.log_softmax(-1).gather(1, top) - bf16.log_softmax(-1).gather(1, top)).abs().max()

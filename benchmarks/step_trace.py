@@ -68,9 +68,9 @@ def traced(execute, trace: Trace):
         measured, gc_ms = len(cpu_tuner.PATH_TUNER.timings), trace.gc_ms
         started = time.perf_counter()
         out = execute(step)
-        tokens, seqs = step.batch.input_ids.numel(), len(step.order)
+        tokens, seqs = step.inputs.input_ids.numel(), len(step.order)
         trace.steps.append(Step(time.perf_counter() - started, tokens, seqs,
-                                tokens - sum(o is not None for o in out), len(step.batch.lora.host_segments),
+                                tokens - sum(o is not None for o in out), len(step.inputs.lora.host_segments),
                                 len(cpu_tuner.PATH_TUNER.timings) - measured, trace.gc_ms - gc_ms))
         return out
 

@@ -12,6 +12,8 @@ from conventions import defaults
 from conventions.names import NAME_RULE, is_valid_name
 
 CPU_MATMUL_CHOICES = ("auto", "float32", "bfloat16")
+# A CPU pod's KV cache when --kv-cache-bytes is 0: ~17k tokens of the demo model in float32 (46 KB a token).
+DEFAULT_CPU_KV_CACHE_BYTES = 768 << 20
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,12 @@ class DataPlaneConfig:
     adapter_weights: tuple[tuple[str, float], ...] = ()  # (adapter, fair-share weight); others weigh 1
     base_model_weight: float = 1.0  # the base model's fair-share weight
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0 = sized automatically (device memory on CUDA, a fixed budget on CPU)
+    num_kv_blocks: int = 0  # 0 = sized from kv_cache_bytes
+    # Bytes of KV cache; 0 = on CUDA what --gpu-memory-utilization leaves after a profile run of the largest
+    # step, on CPU DEFAULT_CPU_KV_CACHE_BYTES.
+    kv_cache_bytes: int = 0
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     drain_grace_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
@@ -77,6 +83,8 @@ class DataPlaneConfig:
             self.control_plane_root_cert()  # refuses a missing, unreadable or non-PEM file now, not at dial time
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1 or self.num_kv_blocks < 0:
             raise ValueError("engine limits must be positive")
+        if self.kv_cache_bytes < 0:
+            raise ValueError(f"--kv-cache-bytes must be >= 0 (0 = automatic), got {self.kv_cache_bytes}")
         if self.max_adapter_bytes < 1 or self.adapter_download_timeout_s <= 0:
             raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
@@ -144,6 +152,7 @@ class DataPlaneConfig:
             adapter_download_timeout_s=args.adapter_download_timeout,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=args.kv_cache_bytes, enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
             max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
@@ -217,9 +226,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model-weight", type=float, default=d.base_model_weight,
                    help="the base model's fair-share weight relative to the adapters' 1.0")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
-    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV-cache blocks (0 = automatic)")
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                   help=f"KV-cache blocks (default {d.num_kv_blocks}: sized from --kv-cache-bytes)")
+    p.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes,
+                   help=f"bytes of KV cache (default {d.kv_cache_bytes}: on CUDA what --gpu-memory-utilization "
+                        "leaves after a profile run of the largest step with an adapter in every slot; on CPU "
+                        f"{DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="fraction of GPU memory the pod may use (model + adapters + KV cache)")
+                   help="fraction of GPU memory the pod may use (model, adapters, activations, KV cache) "
+                        f"(default {d.gpu_memory_utilization})")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly on CUDA (default: decode steps replay CUDA graphs captured at "
+                        "start-up per batch-size bucket)")
     p.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s,

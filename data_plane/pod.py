@@ -8,9 +8,12 @@ from pathlib import Path
 import torch
 
 from conventions.home import lorafleet_home
-from data_plane.config import DataPlaneConfig
+from data_plane.config import DEFAULT_CPU_KV_CACHE_BYTES, DataPlaneConfig
+from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.engine import Engine, EngineLimits, Resolver
-from data_plane.engine.scheduler import Policy
+from data_plane.engine.model_runner import ModelRunner
+from data_plane.engine.scheduler import Policy, ScheduledSeq
+from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.errors import AdapterNotFound
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
@@ -22,9 +25,6 @@ from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.tokenizer import Tokenizer
 
 log = logging.getLogger("lorafleet.pod")
-
-# CPU pods get a fixed KV budget in tokens (the demo model needs ~46 KB per token in float32).
-CPU_KV_TOKENS = 16384
 
 
 def local_resolver(roots: tuple[Path, ...]) -> Resolver:
@@ -58,11 +58,12 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks or _auto_kv_blocks(model, config),
+        num_kv_blocks=config.num_kv_blocks or kv_cache_blocks(model, lora, config),
         max_model_len=model.config.max_position_embeddings, max_queue_delay_s=config.max_queue_delay_s,
     )
     engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
-                    config.fair_share_weights, Policy(config.scheduling_policy))
+                    config.fair_share_weights, Policy(config.scheduling_policy),
+                    cuda_graphs=device.type == "cuda" and not config.enforce_eager)
     engine.warm_up()
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": config.max_loras, "device": config.device})
@@ -91,17 +92,56 @@ def set_cpu_matmul_precision(model: LlamaForCausalLM, setting: str, max_num_seqs
     return precision
 
 
-def _auto_kv_blocks(model, config: DataPlaneConfig) -> int:
+def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> int:
+    """KV-cache blocks in --kv-cache-bytes; when that is 0, on CUDA in what --gpu-memory-utilization of the
+    device leaves after a profile run of the largest step (``profile_peak_bytes``), on CPU in
+    DEFAULT_CPU_KV_CACHE_BYTES. Raises RuntimeError when fewer than 4 blocks fit."""
     c = model.config
     per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
                                         model.embed_tokens.weight.dtype)
-    if config.device != "cuda":
-        return CPU_KV_TOKENS // config.block_size
-    # What is left after weights and slot buffers, keeping headroom for activations of the largest step.
-    free, total = torch.cuda.mem_get_info()
-    budget = free - (1 - config.gpu_memory_utilization) * total
-    blocks = int(budget // per_block)
+    budget, sizes = config.kv_cache_bytes, {}
+    if not budget and config.device != "cuda":
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    elif not budget:
+        peak = profile_peak_bytes(model, lora, config)
+        free, total = torch.cuda.mem_get_info()
+        other = total - free - torch.cuda.memory_reserved()  # the CUDA context, other processes
+        budget = int(config.gpu_memory_utilization * total - peak - other)
+        sizes = {"device_gib": round(total / 2**30, 2), "profile_peak_gib": round(peak / 2**30, 2),
+                 "outside_torch_gib": round(other / 2**30, 2)}
+    blocks = budget // per_block
     if blocks < 4:
-        raise RuntimeError(f"only {budget / 2**30:.2f} GiB of GPU memory is left for the KV cache; lower "
-                           "--max-loras/--max-lora-rank or raise --gpu-memory-utilization")
+        raise RuntimeError(f"only {budget / 2**30:.2f} GiB is left for the KV cache ({blocks} blocks of "
+                           f"{per_block} bytes); lower --max-loras/--max-lora-rank/--max-num-batched-tokens, raise "
+                           "--gpu-memory-utilization, or give --kv-cache-bytes")
+    log.info("kv cache sized", extra={"blocks": blocks, "block_bytes": per_block,
+                                      "kv_cache_gib": round(blocks * per_block / 2**30, 3), **sizes})
     return blocks
+
+
+def profile_peak_bytes(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig, rank: int = 8) -> int:
+    """The CUDA memory the pod's largest step needs at its peak, weights and adapter slots included: a
+    step of --max-num-batched-tokens tokens over as many sequences as sample in one step (up to
+    --max-num-seqs), with a dummy adapter in every slot and the sequences spread over the slots."""
+    cache = lora.cache
+    cache.fill_with_dummies(min(rank, lora.limits.max_rank))
+    tokens = config.max_num_batched_tokens
+    num_seqs = min(config.max_num_seqs, tokens)
+    sizes = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    num_blocks = sum(-(-n // config.block_size) for n in sizes)
+    blocks = BlockManager(num_blocks, config.block_size, num_seqs, num_blocks)
+    runner = ModelRunner(model, lora, model.new_kv_cache(num_blocks, config.block_size), blocks, num_seqs, tokens)
+    batch = []
+    for i, n in enumerate(sizes):
+        seq = Sequence(f"profile-{i}", None, [0] * n, SamplingParams(), n + 1, slot=i % cache.max_loras)
+        blocks.allocate(seq, n)
+        batch.append(ScheduledSeq(seq, n))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    runner.run(batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del runner, blocks
+    cache.clear_free_slots()
+    torch.cuda.empty_cache()
+    return peak

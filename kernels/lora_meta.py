@@ -1,7 +1,7 @@
 """Per-step LoRA batch metadata: which adapter slot each token uses, grouped by slot.
 
-Built once per step into buffers preallocated for the largest step, and read by every LoRA
-layer of the model. Grouping tokens by slot lets one kernel launch serve prefill and decode
+Built once per step by tensor ops into buffers preallocated for the largest step, and read by every
+LoRA layer of the model. Grouping tokens by slot lets one kernel launch serve prefill and decode
 alike without reordering the requests: program ``(segment, block)`` processes the tokens
 ``sorted_tokens[seg_starts[segment] + block * BLOCK_M : ...]``, all of which use adapter slot
 ``seg_slots[segment]``.
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.cpu_lora import CpuStepCache
+from kernels.step_buffer import StepBuffer
 
 
 @dataclass(frozen=True)
@@ -43,55 +44,63 @@ class LoraMeta:
         return slice(run, run + end - start) if run >= 0 else self.sorted_tokens[start:end].long()
 
 
+SECTIONS = ("token_slots", "sorted_tokens", "seg_slots", "seg_starts")
+
+
 class LoraMetaBuilder:
-    """Owns the preallocated metadata buffers and fills them for each step."""
+    """Fills the metadata sections of a ``StepBuffer`` for each step: its own, or the step's shared
+    one (``sections`` says what to reserve there), whose single upload then carries them."""
 
     def __init__(self, max_tokens: int, max_loras: int, device: torch.device | str, max_rank: int = 0,
-                 max_slices: int = 3) -> None:
+                 max_slices: int = 3, step_buffer: StepBuffer | None = None) -> None:
         self.max_tokens = max_tokens
         self.max_loras = max_loras
+        self._owns_buffer = step_buffer is None
+        self._step = step_buffer or StepBuffer(self.sections(max_tokens, max_loras), device)
         self._buffer = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32, device=device)
-        self._token_slots = torch.empty(max_tokens, dtype=torch.int32, device=device)  # [max_tokens]
-        self._sorted_tokens = torch.empty(max_tokens, dtype=torch.int32, device=device)  # [max_tokens]
-        self._seg_slots = torch.empty(max_loras, dtype=torch.int32, device=device)  # [max_loras]
-        self._seg_starts = torch.empty(max_loras + 1, dtype=torch.int32, device=device)  # [max_loras + 1]
 
-    def build(self, token_slots: Sequence[int]) -> LoraMeta:
-        """Metadata for a step whose token ``t`` uses adapter slot ``token_slots[t]`` (-1 = none)."""
-        n = len(token_slots)
+    @staticmethod
+    def sections(max_tokens: int, max_loras: int) -> dict[str, int]:
+        """The int32 sections a step buffer must hold for this builder."""
+        return {"token_slots": max_tokens, "sorted_tokens": max_tokens, "seg_slots": max_loras,
+                "seg_starts": max_loras + 1}
+
+    def build(self, token_slots: Sequence[int] | torch.Tensor) -> LoraMeta:
+        """Metadata for a step whose token ``t`` uses adapter slot ``token_slots[t]`` (-1 = none). With
+        a shared step buffer, the caller uploads it."""
+        slots = torch.as_tensor(token_slots, dtype=torch.int64).reshape(-1)  # [n] (host)
+        n = slots.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"step has {n} tokens; the metadata buffers hold {self.max_tokens}")
-        by_slot: dict[int, list[int]] = {}
-        for t, slot in enumerate(token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(t)
-        if len(by_slot) > self.max_loras:
-            raise ValueError(f"step uses {len(by_slot)} adapter slots; at most {self.max_loras} exist")
-        order: list[int] = []
-        seg_slots = [-1] * self.max_loras
-        seg_starts = [0] * (self.max_loras + 1)
-        segments = []
-        for i, (slot, tokens) in enumerate(sorted(by_slot.items())):
-            seg_slots[i] = slot
-            run = tokens[0] if tokens[-1] - tokens[0] == len(tokens) - 1 else -1
-            segments.append((slot, len(order), len(order) + len(tokens), run))
-            order.extend(tokens)
-        for i in range(len(by_slot), self.max_loras + 1):
-            seg_starts[i] = len(order)
-        for i, (_, start, _, _) in enumerate(segments):
-            seg_starts[i] = start
-        order.extend(t for t, slot in enumerate(token_slots) if slot < 0)
-        # One host->device copy per buffer; non_blocking needs pinned memory to overlap on CUDA.
-        self._token_slots[:n].copy_(torch.tensor(token_slots, dtype=torch.int32), non_blocking=True)
-        self._sorted_tokens[:n].copy_(torch.tensor(order, dtype=torch.int32), non_blocking=True)
-        self._seg_slots.copy_(torch.tensor(seg_slots, dtype=torch.int32), non_blocking=True)
-        self._seg_starts.copy_(torch.tensor(seg_starts, dtype=torch.int32), non_blocking=True)
+        if n and int(slots.max()) >= self.max_loras:
+            raise ValueError(f"slot {int(slots.max())} does not exist; there are {self.max_loras} adapter slots")
+        key = torch.where(slots >= 0, slots, self.max_loras)  # base-model tokens sort last
+        order = torch.sort(key, stable=True).indices  # [n]: tokens grouped by slot, in token order within a slot
+        counts = torch.bincount(key, minlength=self.max_loras + 1)[: self.max_loras]  # [max_loras]
+        used = torch.nonzero(counts).reshape(-1)  # [segments] slots in use, ascending (host)
+        num_segments = used.shape[0]
+        ends = counts[used].cumsum(0)  # [segments]
+        starts = ends - counts[used]
+        # A segment's tokens are one contiguous run when its last token is its first plus its length - 1.
+        firsts, lasts = order[starts], order[(ends - 1).clamp(min=0)]
+        runs = torch.where(lasts - firsts == ends - starts - 1, firsts, -1)
+        host = {name: self._step.host_view(name) for name in SECTIONS}
+        host["token_slots"][:n] = slots
+        host["sorted_tokens"][:n] = order
+        host["seg_slots"].fill_(-1)
+        host["seg_slots"][:num_segments] = used
+        host["seg_starts"].fill_(int(ends[-1]) if num_segments else 0)
+        host["seg_starts"][:num_segments] = starts
+        if self._owns_buffer:
+            self._step.upload()
+        device = {name: self._step.device_view(name) for name in SECTIONS}
+        segments = tuple(zip(used.tolist(), starts.tolist(), ends.tolist(), runs.tolist(), strict=True))
         return LoraMeta(
-            token_slots=self._token_slots[:n],
-            sorted_tokens=self._sorted_tokens[:n],
-            seg_slots=self._seg_slots,
-            seg_starts=self._seg_starts,
+            token_slots=device["token_slots"][:n],
+            sorted_tokens=device["sorted_tokens"][:n],
+            seg_slots=device["seg_slots"],
+            seg_starts=device["seg_starts"],
             buffer=self._buffer,
             num_tokens=n,
-            host_segments=tuple(segments),
+            host_segments=segments,
         )

@@ -81,16 +81,19 @@ class _Stream:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
                  resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
-                 policy: Policy = Policy.FAIR) -> None:
+                 policy: Policy = Policy.FAIR, cuda_graphs: bool = False) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
-        names the base model); ``policy``: the order waiting requests are admitted in."""
+        names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
+        decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model)."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
         self.limits = limits
         self.metrics = metrics
-        self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size)
-        self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size))
+        max_blocks_per_seq = min(limits.num_kv_blocks, -(-limits.max_model_len // limits.block_size))
+        self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size, limits.max_num_seqs, max_blocks_per_seq)
+        self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size), self.blocks,
+                                  limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
@@ -307,26 +310,33 @@ class Engine:
         """Fills every adapter slot with a zero adapter and runs, on the model thread, steps of every
         CPU row bucket (decode batches up to a full batch, prefills of a bucket's size beyond it) and a
         full prefill chunk through every slot, so that no oneDNN kernel or buffer is first built while
-        requests wait (the CPU LoRA paths are still measured when real adapters' layouts first run).
-        Call before ``start``, off the event loop."""
+        requests wait (the CPU LoRA paths are still measured when real adapters' layouts first run);
+        then captures the decode CUDA graphs, where the engine uses them. Call before ``start``, off the
+        event loop."""
         cache = self.lora.cache
         cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
         n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
-        decodes = []
-        for i in range(n):
-            seq = Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, block_table=[i], slot=i % cache.max_loras)
-            decodes.append(ScheduledSeq(seq, 1))
+        decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
         for size in sorted({b for b in cpu_linear.ROW_BUCKETS if b < n} | {n}):
-            self._model_thread.submit(self.runner.run, decodes[:size]).result()
+            self._warm_up_step([ScheduledSeq(seq, 1) for seq in decodes[:size]])
         chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size)
         # A step that mixes a prefill chunk with decodes can have any row count up to the chunk: the row
         # buckets past a full batch would otherwise first meet oneDNN mid-serving (a kernel built then,
         # and memory that grows under load).
         for size in [b for b in cpu_linear.ROW_BUCKETS if n < b < chunk] + [chunk]:
-            prefill = Sequence(f"warm-up-prefill-{size}", None, [0] * size, SamplingParams(), size + 1,
-                               block_table=list(range(-(-size // self.limits.block_size))), slot=0)
-            self._model_thread.submit(self.runner.run, [ScheduledSeq(prefill, size)]).result()
+            prefill = Sequence(f"warm-up-prefill-{size}", None, [0] * size, SamplingParams(), size + 1, slot=0)
+            self._warm_up_step([ScheduledSeq(prefill, size)])
+        self._model_thread.submit(self.runner.capture_graphs).result()
         cache.clear_free_slots()
+
+    def _warm_up_step(self, batch: list[ScheduledSeq]) -> None:
+        for item in batch:
+            self.blocks.allocate(item.seq, item.num_new)
+        try:
+            self._model_thread.submit(self.runner.run, batch).result()
+        finally:
+            for item in batch:
+                self.blocks.free(item.seq)
 
     # ---- state -----------------------------------------------------------------------------
     def snapshot(self) -> EngineState:

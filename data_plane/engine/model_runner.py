@@ -6,20 +6,38 @@ from dataclasses import dataclass
 
 import torch
 
+from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.sampler import sample
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import Sequence, TokenOut
+from data_plane.engine.step_inputs import SeqStep, StepInputBuilder, StepInputs
+from data_plane.engine.step_runner import EagerRunner, GraphRunner, StepRunner, decode_buckets
 from data_plane.lora.runtime import LoraRuntime
-from data_plane.model.attention import KVCache, SeqSlice, build_attention_metadata
-from data_plane.model.llama import ForwardBatch, LlamaForCausalLM
+from data_plane.model.attention import KVCache
+from data_plane.model.llama import LlamaForCausalLM
+from kernels.lora_meta import LoraMetaBuilder
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, lora: LoraRuntime, kv_cache: KVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, lora: LoraRuntime | None, kv_cache: KVCache, blocks: BlockManager,
+                 max_seqs: int, max_tokens: int, graphs: bool = False) -> None:
+        """``graphs``: decode steps padded to buckets and replayed from CUDA graphs (on CUDA), captured by
+        ``capture_graphs``; else every step runs eagerly, unpadded."""
         self.model = model
         self.lora = lora
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
+        meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras,
+                    max_rank=lora.limits.max_rank) if lora is not None else {}
+        self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
+        self.step_runner: StepRunner = (
+            GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), model.config.max_position_embeddings,
+                        capture=self.device.type == "cuda")
+            if graphs else EagerRunner(model, kv_cache))
+
+    def capture_graphs(self) -> None:
+        if isinstance(self.step_runner, GraphRunner):
+            self.step_runner.capture_graphs(0 if self.lora is not None else None)
 
     def run(self, batch: list[ScheduledSeq]) -> list[TokenOut | None]:
         """One forward over every scheduled chunk; a next token for each sequence whose known
@@ -34,35 +52,21 @@ class ModelRunner:
         # run, which the CPU LoRA path slices instead of gathering. Outputs return in batch order.
         order = sorted(range(len(batch)), key=lambda k: batch[k].seq.slot)
         items = [batch[k] for k in order]
-        ids, positions, slots, seqs = [], [], [], []
-        for item in items:
-            s = item.seq
-            start = s.num_computed
-            ids += s.all_ids[start : start + item.num_new]
-            positions += range(start, start + item.num_new)
-            slots += [s.slot] * item.num_new
-            seqs.append(SeqSlice(tuple(s.block_table), start, item.num_new))
-        attn = build_attention_metadata(seqs, self.kv_cache.block_size, self.model.windows, self.device)
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            attn=attn,
-            kv_cache=self.kv_cache,
-            lora=self.lora.step_metadata(slots),
-        )
-        ends = torch.tensor([i.num_new for i in items]).cumsum(0) - 1
+        steps = [SeqStep(i.seq.kv_row, i.seq.num_computed, i.num_new, i.seq.slot, i.samples,
+                         i.seq.token_slice(i.seq.num_computed, i.seq.num_computed + i.num_new)) for i in items]
+        decode_only = all(i.num_new == 1 for i in items)
+        inputs = self.inputs.build(steps, self.step_runner.padded_size(len(items), decode_only))
         sampling = [j for j, item in enumerate(items) if item.samples]
-        return PreparedStep(fb, order, ends[sampling].to(self.device), [items[j].seq for j in sampling],
-                            [order[j] for j in sampling])
+        return PreparedStep(inputs, order, [items[j].seq for j in sampling], [order[j] for j in sampling])
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> list[TokenOut | None]:
         """The forward pass and sampling of a prepared step (on the model thread)."""
-        hidden = self.model(step.batch)
+        hidden = self.step_runner.forward(step.inputs)
         out: list[TokenOut | None] = [None] * len(step.order)
         if not step.sampled_seqs:
             return out
-        logits = self.model.logits(hidden[step.sample_rows]).cpu()
+        logits = self.model.logits(hidden.index_select(0, step.inputs.sample_rows)).cpu()
         for k, tok in zip(step.sampled_positions, sample(logits, step.sampled_seqs), strict=True):
             out[k] = tok
         return out
@@ -70,8 +74,7 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class PreparedStep:
-    batch: ForwardBatch
+    inputs: StepInputs
     order: list[int]  # batch position of each sequence in the step's (adapter-sorted) token order
-    sample_rows: torch.Tensor  # [samples] row of hidden states whose next token is sampled
-    sampled_seqs: list[Sequence]  # the sequence of each of those rows (its sampling parameters)
+    sampled_seqs: list[Sequence]  # the sequence of each sampled row (its sampling parameters)
     sampled_positions: list[int]  # the batch position of each of those rows

@@ -73,6 +73,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    kv_row: int = -1  # its row of the block manager's table while it holds blocks
     slot: int = -1  # adapter slot while running, -1 = base model
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
@@ -83,6 +84,13 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without copying the whole context."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_plane.model import cpu_linear
-from data_plane.model.attention import AttentionMetadata, KVCache, paged_attention
+from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCache, StepAttention, attention_backend
 from data_plane.model.config import ModelConfig
 from data_plane.model.rope import RotaryEmbedding
 
@@ -25,10 +25,11 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    attn: AttentionMetadata
+    attn: AttentionInputs
     kv_cache: KVCache
     lora: Any = None  # per-step LoRA metadata read by LoRA-wrapped projections; None = base only
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary tables at positions; the model fills it
+    attention: StepAttention | None = None  # the backend's prepared step; the model fills it
 
 
 class Projection(nn.Module):
@@ -89,7 +90,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = batch.kv_cache
-        out = paged_attention(q, k, v, cache.k[self.layer], cache.v[self.layer], batch.attn, self.window, self.scale)
+        out = batch.attention(q, k, v, cache.k[self.layer], cache.v[self.layer], self.window, self.scale)
         return self.o_proj(out, batch)
 
 
@@ -122,7 +123,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder. ``forward`` returns final hidden states; ``logits`` projects the rows
-    that need a next-token distribution (usually one per sequence)."""
+    that need a next-token distribution (usually one per sequence). ``attention`` is the backend
+    of the device the weights live on (``use_device``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -137,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self._packed_head: torch.Tensor | None = None
+        self.attention: AttentionBackend = attention_backend("cpu", self.windows)
+
+    def use_device(self, device: torch.device | str) -> None:
+        """Builds what depends on the device the weights now live on: rotary tables, attention backend."""
+        self.rotary.build(device)
+        self.attention = attention_backend(device, self.windows)
 
     @property
     def windows(self) -> set[int | None]:
@@ -144,8 +152,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
-        if batch.rope is None:
-            batch = replace(batch, rope=self.rotary.tables(batch.positions, x.dtype))
+        batch = replace(batch, rope=self.rotary.tables(batch.positions, x.dtype) if batch.rope is None else batch.rope,
+                        attention=self.attention.prepare(batch.attn))
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)

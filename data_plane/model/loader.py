@@ -76,7 +76,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     if pending:
         names = sorted(f"{n}[{s}]" if s else n for n, s in pending)
         raise ModelLoadError(f"{model_dir} lacks weights for {len(names)} tensors, e.g. {', '.join(names[:5])}")
-    model.rotary.build(device)
+    model.use_device(device)
     model.prepack_cpu_weights()
     return model.eval()
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_plane.lora.runtime import LoraRuntime
-from data_plane.model.attention import SeqSlice, build_attention_metadata
 from data_plane.model.llama import ForwardBatch
+from tests.steps import SeqSlice, attention_inputs
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -72,7 +72,7 @@ def forward_rows(model, runtime, rows: list[tuple[str | None, list[int]]]) -> li
         positions += list(range(len(row_ids)))
         token_slots += [slot] * len(row_ids)
     cache = model.new_kv_cache(start_block, block)
-    attn = build_attention_metadata(seqs, block, model.windows)
+    attn = attention_inputs(seqs, block)
     batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), attn, cache,
                          lora=runtime.step_metadata(token_slots))
     with torch.inference_mode():

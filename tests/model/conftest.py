@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data_plane.model.attention import SeqSlice, build_attention_metadata
 from data_plane.model.llama import ForwardBatch
+from tests.steps import SeqSlice, attention_inputs
 
 BLOCK = 16
 
@@ -20,7 +20,7 @@ def run_chunks(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
     out, done = [], 0
     with torch.inference_mode():
         for n in chunks:
-            attn = build_attention_metadata([SeqSlice(blocks, done, n)], BLOCK, model.windows)
+            attn = attention_inputs([SeqSlice(blocks, done, n)], BLOCK)
             batch = ForwardBatch(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), attn, cache)
             out.append(model.logits(model(batch)))
             done += n
