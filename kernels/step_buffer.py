@@ -12,8 +12,9 @@ import torch
 
 
 class StepBuffer:
-    def __init__(self, sections: dict[str, int], device: torch.device | str) -> None:
-        """``sections``: name -> number of int32 elements."""
+    def __init__(self, sections: dict[str, int], device: torch.device | str, separate: bool | None = None) -> None:
+        """``sections``: name -> number of int32 elements; ``separate``: whether the device buffer is a
+        buffer of its own (default: on any device but the CPU; tests set it to run the copy on CPU)."""
         device = torch.device(device)
         self._offsets: dict[str, tuple[int, int]] = {}
         total = 0
@@ -23,7 +24,8 @@ class StepBuffer:
         on_cuda = device.type == "cuda"
         # Pinned host memory lets the copy run asynchronously on CUDA.
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=on_cuda)  # [total]
-        self.device = torch.zeros(total, dtype=torch.int32, device=device) if device.type != "cpu" else self.host
+        separate = device.type != "cpu" if separate is None else separate
+        self.device = torch.zeros(total, dtype=torch.int32, device=device) if separate else self.host
 
     def host_view(self, name: str) -> torch.Tensor:
         start, size = self._offsets[name]

@@ -65,9 +65,10 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, blocks: BlockManager, kv_cache: KVCache, max_seqs: int, max_tokens: int,
                  device: torch.device | str, lora_meta: type[LoraMetaBuilder] | None = None, max_loras: int = 0,
-                 max_rank: int = 0) -> None:
+                 max_rank: int = 0, separate: bool | None = None) -> None:
         """``max_seqs`` and ``max_tokens`` bound a step (padding included); ``lora_meta`` (with
-        ``max_loras``, ``max_rank``) builds the LoRA metadata, None for a model without LoRA layers."""
+        ``max_loras``, ``max_rank``) builds the LoRA metadata, None for a model without LoRA layers;
+        ``separate``: whether the device keeps copies of its own (``StepBuffer``; default: off the CPU)."""
         self.blocks = blocks
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -81,11 +82,11 @@ class StepInputBuilder:
                     "appends": 3 * self.max_appends}
         if lora_meta is not None:
             sections |= lora_meta.sections(max_tokens, max_loras)
-        self.buffer = StepBuffer(sections, device)
+        self.buffer = StepBuffer(sections, device, separate)
         self.lora = (lora_meta(max_tokens, max_loras, device, max_rank, step_buffer=self.buffer)
                      if lora_meta is not None else None)
         on_host = self.buffer.device is self.buffer.host
-        self.device_table = blocks.table if on_host else blocks.table.to(device)  # [rows, max_blocks] int32
+        self.device_table = blocks.table if on_host else blocks.table.to(device, copy=True)  # [rows, max_blocks]
         self._block_tables = torch.zeros(max_seqs, blocks.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # index_copy_ takes int64
 
