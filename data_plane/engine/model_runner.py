@@ -51,13 +51,19 @@ class ModelRunner:
         # Sequences of one adapter run side by side: each adapter's tokens are then one contiguous
         # run, which the CPU LoRA path slices instead of gathering. Outputs return in batch order.
         order = sorted(range(len(batch)), key=lambda k: batch[k].seq.slot)
-        items = [batch[k] for k in order]
-        steps = [SeqStep(i.seq.kv_row, i.seq.num_computed, i.num_new, i.seq.slot, i.samples,
-                         i.seq.token_slice(i.seq.num_computed, i.seq.num_computed + i.num_new)) for i in items]
-        decode_only = all(i.num_new == 1 for i in items)
-        inputs = self.inputs.build(steps, self.step_runner.padded_size(len(items), decode_only))
-        sampling = [j for j, item in enumerate(items) if item.samples]
-        return PreparedStep(inputs, order, [items[j].seq for j in sampling], [order[j] for j in sampling])
+        steps, token_ids, sampled_seqs, sampled_positions = [], [], [], []
+        for k in order:  # the one walk over the step's sequences; everything per token is tensor ops
+            seq, num_new = batch[k].seq, batch[k].num_new
+            start = seq.num_computed
+            samples = start + num_new == seq.num_tokens
+            steps.append(SeqStep(seq.kv_row, start, num_new, seq.slot, samples))
+            token_ids += seq.token_slice(start, start + num_new)
+            if samples:
+                sampled_seqs.append(seq)
+                sampled_positions.append(k)
+        decode_only = len(token_ids) == len(steps)
+        inputs = self.inputs.build(steps, token_ids, self.step_runner.padded_size(len(steps), decode_only))
+        return PreparedStep(inputs, order, sampled_seqs, sampled_positions)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> list[TokenOut | None]:

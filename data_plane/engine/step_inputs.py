@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -26,16 +27,15 @@ from kernels.lora_meta import LoraMeta, LoraMetaBuilder
 from kernels.step_buffer import StepBuffer
 
 
-@dataclass(frozen=True)
-class SeqStep:
-    """One sequence's share of a step: ``num_new`` tokens from position ``start``."""
+class SeqStep(NamedTuple):
+    """One sequence's share of a step: ``num_new`` tokens from position ``start``. (A tuple: a step
+    makes one per sequence, and the builder reads them all into one tensor.)"""
 
     row: int  # its block-table row
     start: int  # tokens already in the cache
     num_new: int
     slot: int  # adapter slot, -1 = base model
     samples: bool  # whether a next token is sampled after its last new token
-    token_ids: Sequence[int]  # its tokens start .. start + num_new
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,14 @@ class StepInputBuilder:
         self._block_tables = torch.zeros(max_seqs, blocks.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # index_copy_ takes int64
 
-    def build(self, seqs: Sequence[SeqStep], pad_to: int | None = None) -> StepInputs:
-        """The inputs of a step over ``seqs``, whose tokens are laid out one sequence after another."""
+    def build(self, seqs: Sequence[SeqStep], token_ids: Sequence[int], pad_to: int | None = None) -> StepInputs:
+        """The inputs of a step over ``seqs``, whose tokens (``token_ids``: each sequence's new tokens, one
+        sequence after another) are laid out in that order."""
         num_seqs = len(seqs)
         padded = max(pad_to or num_seqs, num_seqs)
         if padded > self.max_seqs:
             raise ValueError(f"step has {padded} sequences; the buffers hold {self.max_seqs}")
-        per_seq = torch.tensor([(s.row, s.start, s.num_new, s.slot, s.samples) for s in seqs],
-                               dtype=torch.int64).reshape(num_seqs, 5)  # [num_seqs, 5]
+        per_seq = torch.tensor(seqs, dtype=torch.int64).reshape(num_seqs, 5)  # [num_seqs, 5]
         pad = torch.tensor([(0, 0, 1, -1, 0)], dtype=torch.int64).expand(padded - num_seqs, 5)
         rows, starts, qlens, slots, samples = torch.cat([per_seq, pad]).unbind(1)  # [padded] each
         seq_lens = torch.where(torch.arange(padded) < num_seqs, starts + qlens, 0)  # padding: no context
@@ -115,9 +115,10 @@ class StepInputBuilder:
         positions[real_tokens:] = 0
 
         host = self.buffer.host_view
-        ids = [t for s in seqs for t in s.token_ids]
+        if len(token_ids) != real_tokens:
+            raise ValueError(f"the step's sequences have {real_tokens} new tokens but {len(token_ids)} token ids")
         host("input_ids")[:num_tokens] = 0
-        host("input_ids")[:real_tokens] = torch.tensor(ids, dtype=torch.int32)
+        host("input_ids")[:real_tokens] = torch.tensor(token_ids, dtype=torch.int32)
         host("positions")[:num_tokens] = positions
         host("slot_mapping")[:num_tokens] = slot_mapping
         host("seq_lens")[:padded] = seq_lens

@@ -92,7 +92,7 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             for slot in ([-1] if lora_slot is None else [lora_slot, -1]):
-                inputs = self._bounded(self.builder.build([SeqStep(0, 0, 1, slot, True, (0,))], pad_to=size))
+                inputs = self._bounded(self.builder.build([SeqStep(0, 0, 1, slot, True)], [0], pad_to=size))
                 batch = forward_batch(inputs, self.kv_cache)
                 for _ in range(2):  # compiles the Triton kernels and settles lazy allocations outside the graph
                     self.model(batch)

@@ -31,8 +31,12 @@ def _seq(blocks: BlockManager, prompt: int, computed: int, new: int, slot: int, 
 
 
 def _step(seq: Sequence, computed: int, new: int) -> SeqStep:
-    return SeqStep(seq.kv_row, computed, new, seq.slot, computed + new == seq.num_tokens,
-                   seq.token_slice(computed, computed + new))
+    return SeqStep(seq.kv_row, computed, new, seq.slot, computed + new == seq.num_tokens)
+
+
+def _build(builder: StepInputBuilder, parts: list[tuple[Sequence, int, int]], pad_to: int | None = None):
+    ids = [t for seq, computed, new in parts for t in seq.token_slice(computed, computed + new)]
+    return builder.build([_step(*part) for part in parts], ids, pad_to)
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["shared", "separate-device-copy"])
@@ -42,8 +46,7 @@ def test_inputs_follow_each_sequences_block_table(separate):
     a = _seq(blocks, 6, 0, 6, 1, "a")  # whole prompt
     b = _seq(blocks, 9, 8, 1, -1, "b")  # decode at position 8
     c = _seq(blocks, 10, 4, 3, 0, "c")  # a middle chunk: samples nothing
-    steps = [_step(a, 0, 6), _step(b, 8, 1), _step(c, 4, 3)]
-    inputs = builder.build(steps)
+    inputs = _build(builder, [(a, 0, 6), (b, 8, 1), (c, 4, 3)])
 
     ids, pos, slots, lora = [], [], [], []
     for seq, (computed, new) in zip((a, b, c), ((0, 6), (8, 1), (4, 3)), strict=True):
@@ -69,7 +72,7 @@ def test_inputs_follow_each_sequences_block_table(separate):
 def test_padding_sequences_have_no_context_no_adapter_and_write_to_the_pad_slot():
     blocks, cache, builder = _setup(separate=False)
     a = _seq(blocks, 3, 2, 1, 2, "a")
-    inputs = builder.build([_step(a, 2, 1)], pad_to=4)
+    inputs = _build(builder, [(a, 2, 1)], pad_to=4)
     assert inputs.attn.seq_lens.tolist() == [3, 0, 0, 0]
     assert inputs.attn.query_start.tolist() == [0, 1, 2, 3, 4]
     assert inputs.attn.slot_mapping.tolist()[1:] == [cache.pad_slot] * 3
@@ -81,7 +84,7 @@ def test_padding_sequences_have_no_context_no_adapter_and_write_to_the_pad_slot(
 def test_the_device_table_follows_appends_frees_and_reused_rows():
     blocks, _, builder = _setup(separate=True)
     a, b = _seq(blocks, 9, 0, 9, -1, "a"), _seq(blocks, 2, 0, 2, -1, "b")
-    builder.build([_step(a, 0, 9), _step(b, 0, 2)])
+    _build(builder, [(a, 0, 9), (b, 0, 2)])
     row_of_a = a.kv_row
     blocks.free(a)
     c = _seq(blocks, 13, 0, 13, 1, "c")  # a's row and blocks, and more
@@ -89,7 +92,7 @@ def test_the_device_table_follows_appends_frees_and_reused_rows():
     b.prompt_ids += [7, 8, 9]
     blocks.allocate(b, 5)  # b grows into a second block
     assert len(b.block_table) == 2
-    inputs = builder.build([_step(c, 0, 13), _step(b, 2, 3)])
+    inputs = _build(builder, [(c, 0, 13), (b, 2, 3)])
     assert builder.device_table is not blocks.table
     for row, seq in enumerate((c, b)):
         assert inputs.attn.block_tables[row, : len(seq.block_table)].tolist() == seq.block_table
@@ -101,14 +104,21 @@ def test_more_appends_than_their_section_holds_send_the_whole_table():
     blocks, _, builder = _setup(separate=True, max_seqs=1, max_tokens=4)
     seq = _seq(blocks, 24, 20, 4, -1, "long")  # 6 blocks appended at once, the section holds 2 + 1
     assert len(seq.block_table) > builder.max_appends
-    inputs = builder.build([_step(seq, 20, 4)])
+    inputs = _build(builder, [(seq, 20, 4)])
     assert inputs.attn.block_tables[0, :6].tolist() == seq.block_table
+
+
+def test_token_ids_that_do_not_match_the_sequences_are_refused():
+    blocks, _, builder = _setup(separate=False)
+    seq = _seq(blocks, 4, 0, 4, -1, "a")
+    with pytest.raises(ValueError, match="4 new tokens but 3 token ids"):
+        builder.build([_step(seq, 0, 4)], [1, 2, 3])
 
 
 def test_a_step_larger_than_the_buffers_is_refused_with_its_size():
     blocks, _, builder = _setup(separate=False, max_seqs=2, max_tokens=4)
     seq = _seq(blocks, 8, 0, 8, -1, "big")
     with pytest.raises(ValueError, match="8 tokens; the buffers hold 4"):
-        builder.build([_step(seq, 0, 8)])
+        _build(builder, [(seq, 0, 8)])
     with pytest.raises(ValueError, match="3 sequences"):
-        builder.build([_step(seq, 0, 1)], pad_to=3)
+        _build(builder, [(seq, 0, 1)], pad_to=3)

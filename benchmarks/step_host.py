@@ -1,0 +1,102 @@
+"""Host time of a decode step, everything but the forward: scheduling, building the step's inputs
+(metadata, one upload), sampling and the copy of the chosen tokens back, on CPU.
+
+A tiny model (1 layer, hidden 64) with the demo model's vocabulary (49,152) keeps the forward cheap;
+its time (the model's forward and the output projection) is measured and taken out of each step.
+Sequences sit at a context of 512 tokens; half of them sample at temperature 0.8 with top-p 0.9 and a
+seed, half greedily. One torch thread.
+
+    python benchmarks/step_host.py [--batches 1 64 256] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from processes import cpu_model, load_average  # benchmarks/processes.py
+
+from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.model_runner import ModelRunner
+from data_plane.engine.scheduler import Scheduler, SchedulerLimits
+from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from data_plane.lora.runtime import LoraRuntime
+from data_plane.model.config import ModelConfig
+from data_plane.model.llama import LlamaForCausalLM
+
+CONTEXT, BLOCK = 512, 16
+RAW = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64, intermediate_size=128,
+           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def tiny_model() -> LlamaForCausalLM:
+    model = LlamaForCausalLM(ModelConfig.from_dict(RAW))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.use_device("cpu")
+    return model.eval()
+
+
+def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> list[float]:
+    """Per step: wall time of schedule -> run -> postprocess minus the time inside the model's forward
+    and output projection, in milliseconds (the first five steps are left out)."""
+    lora = LoraRuntime(model, 4, 8, 8, 4096, ())
+    per_seq = -(-(CONTEXT + steps + 5) // BLOCK)
+    blocks = BlockManager(batch_size * per_seq, BLOCK, batch_size, per_seq)
+    runner = ModelRunner(model, lora, model.new_kv_cache(blocks.num_blocks, BLOCK), blocks, batch_size, 4096)
+    scheduler = Scheduler(SchedulerLimits(batch_size, 4096), blocks, lora.cache, lambda name: True)
+    for i in range(batch_size):
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i)
+        seq = Sequence(f"r{i}", None, [1] * CONTEXT, params, 100_000)
+        blocks.allocate(seq, CONTEXT)
+        seq.num_computed, seq.status = CONTEXT - 1, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    inside = [0.0]
+    forward, logits = model.forward, model.logits
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - started
+        return run
+
+    model.forward, model.logits = timed(forward), timed(logits)
+    out = []
+    try:
+        for step in range(steps + 5):
+            inside[0] = 0.0
+            started = time.perf_counter()
+            batch = scheduler.schedule()
+            for item, tok in zip(batch, runner.run(batch), strict=True):
+                item.seq.num_computed += item.num_new
+                item.seq.output_ids.append(tok.id)
+            if step >= 5:
+                out.append((time.perf_counter() - started - inside[0]) * 1e3)
+    finally:
+        del model.forward, model.logits
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = tiny_model()
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, torch {torch.__version__}, load average {load_average()}; "
+          f"context {CONTEXT}, {args.steps} steps each\n")
+    print("| batch | host ms p50 | host ms p90 |")
+    print("|---|---|---|")
+    for batch_size in args.batches:
+        times = sorted(host_ms(model, batch_size, args.steps))
+        print(f"| {batch_size} | {statistics.median(times):.2f} | {times[int(0.9 * len(times))]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Nothing in a forward pass waits on the device: the model, its attention backends, the LoRA layers,
+the GPU LoRA backend, the step runners and every Triton launcher call no ``.item()``, ``.tolist()``,
+``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not capture such a call, and
+eagerly each one stalls the host until the GPU drains.) tests/kernels/test_forward_on_gpu_path.py runs
+the same path under the Triton interpreter and fails on the syncing ops the dispatcher sees."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FORBIDDEN = {"item", "tolist", "cpu", "numpy", "nonzero", "synchronize", "argwhere", "masked_select"}
+# file -> the functions (Class.method or function) on the forward path; "*" = every function in it
+FORWARD_PATH = {
+    "data_plane/model/llama.py": ["*"],
+    "data_plane/model/rope.py": ["RotaryEmbedding.tables", "RotaryEmbedding.forward"],
+    "data_plane/model/attention.py": ["*"],
+    "data_plane/model/triton_attention.py": ["*"],
+    "data_plane/lora/layer.py": ["LoRAProjection.forward"],
+    "kernels/lora_backend.py": ["TritonBackend.apply"],
+    "kernels/lora_shrink.py": ["*"],
+    "kernels/lora_expand.py": ["*"],
+    "kernels/lora_launch.py": ["*"],
+    "data_plane/engine/step_runner.py": ["EagerRunner.forward", "GraphRunner.forward", "GraphRunner._bounded",
+                                         "forward_batch"],
+}
+FORWARD_PATH |= {str(p.relative_to(ROOT)): ["*"] for p in ROOT.glob("kernels/*attention*.py")}
+
+
+def _functions(tree: ast.Module):
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    yield f"{node.name}.{item.name}", item
+
+
+def host_syncs(path: pathlib.Path, scope: list[str]) -> list[str]:
+    """``name:line call`` of every forbidden call in the functions of ``scope``."""
+    tree = ast.parse(path.read_text())
+    found, names = [], set()
+    for name, fn in _functions(tree):
+        names.add(name)
+        if "*" not in scope and name not in scope:
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FORBIDDEN:
+                found.append(f"{name}:{node.lineno} .{node.func.attr}()")
+    missing = [s for s in scope if s != "*" and s not in names]
+    assert not missing, f"{path}: {missing} not found; update FORWARD_PATH"
+    return found
+
+
+@pytest.mark.parametrize("relative", sorted(FORWARD_PATH))
+def test_the_forward_path_never_syncs_with_the_host(relative):
+    assert host_syncs(ROOT / relative, FORWARD_PATH[relative]) == []
+
+
+def test_the_check_finds_a_sync(tmp_path):
+    code = ("class A:\n    def forward(self, x):\n        return x.sum().item()\n"
+            "    def other(self, x):\n        x.tolist()\n")
+    (tmp_path / "m.py").write_text(code)
+    assert host_syncs(tmp_path / "m.py", ["A.forward"]) == ["A.forward:3 .item()"]
