@@ -30,11 +30,14 @@ class ModelRunner:
         meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras,
                     max_rank=lora.limits.max_rank) if lora is not None else {}
         self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
+        # A graph's attention covers the longest context a sequence can have: the model's, or the whole cache.
+        max_context = min(model.config.max_position_embeddings, kv_cache.num_blocks * kv_cache.block_size)
         self.step_runner: StepRunner = (
-            GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), model.config.max_position_embeddings,
+            GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), max_context,
                         capture=self.device.type == "cuda")
             if graphs else EagerRunner(model, kv_cache))
 
+    @torch.inference_mode()
     def capture_graphs(self) -> None:
         if isinstance(self.step_runner, GraphRunner):
             self.step_runner.capture_graphs(0 if self.lora is not None else None)
