@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch
+from kernels import lora_launch, segments
 from kernels.lora_launch import Tiles, segment_block
 from kernels.lora_meta import LoraMeta
 
@@ -135,7 +135,7 @@ def lora_shrink(
     # Grid: (slice x rank tile, token block of some segment). Slices vary fastest so that
     # programs reading the same token block of x run side by side and share it through L2.
     rank_tiles = triton.cdiv(max_rank, tiles.n)
-    grid = (num_slices * rank_tiles, lora_launch.segment_block_count(num_tokens, num_segments, tiles.m))
+    grid = (num_slices * rank_tiles, segments.segment_block_count(num_tokens, num_segments, tiles.m))
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_shrink_kernel[grid](
