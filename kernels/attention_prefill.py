@@ -125,12 +125,13 @@ def _prefill_kernel(
 def default_tiles(head_dim: int, dtype: torch.dtype) -> PrefillTiles:
     """Tiles for an H100-class GPU, chosen by reasoning, not yet tuned on hardware. Prefill is
     bound by the two dots: 128 rows x 64 keys keep the tensor cores busy while the float32
-    accumulator (128 x head_dim) stays in registers, with 8 warps at head_dim 128 (64 registers a
-    thread for it) and 4 below. Head_dim 256 and float32 (no tensor cores, operands in registers)
-    take half the rows and keys to stay clear of spills."""
+    accumulator (128 x head_dim) and scores (128 x 64) stay in registers, with 8 warps from
+    head_dim 64 (at 4 warps, head_dim 64 needs all 255 registers on sm_80) and three stages of
+    K and V in shared memory (96 KiB at head_dim 128). Head_dim 256 and float32 (no tensor cores,
+    operands in registers) take half the rows and keys to stay clear of spills."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillTiles(block_m=64, block_n=32, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
-    return PrefillTiles(block_m=128, block_n=64, num_warps=8 if head_dim == 128 else 4, num_stages=3)
+    return PrefillTiles(block_m=128, block_n=64, num_warps=8 if head_dim >= 64 else 4, num_stages=3)
 
 
 def prefill_attention(

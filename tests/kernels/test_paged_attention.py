@@ -304,16 +304,24 @@ def test_launchers_reject_inputs_that_do_not_match():
     kw = b.kwargs()
     bad = {
         "head_dim must be a power of two": lambda: paged_attention(
-            b.q[..., :12], b.k_cache[..., :12].contiguous(), b.v_cache[..., :12].contiguous(), *_args(b, out)[3:6],
-            out[..., :12], **kw),
+            b.q[..., :12],
+            b.k_cache[..., :12].contiguous(),
+            b.v_cache[..., :12].contiguous(),
+            *_args(b, out)[3:6],
+            out[..., :12],
+            **kw,
+        ),
         "k_cache must be contiguous": lambda: paged_attention(
-            b.q, b.k_cache.transpose(0, 1).contiguous().transpose(0, 1), *_args(b, out)[2:], **kw),
+            b.q, b.k_cache.transpose(0, 1).contiguous().transpose(0, 1), *_args(b, out)[2:], **kw
+        ),
         "k_cache must be torch.float16": lambda: paged_attention(b.q, b.k_cache.float(), *_args(b, out)[2:], **kw),
         "multiple of num_kv_heads": lambda: paged_attention(b.q[:, :3], *_args(b, out)[1:6], out[:, :3], **kw),
         "block_tables must be int32": lambda: paged_attention(
-            *_args(b, out)[:3], b.block_tables.long(), *_args(b, out)[4:], **kw),
+            *_args(b, out)[:3], b.block_tables.long(), *_args(b, out)[4:], **kw
+        ),
         "query_start must be a contiguous int32 tensor": lambda: paged_attention(
-            *_args(b, out)[:5], b.query_start[:-1], out, **kw),
+            *_args(b, out)[:5], b.query_start[:-1], out, **kw
+        ),
         "out must be": lambda: paged_attention(*_args(b, out)[:6], out.float(), **kw),
         "block_size must be a positive int dividing": lambda: paged_attention(*_args(b, out), **kw | {"block_size": 0}),
         "window must be None or a positive int": lambda: paged_attention(*_args(b, out), **kw | {"window": 0}),
