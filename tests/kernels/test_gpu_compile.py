@@ -93,8 +93,8 @@ def _lora_kernels(arch: int) -> list[Compiled]:
     aligned = {"in_features", "out_features", "stride_xm", "stride_ym", "stride_bs", "stride_bm"}
     rows = []
     for dtype, num_tokens in (("bf16", 8), ("bf16", 4096), ("fp32", 8)):
-        config = f"{num_tokens} tokens, rank {MAX_RANK}"
         tiles = shrink_module.default_tiles(num_tokens, MAX_RANK, TORCH_DTYPES[dtype])
+        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}"
         shrink = _compile_for(arch, shrink_module._lora_shrink_kernel, {"x_ptr": f"*{dtype}", "lora_a_ptr": f"*{dtype}"}
                               | pointers, {
             "SEG_BLOCK": 64, "MAX_RANK": MAX_RANK, "RANK_TILES": MAX_RANK // tiles.n,
@@ -107,6 +107,7 @@ def _lora_kernels(arch: int) -> list[Compiled]:
             "SEG_BLOCK": 64, "NUM_SLICES": 3, "MAX_RANK": MAX_RANK, "RANK_ALIGN": 8,
             "BLOCK_M": tiles.m, "BLOCK_N": tiles.n, "BLOCK_K": tiles.k, "UPCAST": False,
         }, aligned, tiles.num_warps)  # fmt: skip
+        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}"
         rows.append(_record("lora_expand", arch, dtype, config, expand))
     return rows
 
@@ -123,8 +124,9 @@ def _attention_kernels(arch: int) -> list[Compiled]:
         aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
         common = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP, "BLOCK_SIZE": 16, "WINDOWED": False, "UPCAST": False}
         for head_dim in (128, 64):
-            config = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
+            shape = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
             tiles = attention_decode.default_tiles(head_dim, TORCH_DTYPES[dtype])
+            config = f"{shape}; {tiles.block_n}-key tiles, {tiles.split}-key splits, {tiles.num_warps} warps"
             split = _compile_for(arch, attention_decode._decode_split_kernel, types, common | {
                 "GROUP_ROWS": attention_launch.group_rows(GROUP), "HEAD_DIM": head_dim,
                 "BLOCK_N": tiles.block_n, "SPLIT_SIZE": tiles.split,
@@ -134,8 +136,9 @@ def _attention_kernels(arch: int) -> list[Compiled]:
                 "HEAD_DIM": head_dim, "SPLIT_SIZE": tiles.split, "CHUNK": attention_decode.MERGE_CHUNK,
                 "WINDOWED": False,
             }, aligned, 4)  # fmt: skip
-            rows.append(_record("attention_decode merge", arch, dtype, config, merge))
+            rows.append(_record("attention_decode merge", arch, dtype, f"{shape}; 4 warps", merge))
             tiles = attention_prefill.default_tiles(head_dim, TORCH_DTYPES[dtype])
+            config = f"{shape}; {tiles.block_m} rows x {tiles.block_n} keys, {tiles.num_warps} warps"
             prefill = _compile_for(arch, attention_prefill._prefill_kernel, types, common | {
                 "SEQ_BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": tiles.block_m,
                 "BLOCK_Q": tiles.block_m // GROUP, "BLOCK_N": tiles.block_n,
@@ -151,13 +154,24 @@ def compiled_kernels() -> list[Compiled]:
 
 
 def table(rows: list[Compiled]) -> str:
-    lines = [
-        "| kernel | arch | dtype | configuration | registers | spills (bytes) | shared (bytes) |",
-        "|---|---|---|---|---|---|---|",
+    """A markdown table, one line per kernel and configuration with sm_80 and sm_90 side by side
+    (registers / spill bytes / shared bytes); dtypes with the same figures share a line."""
+    figures: dict[tuple[str, str, str], dict[int, tuple[int, int, int]]] = {}
+    for r in rows:
+        figures.setdefault((r.kernel, r.config, r.dtype), {})[r.arch] = (r.registers, r.spills, r.shared)
+    lines: dict[tuple, list[str]] = {}  # (kernel, config, figures) -> dtypes
+    for (kernel, config, dtype), by_arch in figures.items():
+        lines.setdefault((kernel, config, tuple(by_arch.get(a) for a in ARCHS)), []).append(dtype)
+    out = [
+        "| kernel | dtype | configuration | "
+        + " | ".join(f"sm_{a}: registers / spills / shared" for a in ARCHS)
+        + " |",
+        "|---|---|---|" + "---|" * len(ARCHS),
     ]
-    lines += [f"| {r.kernel} | sm_{r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.spills} | {r.shared} |"
-              for r in rows]  # fmt: skip
-    return "\n".join(lines)
+    for (kernel, config, by_arch), dtypes in lines.items():
+        cells = " | ".join("-" if f is None else f"{f[0]} / {f[1]} / {f[2]}" for f in by_arch)
+        out.append(f"| {kernel} | {', '.join(dtypes)} | {config} | {cells} |")
+    return "\n".join(out)
 
 
 @pytest.mark.slow  # a child process
