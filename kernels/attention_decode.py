@@ -31,7 +31,9 @@ SPLIT = 512
 MERGE_CHUNK = 16
 
 
-@triton.jit
+# num_splits follows max_seq_len: not specialised (e.g. on == 1), so that every length compiles
+# to one kernel and a sequence's result cannot change with the limit a step passes.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM], strides (stride_qt, stride_qh, 1)
     k_ptr,  # [num_slots, NUM_KV_HEADS, HEAD_DIM] contiguous
@@ -121,7 +123,7 @@ def _decode_split_kernel(
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM], strides (stride_ot, stride_oh, 1)
     seq_lens_ptr,  # [num_seqs] int32
