@@ -24,8 +24,9 @@ from kernels.attention_launch import DecodeTiles
 # Key positions per split. A constant, never derived from the batch (as flash-decoding heuristics
 # that fill the GPU do): the splits a sequence's context is cut into, and so the order its sums
 # are taken in, then depend only on its own length, and its output is bit-identical whatever else
-# is in the batch (batch invariance). 512 keeps the partials' traffic under 2% of the keys' and
-# values' at head_dim 128, and still gives 8k-token contexts 16 programs per kv head at batch 1.
+# is in the batch (batch invariance). 512 keeps the partials' traffic (written and read once) under
+# 2% of the keys' and values' at head_dim 128 with 4 query heads a kv head, and still gives
+# 8k-token contexts 16 programs per kv head at batch 1.
 SPLIT = 512
 # Splits the merge kernel reads at a time.
 MERGE_CHUNK = 16
@@ -179,10 +180,15 @@ def _decode_merge_kernel(
 def default_tiles(head_dim: int, dtype: torch.dtype) -> DecodeTiles:
     """Tiles for an H100-class GPU, chosen by reasoning, not yet tuned on hardware: decode reads
     keys and values once, so a tile is sized for bytes in flight. 64 keys x head_dim 128 in 16 bits
-    are 16 KiB each of K and V; three pipeline stages (96 KiB of shared memory) let two programs
-    share an SM. Wider heads and float32 halve the tile to stay within that."""
-    wide = head_dim * (4 if dtype == torch.float32 else 2) > 256
-    return DecodeTiles(split=SPLIT, block_n=32 if wide else 64)
+    are 16 KiB each of K and V; the pipeline loads the next tile while one is in use (the block
+    table read first makes the loads indirect), 38 KiB of shared memory in all, so several programs
+    share an SM and keep its loads in flight. Head_dim 256 takes 32 keys. float32 (no tensor cores:
+    the dots' operands sit in registers) takes 32 keys, with 8 warps above head_dim 64: the
+    tiles that compile without spills for sm_80 and sm_90 at every head_dim, with and without a
+    window (64 keys, or 4 warps at head_dim 128, spill at some)."""
+    if dtype == torch.float32:
+        return DecodeTiles(split=SPLIT, block_n=32, num_warps=8 if head_dim > 64 else 4)
+    return DecodeTiles(split=SPLIT, block_n=64 if head_dim <= 128 else 32)
 
 
 def decode_attention(

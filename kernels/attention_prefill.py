@@ -127,10 +127,14 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> PrefillTiles:
     bound by the two dots: 128 rows x 64 keys keep the tensor cores busy while the float32
     accumulator (128 x head_dim) and scores (128 x 64) stay in registers, with 8 warps from
     head_dim 64 (at 4 warps, head_dim 64 needs all 255 registers on sm_80) and three stages of
-    K and V in shared memory (96 KiB at head_dim 128). Head_dim 256 and float32 (no tensor cores,
-    operands in registers) take half the rows and keys to stay clear of spills."""
-    if dtype == torch.float32 or head_dim > 128:
-        return PrefillTiles(block_m=64, block_n=32, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    K and V in shared memory (96 KiB at head_dim 128 on sm_90). Head_dim 256 takes half the rows
+    and keys. float32 has no tensor cores: both operands of each dot sit in registers, so it takes
+    32 rows, 32 keys (16 at head_dim 256) and 8 warps, which compile without spills for sm_80 and
+    sm_90 with and without a window (64 rows, or 4 warps, spill on sm_90 at some head_dims)."""
+    if dtype == torch.float32:
+        return PrefillTiles(block_m=32, block_n=32 if head_dim <= 128 else 16, num_warps=8, num_stages=2)
+    if head_dim > 128:
+        return PrefillTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
     return PrefillTiles(block_m=128, block_n=64, num_warps=8 if head_dim >= 64 else 4, num_stages=3)
 
 
