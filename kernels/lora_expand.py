@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch
+from kernels import lora_launch, segments
 from kernels.lora_launch import Tiles, segment_block
 from kernels.lora_meta import LoraMeta
 
@@ -187,7 +187,7 @@ def lora_expand(
 
     # Grid: (column tile over all slices, token block of some segment). Tiling the packed output
     # rather than each slice keeps the grid independent of the (device-side) slice widths.
-    grid = (triton.cdiv(out_features, tiles.n), lora_launch.segment_block_count(num_tokens, num_segments, tiles.m))
+    grid = (triton.cdiv(out_features, tiles.n), segments.segment_block_count(num_tokens, num_segments, tiles.m))
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_expand_kernel[grid](

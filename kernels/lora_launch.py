@@ -1,11 +1,10 @@
 """What the LoRA shrink and expand launchers share: the walk from a program id to its block of
-tokens of one adapter slot, the size of that walk's grid axis, tile sizes, and argument checks.
+tokens of one adapter slot, tile sizes, and argument checks.
 
-The walk reads the segments of ``kernels.lora_meta``: segment ``i`` holds the tokens
-``sorted_tokens[seg_starts[i]:seg_starts[i + 1]]``, all on adapter slot ``seg_slots[i]``, and is
-cut into ``cdiv(len_i, BLOCK_M)`` blocks. One grid axis enumerates the blocks of every segment
-in turn, so its size depends only on the token count and the number of segments (a CUDA graph
-can replay it for any mix of adapters), and a program that lands past the last block exits.
+The walk (``kernels.segments``) reads the segments of ``kernels.lora_meta``: segment ``i`` holds
+the tokens ``sorted_tokens[seg_starts[i]:seg_starts[i + 1]]``, all on adapter slot
+``seg_slots[i]``; its grid axis (``segments.segment_block_count``) depends only on the token count
+and the number of segments, so a CUDA graph can replay it for any mix of adapters.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import LoraMeta
+from kernels.segments import segment_walk
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,28 +32,9 @@ def segment_block(
 ):
     """(slot, first, end): the program's tokens are ``sorted_tokens[first:end]`` (at most
     ``BLOCK_M``), all on adapter ``slot``; ``slot`` is -1 when the program has no tokens."""
-    offs_s = tl.arange(0, SEG_BLOCK)
-    s_mask = offs_s < num_segments
-    seg_lo = tl.load(seg_starts_ptr + offs_s, mask=s_mask, other=0)  # [SEG_BLOCK]
-    seg_hi = tl.load(seg_starts_ptr + offs_s + 1, mask=s_mask, other=0)  # [SEG_BLOCK]
-    seg_blocks = (seg_hi - seg_lo + BLOCK_M - 1) // BLOCK_M  # [SEG_BLOCK], 0 past the last segment
-    # The segment is the number of segments that end (in blocks) at or before pid; a pid past
-    # the last block counts them all.
-    segment = tl.sum((tl.cumsum(seg_blocks, axis=0) <= pid).to(tl.int32), axis=0)
-    block = pid - tl.sum(tl.where(offs_s < segment, seg_blocks, 0), axis=0)
-    in_range = segment < num_segments
-    segment = tl.minimum(segment, num_segments - 1)  # keeps the loads below in bounds
-    slot = tl.load(seg_slots_ptr + segment)
-    first = tl.load(seg_starts_ptr + segment) + block * BLOCK_M
-    end = tl.minimum(tl.load(seg_starts_ptr + segment + 1), first + BLOCK_M)
-    slot = tl.where(in_range, slot, -1)
-    return slot, first, end
-
-
-def segment_block_count(num_tokens: int, num_segments: int, block_m: int) -> int:
-    """Size of the segment-block grid axis: enough for any grouping of ``num_tokens`` tokens into
-    ``num_segments`` segments (each segment adds at most one partial block)."""
-    return triton.cdiv(num_tokens, block_m) + min(num_segments, num_tokens)
+    segment, first, end = segment_walk(seg_starts_ptr, num_segments, pid, SEG_BLOCK, BLOCK_M)
+    slot = tl.load(seg_slots_ptr + tl.maximum(segment, 0))
+    return tl.where(segment >= 0, slot, -1), first, end
 
 
 def check_meta(meta: LoraMeta, num_tokens: int, device: torch.device) -> None:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch
+from kernels import lora_launch, segments
 from kernels.lora_launch import Tiles, segment_block
 from kernels.lora_meta import LoraMeta
 
@@ -77,13 +77,15 @@ def _lora_shrink_kernel(
     tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-def default_tiles(num_tokens: int, max_rank: int) -> Tiles:
+def default_tiles(num_tokens: int, max_rank: int, dtype: torch.dtype) -> Tiles:
     """Tiles (tokens x rank columns, in_features step) for a GPU; chosen by reasoning, not yet
     tuned on hardware."""
     if num_tokens < 512:
         # Decode: few tokens per adapter, so the work is reading A. Narrow rank tiles skip the
         # padding of low-rank slots and, with long K tiles, spread that read over more programs.
-        return Tiles(m=16, n=16, k=256)
+        # float32 operands (no tensor cores: both tiles live in registers) take half the K tile,
+        # which at 256 spills on sm_80.
+        return Tiles(m=16, n=16, k=128 if dtype == torch.float32 else 256)
     # Prefill: one rank tile per slice (up to rank 64) reads each token block of x once per slice.
     return Tiles(m=64, n=min(64, max(16, triton.next_power_of_2(max_rank))), k=64)
 
@@ -127,7 +129,7 @@ def lora_shrink(
     lora_launch.check_ranks(ranks, num_slices, num_slots, x.device)
     lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, x.device)
     lora_launch.check_meta(meta, num_tokens, x.device)
-    tiles = tiles or default_tiles(num_tokens, max_rank)
+    tiles = tiles or default_tiles(num_tokens, max_rank, x.dtype)
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or max_rank == 0 or num_segments == 0:
         return
@@ -135,7 +137,7 @@ def lora_shrink(
     # Grid: (slice x rank tile, token block of some segment). Slices vary fastest so that
     # programs reading the same token block of x run side by side and share it through L2.
     rank_tiles = triton.cdiv(max_rank, tiles.n)
-    grid = (num_slices * rank_tiles, lora_launch.segment_block_count(num_tokens, num_segments, tiles.m))
+    grid = (num_slices * rank_tiles, segments.segment_block_count(num_tokens, num_segments, tiles.m))
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_shrink_kernel[grid](

@@ -1,4 +1,5 @@
-"""Pure-torch multi-adapter LoRA: the CPU path and the oracle the Triton kernels are tested against.
+"""Pure torch: multi-adapter LoRA (the CPU path) and paged attention, the oracles the Triton kernels
+are tested against.
 
 Layouts shared with the kernels (S = packed output slices of the layer, e.g. 3 for qkv):
     lora_a:  [S, max_loras, max_rank, in_features]   A of every slot, per slice
@@ -9,6 +10,8 @@ Layouts shared with the kernels (S = packed output slices of the layer, e.g. 3 f
 
 Only the first ``ranks[s, slot]`` rank columns of a slot are read, so padding costs nothing.
 Tokens whose slot is -1 are never read or written.
+
+Paged attention reads the layout of ``kernels.attention_launch``.
 """
 
 from __future__ import annotations
@@ -71,3 +74,56 @@ def lora_expand(
                 acc[:, lo:hi].addmm_(buf[s, rows, :r], lora_b[slot, lo:hi, :r].float().T)
         if not in_place:
             y[rows] = acc.to(y.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start: torch.Tensor,  # [num_seqs + 1] int32
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written
+    *,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+) -> None:
+    """For sequence b with ``qlen = query_start[b+1] - query_start[b]`` and ``L = seq_lens[b]``,
+    its query i sits at position ``p = L - qlen + i`` and attends the key positions j with
+    ``max(0, p - window + 1) <= j <= p`` (no lower bound when window is None), reading key/value j
+    at cache slot ``block_tables[b, j // block_size] * block_size + j % block_size`` (the new
+    tokens' keys/values are already in the cache). ``out = softmax(scale * q k^T) v`` with
+    grouped-query heads (query head h uses kv head ``h // (num_heads // num_kv_heads)``), float32
+    math, rounded once to q's dtype. A sequence with L == 0 writes zeros to its query rows; rows
+    of q past ``query_start[num_seqs]`` are neither read nor written, and neither are cache slots
+    of positions no query attends. ``max_query_len`` and ``max_seq_len`` bound the per-sequence
+    values (unused here: the loop reads the lengths).
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        qs, qe = starts[b], starts[b + 1]
+        if qe == qs:
+            continue
+        pos = torch.arange(seq_len - (qe - qs), seq_len, device=q.device)  # [qlen] query positions
+        # Keys from the first one any query of the sequence attends.
+        lo = 0 if window is None else max(0, seq_len - (qe - qs) - window + 1)
+        keys = torch.arange(lo, seq_len, device=q.device)  # [n] key positions
+        if keys.numel() == 0:
+            out[qs:qe] = 0
+            continue
+        blocks = block_tables[b, keys // block_size].long()
+        slots = blocks * block_size + keys % block_size  # [n]
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        scores = scale * torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k)  # [num_heads, qlen, n]
+        attend = keys[None, :] <= pos[:, None]  # [qlen, n]
+        if window is not None:
+            attend &= keys[None, :] > pos[:, None] - window
+        weights = torch.softmax(scores.masked_fill(~attend, float("-inf")), dim=-1)
+        weights = torch.nan_to_num(weights, nan=0.0)  # a query with no key (position < 0): zeros
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", weights, v).to(out.dtype)

@@ -1,67 +1,212 @@
-"""Both kernels compile for NVIDIA GPUs as the launchers run them there, checked without a GPU.
+"""The Triton kernels compile for NVIDIA GPUs as the launchers run them there, checked without a GPU,
+and fit the targets: no register spills, shared memory within each target's limit.
 
-Under the interpreter every dot runs in float32, so the tensor-core path (dots in fp16/bf16,
-what a GPU runs) is only exercised by compiling it: this catches type errors and layouts the
-interpreter accepts but the compiler does not.
+Under the interpreter every dot runs in float32, so the tensor-core path (dots in fp16/bf16, what a
+GPU runs) is only exercised by compiling it: this catches type errors and layouts the interpreter
+accepts but the compiler does not. Registers and spills come from the ptxas that ships in the
+Triton wheel (``ptxas -v`` on each kernel's PTX), shared memory from the compiled kernel's metadata.
+
+``python -m tests.kernels.test_gpu_compile`` prints the figures as a table (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels import attention_decode, attention_launch, attention_prefill
 from kernels import lora_expand as expand_module
 from kernels import lora_shrink as shrink_module
 
 MAX_RANK = 64
+ARCHS = (80, 90)
+# Shared memory one block may use (opt-in maximum): A100 163 KiB, H100 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Llama-3-8B's attention: 32 query heads on 8 kv heads.
+NUM_KV_HEADS, GROUP = 8, 4
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def _compile_for(arch: int, kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> None:
-    """Compile ``kernel`` for an NVIDIA GPU of compute capability ``arch`` (no GPU needed), with
-    the 16-byte alignment torch gives its allocations, and feature sizes and row strides
-    divisible by 16 as in Llama-family layers."""
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
-    aligned = {*pointers, "in_features", "out_features", "stride_xm", "stride_ym", "stride_bs", "stride_bm"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in aligned}
+@dataclass(frozen=True)
+class Compiled:
+    kernel: str
+    arch: int
+    dtype: str
+    config: str  # what the launcher chose the tiles for
+    registers: int  # per thread
+    spills: int  # bytes of spill stores and loads
+    shared: int  # bytes
+
+
+def _compile_for(arch: int, kernel, types: dict[str, str], constexprs: dict[str, object], aligned: set[str],
+                 num_warps: int, num_stages: int = 3):  # fmt: skip
+    """Compile ``kernel`` for an NVIDIA GPU of compute capability ``arch`` (no GPU needed). Pointers
+    get the 16-byte alignment torch gives its allocations; ``aligned`` ints (feature sizes, row
+    strides) are divisible by 16 as in Llama-family layers; other arguments are i32."""
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
+    divisible = {n for n, t in types.items() if t.startswith("*")} | aligned
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in divisible}
     source = ASTSource(kernel, signature, constexprs, attrs)
-    triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_gpu_code_path() -> None:
-    """Compile both kernels with the launchers' default tiles for decode and prefill, for A100-
-    and H100-class targets. Needs the interpreter off: run in a fresh process."""
+def _ptxas_report(ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) that ptxas reports for the kernel in ``ptx``, compiled for the
+    target the PTX names (sm_90a where it uses Hopper-only instructions)."""
+    target = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.MULTILINE).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([str(PTXAS), "-v", "--gpu-name", target, str(path), "-o", str(path.with_suffix(".o"))],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    report = done.stdout + done.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+def _record(name: str, arch: int, dtype: str, config: str, compiled) -> Compiled:
+    registers, spills = _ptxas_report(compiled.asm["ptx"])
+    return Compiled(name, arch, dtype, config, registers, spills, compiled.metadata.shared)
+
+
+def _lora_kernels(arch: int) -> list[Compiled]:
+    """Shrink and expand with the launchers' default tiles for decode (8 tokens) and prefill
+    (4096); fp32 weights (no tensor cores, slowest to compile) only with decode tiles."""
     ints = ("ranks_ptr", "sorted_tokens_ptr", "seg_slots_ptr", "seg_starts_ptr", "slice_offsets_ptr")
     pointers = {n: "*i32" for n in ints} | {"buf_ptr": "*fp32"}
-    # fp32 weights (no tensor cores, slowest to compile) only with decode tiles.
-    configs = [(arch, "bf16", n) for arch in (80, 90) for n in (8, 4096)] + [(80, "fp32", 8), (90, "fp32", 8)]
-    for arch, dtype, num_tokens in configs:
-        tiles = shrink_module.default_tiles(num_tokens, MAX_RANK)
-        shrink = {"x_ptr": f"*{dtype}", "lora_a_ptr": f"*{dtype}"} | pointers
-        _compile_for(arch, shrink_module._lora_shrink_kernel, shrink, {
+    aligned = {"in_features", "out_features", "stride_xm", "stride_ym", "stride_bs", "stride_bm"}
+    rows = []
+    for dtype, num_tokens in (("bf16", 8), ("bf16", 4096), ("fp32", 8)):
+        tiles = shrink_module.default_tiles(num_tokens, MAX_RANK, TORCH_DTYPES[dtype])
+        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}"
+        shrink = _compile_for(arch, shrink_module._lora_shrink_kernel, {"x_ptr": f"*{dtype}", "lora_a_ptr": f"*{dtype}"}
+                              | pointers, {
             "SEG_BLOCK": 64, "MAX_RANK": MAX_RANK, "RANK_TILES": MAX_RANK // tiles.n,
             "BLOCK_M": tiles.m, "BLOCK_R": tiles.n, "BLOCK_K": tiles.k, "UPCAST": False,
-        })  # fmt: skip
+        }, aligned, tiles.num_warps)  # fmt: skip
+        rows.append(_record("lora_shrink", arch, dtype, config, shrink))
         tiles = expand_module.default_tiles(num_tokens, MAX_RANK)
-        expand = {"y_ptr": "*fp16", "lora_b_ptr": f"*{dtype}"} | pointers
-        _compile_for(arch, expand_module._lora_expand_kernel, expand, {
+        expand = _compile_for(arch, expand_module._lora_expand_kernel, {"y_ptr": "*fp16", "lora_b_ptr": f"*{dtype}"}
+                              | pointers, {
             "SEG_BLOCK": 64, "NUM_SLICES": 3, "MAX_RANK": MAX_RANK, "RANK_ALIGN": 8,
             "BLOCK_M": tiles.m, "BLOCK_N": tiles.n, "BLOCK_K": tiles.k, "UPCAST": False,
-        })  # fmt: skip
+        }, aligned, tiles.num_warps)  # fmt: skip
+        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}"
+        rows.append(_record("lora_expand", arch, dtype, config, expand))
+    return rows
+
+
+def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool) -> list[Compiled]:
+    """The decode (split and merge) and prefill kernels with the launchers' default tiles, for a
+    Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads) and KV block size 16."""
+    data = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")}
+    parts = {n: "*fp32" for n in ("part_max_ptr", "part_sum_ptr", "part_acc_ptr")}
+    types = data | ints | parts | {"qk_scale": "fp32"}
+    aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
+    common = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP, "BLOCK_SIZE": 16, "WINDOWED": windowed, "UPCAST": False}
+    shape = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
+    shape += ", window" if windowed else ""
+
+    tiles = attention_decode.default_tiles(head_dim, TORCH_DTYPES[dtype])
+    config = f"{shape}; {tiles.block_n}-key tiles, {tiles.split}-key splits, {tiles.num_warps} warps"
+    split = _compile_for(arch, attention_decode._decode_split_kernel, types, common | {
+        "GROUP_ROWS": attention_launch.group_rows(GROUP), "HEAD_DIM": head_dim,
+        "BLOCK_N": tiles.block_n, "SPLIT_SIZE": tiles.split,
+    }, aligned, tiles.num_warps, tiles.num_stages)  # fmt: skip
+    merge = _compile_for(arch, attention_decode._decode_merge_kernel, types, {
+        "HEAD_DIM": head_dim, "SPLIT_SIZE": tiles.split, "CHUNK": attention_decode.MERGE_CHUNK, "WINDOWED": windowed,
+    }, aligned, 4)  # fmt: skip
+    rows = [
+        _record("attention_decode split", arch, dtype, config, split),
+        _record("attention_decode merge", arch, dtype, f"{shape}; 4 warps", merge),
+    ]
+    tiles = attention_prefill.default_tiles(head_dim, TORCH_DTYPES[dtype])
+    config = f"{shape}; {tiles.block_m} rows x {tiles.block_n} keys, {tiles.num_warps} warps"
+    prefill = _compile_for(arch, attention_prefill._prefill_kernel, types, common | {
+        "SEQ_BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": tiles.block_m,
+        "BLOCK_Q": tiles.block_m // GROUP, "BLOCK_N": tiles.block_n,
+    }, aligned, tiles.num_warps, tiles.num_stages)  # fmt: skip
+    return [*rows, _record("attention_prefill", arch, dtype, config, prefill)]
+
+
+def compiled_kernels() -> list[Compiled]:
+    """Every kernel as its launcher runs it on a GPU, compiled for A100- and H100-class targets.
+    Needs the interpreter off: run in a fresh process."""
+    rows = []
+    for arch in ARCHS:
+        rows += _lora_kernels(arch)
+        for dtype, head_dim, windowed in itertools.product(("bf16", "fp16", "fp32"), (128, 64), (False, True)):
+            rows += _attention_kernels(arch, dtype, head_dim, windowed)
+    return rows
+
+
+def table(rows: list[Compiled]) -> str:
+    """A markdown table, one line per kernel and configuration with sm_80 and sm_90 side by side
+    (registers / spill bytes / shared bytes); dtypes with the same figures share a line. Sliding-
+    window variants are left out (the test checks them too)."""
+    figures: dict[tuple[str, str, str], dict[int, tuple[int, int, int]]] = {}
+    for r in rows:
+        if "window" in r.config:
+            continue
+        figures.setdefault((r.kernel, r.config, r.dtype), {})[r.arch] = (r.registers, r.spills, r.shared)
+    lines: dict[tuple, list[str]] = {}  # (kernel, config, figures) -> dtypes
+    for (kernel, config, dtype), by_arch in figures.items():
+        lines.setdefault((kernel, config, tuple(by_arch.get(a) for a in ARCHS)), []).append(dtype)
+    out = [
+        "| kernel | dtype | configuration | "
+        + " | ".join(f"sm_{a}: registers / spills / shared" for a in ARCHS)
+        + " |",
+        "|---|---|---|" + "---|" * len(ARCHS),
+    ]
+    for (kernel, config, by_arch), dtypes in lines.items():
+        cells = " | ".join("-" if f is None else f"{f[0]} / {f[1]} / {f[2]}" for f in by_arch)
+        out.append(f"| {kernel} | {', '.join(dtypes)} | {config} | {cells} |")
+    return "\n".join(out)
 
 
 @pytest.mark.slow  # a child process
-def test_gpu_code_path_compiles_without_a_gpu():
+def test_kernels_compile_for_sm80_and_sm90_without_spills_and_within_shared_memory():
     # The interpreter patches triton.language while it runs and is chosen when a kernel is
     # defined, so the compile happens in a child process with the interpreter off.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.kernels.test_gpu_compile import compile_gpu_code_path; compile_gpu_code_path()"
     root = pathlib.Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_gpu_compile", "--json"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    rows = [Compiled(**row) for row in json.loads(done.stdout)]
+    kernels = {r.kernel for r in rows}
+    assert {"lora_shrink", "lora_expand", "attention_decode split", "attention_prefill"} <= kernels
+    assert {r.arch for r in rows} == set(ARCHS)
+    for r in rows:
+        assert r.spills == 0, f"{r} spills registers"
+        assert 0 < r.registers <= 255, r
+        assert r.shared <= SHARED_LIMIT[r.arch], f"{r} needs more shared memory than sm_{r.arch} has"
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
+    compiled = compiled_kernels()
+    if sys.argv[1:] == ["--json"]:
+        print(json.dumps([dataclasses.asdict(r) for r in compiled]))
+    else:
+        print(f"triton {triton.__version__}, ptxas {PTXAS.relative_to(pathlib.Path(triton.__file__).parent)}")
+        print(table(compiled))

@@ -1,0 +1,147 @@
+"""What the paged-attention launchers share: the layout they read, argument checks and tile sizes.
+
+Layout (one layer of ``data_plane.model.attention.KVCache``; see ``kernels.paged_attention`` for
+the semantics)::
+
+    q, out:           [num_tokens, num_heads, head_dim]      may be views, dense along head_dim
+    k_cache, v_cache: [num_slots, num_kv_heads, head_dim]    contiguous; slot = block * block_size + offset
+    block_tables:     [num_seqs, max_blocks] int32           rows may be further apart than max_blocks
+    seq_lens:         [num_seqs] int32                       context length after this step
+    query_start:      [num_seqs + 1] int32                   sequence b's queries are rows query_start[b]:[b + 1]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_seqs: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head h reads kv head h // group."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Decode: each program reads ``split`` consecutive key positions of one sequence and kv head
+    in tiles of ``block_n``; ``split`` must be a multiple of ``block_n``."""
+
+    split: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_tile("DecodeTiles.block_n", self.block_n)
+        if self.split < self.block_n or self.split % self.block_n:
+            raise ValueError(f"DecodeTiles.split={self.split} must be a positive multiple of block_n={self.block_n}")
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Prefill: each program owns ``block_m`` rows (query tokens x the query heads of one kv head)
+    and walks the keys in tiles of ``block_n``."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_tile("PrefillTiles.block_m", self.block_m)
+        _check_tile("PrefillTiles.block_n", self.block_n)
+
+
+def _check_tile(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value}: tile sizes must be powers of two and at least 16 (tl.dot)")
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_size: int,
+    window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+) -> AttentionShape:
+    """Raises ValueError, saying what to fix, unless the arguments follow the layout above; returns
+    their sizes. Reads nothing on the device (the values of the int32 tensors are not checked)."""
+    if q.dim() != 3 or q.dtype not in DTYPES:
+        raise ValueError(
+            f"q must be [num_tokens, num_heads, head_dim] in one of {DTYPES}, got {q.dtype} {tuple(q.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    if head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two from 16 to {MAX_HEAD_DIM}, got {head_dim}")
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have stride 1 along head_dim, got strides {t.stride()}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {q.dtype} {tuple(q.shape)} on {q.device} like q, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape[2] != head_dim or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be {q.dtype} [num_slots, num_kv_heads, {head_dim}] on {q.device} "
+                f"like q, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (one layer of the KV cache)")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_slots, num_kv_heads = k_cache.shape[0], k_cache.shape[1]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not isinstance(block_size, int) or block_size < 1 or num_slots % block_size:
+        raise ValueError(f"block_size must be a positive int dividing the cache's {num_slots} slots, got {block_size}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.device != q.device:
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs, max_blocks] on {q.device}, got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)} on {block_tables.device}"
+        )
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must have stride 1 along a row, got strides {block_tables.stride()}")
+    num_seqs = block_tables.shape[0]
+    for name, t, size in (("seq_lens", seq_lens, num_seqs), ("query_start", query_start, num_seqs + 1)):
+        if t.shape != (size,) or t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous int32 tensor [{size}] on {q.device} (one entry per "
+                f"block_tables row{' plus one' if size > num_seqs else ''}), got {t.dtype} "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a host int >= 0 bounding every sequence's value, got {value!r}")
+    return AttentionShape(num_tokens, num_heads, num_kv_heads, head_dim, num_seqs)
+
+
+def group_rows(group: int) -> int:
+    """Rows a decode program gives one kv head's query heads: tl.dot needs at least 16."""
+    return max(16, triton.next_power_of_2(group))

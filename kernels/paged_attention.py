@@ -1,0 +1,63 @@
+"""Paged attention on the GPU: the one entry the model's CUDA attention backend calls.
+
+A step whose sequences all have one query (decode) runs ``kernels.attention_decode``; any other
+step runs it for its one-query sequences and ``kernels.attention_prefill`` for the rest, so a
+sequence's output never depends on which kernel its neighbours need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_decode import decode_attention
+from kernels.attention_prefill import prefill_attention
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; may be a strided view (dense along head_dim)
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] one layer's keys, contiguous
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start: torch.Tensor,  # [num_seqs + 1] int32
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written (may be a view)
+    *,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+) -> None:
+    """Causal attention of each sequence's new tokens over its paged context, in PyTorch terms::
+
+        for b in range(num_seqs):
+            qs, qe, L = query_start[b], query_start[b + 1], seq_lens[b]
+            for i, t in enumerate(range(qs, qe)):
+                p = L - (qe - qs) + i                                    # the query's position
+                js = range(0 if window is None else max(0, p - window + 1), p + 1)
+                slots = [block_tables[b, j // block_size] * block_size + j % block_size for j in js]
+                for h in range(num_heads):
+                    kv = h // (num_heads // num_kv_heads)
+                    k, v = k_cache[slots, kv].float(), v_cache[slots, kv].float()   # [len(js), head_dim]
+                    w = torch.softmax(scale * k @ q[t, h].float(), dim=0)
+                    out[t, h] = (w @ v).to(out.dtype)                   # zeros when L == 0
+
+    The new tokens' keys and values are already in the cache. Dots run on tensor cores in the
+    input dtype for float16/bfloat16 (the probabilities rounded to it before they weight the
+    values), in float32 for float32; softmax and sums in float32, the output rounded once. Only
+    the cache slots of attended positions are read (the rest may hold anything, NaN included);
+    rows of ``q`` and ``out`` past ``query_start[num_seqs]`` are neither read nor written.
+
+    ``max_query_len`` and ``max_seq_len`` are host ints at least every sequence's query count
+    and length (a CUDA graph passes the largest it allows): they size the grids and the decode
+    workspace, and a step with ``max_query_len == 1`` launches the decode kernels only. Nothing
+    depends on the tensors' values on the host and nothing waits on the device, so the call can
+    be captured in a CUDA graph. A sequence's output does not depend on the other sequences of the
+    step, nor on ``max_query_len`` and ``max_seq_len``, bit for bit.
+    """
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, out)
+    kwargs = dict(block_size=block_size, scale=scale, window=window, max_query_len=max_query_len,
+                  max_seq_len=max_seq_len)  # fmt: skip
+    decode_attention(*args, **kwargs)
+    if max_query_len > 1:
+        prefill_attention(*args, **kwargs)
