@@ -30,8 +30,10 @@ class ModelRunner:
         meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras,
                     max_rank=lora.limits.max_rank) if lora is not None else {}
         self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
-        # A graph's attention covers the longest context a sequence can have: the model's, or the whole cache.
-        max_context = min(model.config.max_position_embeddings, kv_cache.num_blocks * kv_cache.block_size)
+        # A graph's attention covers the longest context a sequence can have: the model's, the cache's, or
+        # what a block-table row holds.
+        max_context = min(model.config.max_position_embeddings,
+                          min(kv_cache.num_blocks, blocks.max_blocks_per_seq) * kv_cache.block_size)
         self.step_runner: StepRunner = (
             GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), max_context,
                         capture=self.device.type == "cuda")

@@ -62,7 +62,9 @@ class TorchAttention:
         query_index = torch.where(is_query, query_start[:-1, None] + new[None, :], 0)
         query_pos = torch.where(is_query, (seq_lens - qlens)[:, None] + new[None, :], -1)  # -1 marks padding
         key_pos = torch.arange(max_ctx)  # [max_ctx]
-        key_index = block_tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        # Keys past a sequence's blocks are masked; clamped, their indices stay in the table and the cache.
+        key_blocks = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
+        key_index = block_tables[:, key_blocks] * block_size + key_pos % block_size
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=num_tokens)
         out_index = seq_of_token * max_new + torch.arange(num_tokens) - query_start[seq_of_token]
         causal = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])

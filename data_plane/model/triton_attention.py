@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kernels.paged_attention import paged_attention
 
 from data_plane.model.attention import AttentionInputs
+from kernels.paged_attention import paged_attention
 
 
 @dataclass(frozen=True)
