@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.engine.sampler import sample
+from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import Sequence, TokenOut
 from data_plane.lora.runtime import LoraRuntime
@@ -62,8 +62,9 @@ class ModelRunner:
         out: list[TokenOut | None] = [None] * len(step.order)
         if not step.sampled_seqs:
             return out
-        logits = self.model.logits(hidden[step.sample_rows]).cpu()
-        for k, tok in zip(step.sampled_positions, sample(logits, step.sampled_seqs), strict=True):
+        logits = self.model.logits(hidden[step.sample_rows])
+        sampled = sample(logits, SamplingBatch.build(step.sampled_seqs, logits.device))
+        for k, tok in zip(step.sampled_positions, sampled.to_host(), strict=True):
             out[k] = tok
         return out
 

@@ -1,52 +1,198 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seeded; logprobs of the chosen token
-and the top alternatives under the model's unscaled distribution."""
+"""Choosing the next token of every sampling row of a step at once, on the logits' device.
+
+Contract:
+
+- ``SamplingBatch.build(seqs, device)``, once per step, reads each sequence's parameters and the
+  position of the token it samples, and makes the per-row tensors with at most one host->device copy
+  (none when every row is greedy). Its host facts (which rows draw, the largest top-k, whether any row
+  uses top-p, how many logprobs each row wants) are what ``sample`` branches on.
+- ``sample(logits, batch)`` takes ``logits`` [rows, vocab] float32 on any device and returns a
+  ``Sampled`` of device tensors. It never synchronises with the host: no ``.item()``, ``.tolist()``,
+  ``.cpu()``, ``nonzero`` or shape that depends on values. Greedy rows (temperature 0) take the
+  argmax (the lowest id among equal logits); the others divide by their temperature, keep their top-k
+  logits (0 or k >= vocab: all; ties with the k-th kept), then the smallest prefix of the sorted
+  distribution whose mass reaches top_p (the token that crosses it included; 0 or 1: all), and draw
+  from what is left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the
+  chosen token's, and each row's top-n alternatives (most likely first).
+- ``Sampled.to_host()`` is the step's one device->host copy; it gives the engine's ``TokenOut`` list.
+
+Draws are counter-based, so a request's tokens do not depend on what shares its step, on which row it
+runs, or on a recomputation after preemption: the draw for the token at position ``counter`` (the
+sequence's ``num_tokens`` when it samples) of a request with 64-bit ``seed`` uses, for vocabulary id
+``j``, the uniform ``u = hash(seed, counter, j)``, made by 32-bit xor-shift-multiply mixing in int64
+tensor ops (every product of a 32-bit value and a multiplier below 2**31 stays below 2**63), the same
+bits on every device. The chosen id is ``argmax_j(scaled_j + g_j)`` over the kept ids, ``g = -log(-log u)``
+(Gumbel-max). Exactness: ``g_j`` are independent standard Gumbels, and ``scaled_j + g_j`` is Gumbel with
+location ``scaled_j``; the maximum of independent Gumbels with locations ``l_j`` falls on ``j`` with
+probability ``exp(l_j) / sum_i exp(l_i)`` (equivalently, ``exp(-g_j)`` are independent Exp(1) and
+``argmin_j Exp_j / p_j`` is the first arrival of a race of exponential clocks with rates ``p_j``). Masked
+ids have ``-inf`` and never win, so the draw follows softmax(logits / temperature) renormalised over
+the kept ids, exactly the distribution top-k and top-p define, up to the 2**-24 grid of the uniforms.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from data_plane.engine.sequence import Sequence, TokenOut
 
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31, chosen for avalanche (each input bit flips each output bit with
+# probability 1/2 within sampling noise, measured over random inputs).
+_MUL1, _MUL2 = 0x7FEB352D, 0x68E31DA5
+_SPREAD = 0x9E3779B9  # spreads consecutive vocabulary ids over 32 bits (id < 2**31: product < 2**63)
+_UNIFORM_BITS = 24  # what float32 holds exactly: u = (h >> 8 + 1/2) / 2**24 lies strictly inside (0, 1)
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOut]:
-    """``logits``: [len(seqs), vocab] float32, one row per sequence that needs a next token."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
-    greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
-    chosen = [0] * len(seqs)
-    if greedy:  # one argmax over every greedy row
-        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
-            chosen[i] = tok
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            chosen[i] = _choose(logits[i], seq)
-    max_top = max((s.params.logprobs for s in seqs), default=0)
-    top_vals = top_ids = None
-    if max_top:
-        top_vals, top_ids = logprobs.topk(max_top, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    chosen_lp = logprobs[torch.arange(len(seqs)), torch.tensor(chosen)].tolist()
-    out = []
-    for i, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-        out.append(TokenOut(chosen[i], chosen_lp[i], top))
-    return out
+# Rows of the packed per-row host tensor, one host->device copy. Floats travel as float64 bit patterns.
+# The top-p rows come first in their two rows, padded to the number of drawing rows.
+_ROW, _TOP_K, _SEED, _COUNTER, _TOP_P_ROW, _TEMPERATURE, _TOP_P = range(7)
 
 
-def _choose(row: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    scaled = row / p.temperature
-    if p.top_k:
-        kth = scaled.topk(min(p.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if 0.0 < p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if seq.generator is None:
-        seq.generator = torch.Generator()
-        seq.generator.manual_seed(p.seed if p.seed is not None else torch.seed())
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling inputs of one step. Device tensors cover only the rows that draw
+    (``draw_rows``), or of those only the ones that use top-p; host facts cost no synchronisation."""
+
+    num_rows: int
+    num_logprobs: tuple[int, ...]  # [rows] top alternatives each row asked for
+    top_ks: tuple[int, ...]  # [draws] each drawing row's top_k (0 = off), to size the top-k on the host
+    num_top_p: int  # drawing rows with 0 < top_p < 1
+    draw_rows: torch.Tensor  # [draws] int64: logits row of each non-greedy row, ascending
+    temperature: torch.Tensor  # [draws] float32, > 0
+    top_k: torch.Tensor  # [draws] int64, 0 = off
+    top_p_rows: torch.Tensor  # [num_top_p] int64: index among the drawing rows of each that uses top-p
+    top_p: torch.Tensor  # [num_top_p] float32, within (0, 1)
+    seed: torch.Tensor  # [draws] int64: the request's 64-bit seed in two's complement
+    counter: torch.Tensor  # [draws] int64: position of the token being sampled
+
+    @property
+    def num_draws(self) -> int:
+        return len(self.top_ks)
+
+    @property
+    def max_logprobs(self) -> int:
+        return max(self.num_logprobs, default=0)
+
+    @classmethod
+    def build(cls, seqs: Seq[Sequence], device: torch.device | str) -> SamplingBatch:
+        """The batch for ``seqs``, one per logits row in that order, each about to sample the token
+        at position ``seq.num_tokens``."""
+        device = torch.device(device)
+        draws = [(i, s) for i, s in enumerate(seqs) if not s.params.greedy]
+        top_p = [(j, s.params.top_p) for j, (_, s) in enumerate(draws) if 0.0 < s.params.top_p < 1.0]
+        pad = [(0, 1.0)] * (len(draws) - len(top_p))
+        ints = [[i, s.params.top_k, _signed64(s.sampling_seed), s.num_tokens, j]
+                for (i, s), (j, _) in zip(draws, top_p + pad, strict=True)]
+        floats = [[s.params.temperature, p] for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
+        if draws:  # [7, draws]: one copy, then views; pinned on CUDA so the copy need not wait for the host
+            host = torch.empty(7, len(draws), dtype=torch.int64, pin_memory=device.type == "cuda")
+            host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
+            host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
+            packed = host.to(device, non_blocking=True)
+        else:  # every row greedy: nothing to copy
+            packed = torch.empty(7, 0, dtype=torch.int64, device=device)
+        floats_dev = packed[_TEMPERATURE:].view(torch.float64).float()  # [2, draws]
+        return cls(
+            num_rows=len(seqs),
+            num_logprobs=tuple(s.params.logprobs for s in seqs),
+            top_ks=tuple(s.params.top_k for _, s in draws),
+            num_top_p=len(top_p),
+            draw_rows=packed[_ROW],
+            temperature=floats_dev[0],
+            top_k=packed[_TOP_K],
+            top_p_rows=packed[_TOP_P_ROW, : len(top_p)],
+            top_p=floats_dev[1, : len(top_p)],
+            seed=packed[_SEED],
+            counter=packed[_COUNTER],
+        )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One step's choices, on the logits' device until ``to_host``."""
+
+    ids: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor  # [rows] float32: log_softmax(logits) of the chosen id
+    top_ids: torch.Tensor  # [rows, max_logprobs] int64, most likely first
+    top_logprobs: torch.Tensor  # [rows, max_logprobs] float32
+    num_logprobs: tuple[int, ...]  # [rows] how many of the top alternatives each row returns
+
+    def to_host(self) -> list[TokenOut]:
+        """The tokens, one per row, after one device->host copy (float64 holds the ids exactly)."""
+        n = self.top_ids.shape[1]
+        packed = torch.cat([self.ids[:, None].double(), self.logprobs[:, None].double(),
+                            self.top_ids.double(), self.top_logprobs.double()], dim=1)  # [rows, 2 + 2n]
+        out = []
+        for row, k in zip(packed.tolist(), self.num_logprobs, strict=True):
+            top = tuple((int(row[2 + j]), row[2 + n + j]) for j in range(k))
+            out.append(TokenOut(int(row[0]), row[1], top))
+        return out
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+    """The next token of each row of ``logits`` [rows, vocab] float32 under ``batch``'s parameters
+    (see the module's contract), with no host synchronisation."""
+    rows, vocab = logits.shape
+    if rows != batch.num_rows:
+        raise ValueError(f"logits have {rows} rows but the sampling batch was built for {batch.num_rows}")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
+    top, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
+    if batch.num_draws:
+        drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
+        ids = drawn if batch.num_draws == rows else ids.index_copy_(0, batch.draw_rows, drawn)
+    # log_softmax's own formula, (logit - max) - log(sum(exp(logits - max))), for the few entries returned.
+    log_sum = (logits - top).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
+    chosen = (logits.gather(1, ids) - top - log_sum)[:, 0]  # [rows]
+    top_logits, top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1)  # [rows, max_logprobs]
+    return Sampled(ids[:, 0], chosen, top_ids, top_logits - top - log_sum, batch.num_logprobs)
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tensor:
+    """[draws] ids drawn from ``logits`` [draws, vocab] (the drawing rows) after temperature, top-k, top-p."""
+    scaled = logits / batch.temperature[:, None]  # [draws, vocab]
+    k_max = max((k for k in batch.top_ks if 0 < k < vocab), default=0)
+    if k_max:
+        on = (batch.top_k > 0) & (batch.top_k < vocab)  # [draws]
+        kth = scaled.topk(k_max, dim=-1).values.gather(1, (batch.top_k.clamp(1, k_max) - 1)[:, None])
+        kth = kth.masked_fill(~on[:, None], float("-inf"))  # [draws, 1]: off rows keep everything
+        scaled.masked_fill_(scaled < kth, float("-inf"))
+    if batch.num_top_p:  # the vocabulary sort, only for the rows that need it
+        nucleus = scaled.index_select(0, batch.top_p_rows)  # [num_top_p, vocab]
+        sorted_logits, order = nucleus.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= batch.top_p[:, None]  # the mass before reaches p
+        nucleus.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+        scaled.index_copy_(0, batch.top_p_rows, nucleus)
+    return scaled.add_(_gumbel(batch.seed, batch.counter, vocab)).max(dim=-1).indices
+
+
+def _gumbel(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[draws, vocab] float32 standard Gumbel noise, a function of (seed, counter, vocabulary id) only."""
+    hi, lo = (seed >> 32) & _MASK32, seed & _MASK32  # [draws] each: the seed's two 32-bit halves
+    key = _mix32_(hi ^ _mix32_(lo ^ _mix32_(counter & _MASK32)))  # [draws]: distinct for distinct counters
+    spread = (torch.arange(vocab, device=seed.device) * _SPREAD) & _MASK32  # [vocab]
+    h = torch.bitwise_xor(key[:, None], spread[None, :])  # [draws, vocab]
+    h = _mix32_(h)  # a bijection of the id within each row
+    u = h.bitwise_right_shift_(32 - _UNIFORM_BITS).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    return u.log_().neg_().log_().neg_()
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """Mixes ``x``, 32-bit values held in int64, in place: a bijection, each output bit depending on
+    every input bit. In place with one scratch buffer, as fresh [draws, vocab] tensors cost a CPU more
+    than the arithmetic."""
+    tmp = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+
+
+def _signed64(seed: int) -> int:
+    """A 64-bit unsigned seed as the int64 with the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
