@@ -32,7 +32,6 @@ the kept ids, exactly the distribution top-k and top-p define, up to the 2**-24 
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +76,7 @@ class SamplingBatch:
         return max(self.num_logprobs, default=0)
 
     @classmethod
-    def build(cls, seqs: Seq[Sequence], device: torch.device | str) -> SamplingBatch:
+    def build(cls, seqs: list[Sequence], device: torch.device | str) -> SamplingBatch:
         """The batch for ``seqs``, one per logits row in that order, each about to sample the token
         at position ``seq.num_tokens``."""
         device = torch.device(device)
@@ -140,15 +139,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         raise ValueError(f"logits have {rows} rows but the sampling batch was built for {batch.num_rows}")
     if logits.dtype != torch.float32:
         raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
-    top, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
+    row_max, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
     if batch.num_draws:
         drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
         ids = drawn if batch.num_draws == rows else ids.index_copy_(0, batch.draw_rows, drawn)
     # log_softmax's own formula, (logit - max) - log(sum(exp(logits - max))), for the few entries returned.
-    log_sum = (logits - top).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
-    chosen = (logits.gather(1, ids) - top - log_sum)[:, 0]  # [rows]
+    log_sum = (logits - row_max).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
+    chosen = (logits.gather(1, ids) - row_max - log_sum)[:, 0]  # [rows]
     top_logits, top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1)  # [rows, max_logprobs]
-    return Sampled(ids[:, 0], chosen, top_ids, top_logits - top - log_sum, batch.num_logprobs)
+    return Sampled(ids[:, 0], chosen, top_ids, top_logits - row_max - log_sum, batch.num_logprobs)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tensor:

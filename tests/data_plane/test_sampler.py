@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.sequence import SamplingParams, Sequence
@@ -222,11 +223,11 @@ class NoHostSync(TorchDispatchMode):
                                    torch.ops.aten.masked_select, torch.ops.aten.unique_consecutive,
                                    torch.ops.aten._unique2):
             raise HostSync(f"{func} synchronises with the host")
-        if func.overloadpacket is torch.ops.aten.index and any(
+        if func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_) and any(
                 i is not None and i.dtype == torch.bool for i in args[1]):
             raise HostSync("indexing with a boolean mask has a shape that depends on values")
         out = func(*args, **kwargs)
-        devices = {t.device for t in (*args, *kwargs.values(), out) if isinstance(t, torch.Tensor)}
+        devices = {t.device for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
         if len(devices) > 1:
             raise HostSync(f"{func} copies between {sorted(map(str, devices))}")
         return out
@@ -234,7 +235,8 @@ class NoHostSync(TorchDispatchMode):
 
 def test_the_host_sync_guard_catches_item_masks_and_copies():
     x = torch.ones(3)
-    for op in (lambda: x.sum().item(), lambda: x[x > 0], lambda: x.nonzero(), lambda: x.to("meta")):
+    for op in (lambda: x.sum().item(), lambda: x[x > 0], lambda: x.__setitem__(x > 0, 0.0), lambda: x.nonzero(),
+               lambda: x.to("meta")):
         with pytest.raises(HostSync), NoHostSync():
             op()
 
