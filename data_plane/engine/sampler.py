@@ -4,30 +4,32 @@ Contract:
 
 - ``SamplingBatch.build(seqs, device)``, once per step, reads each sequence's parameters and the
   position of the token it samples, and makes the per-row tensors with at most one host->device copy
-  (none when every row is greedy). Its host facts (which rows draw, the largest top-k, whether any row
-  uses top-p, how many logprobs each row wants) are what ``sample`` branches on.
+  (none when every row is greedy). Its host facts (which rows draw, their top-k values, how many use
+  top-p, how many logprobs each row wants) are all that ``sample`` branches on.
 - ``sample(logits, batch)`` takes ``logits`` [rows, vocab] float32 on any device and returns a
   ``Sampled`` of device tensors. It never synchronises with the host: no ``.item()``, ``.tolist()``,
   ``.cpu()``, ``nonzero`` or shape that depends on values. Greedy rows (temperature 0) take the
-  argmax (the lowest id among equal logits); the others divide by their temperature, keep their top-k
-  logits (0 or k >= vocab: all; ties with the k-th kept), then the smallest prefix of the sorted
-  distribution whose mass reaches top_p (the token that crosses it included; 0 or 1: all), and draw
-  from what is left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the
-  chosen token's, and each row's top-n alternatives (most likely first).
+  argmax (the lowest id among equal logits). The others divide by their temperature; keep their
+  top-k logits (0 or k >= vocab: all; ties with the k-th kept); then keep the smallest prefix of the
+  distribution sorted by probability (ties: lower id first) whose mass reaches top_p, the token that
+  crosses it included (0 or 1: all; mass counted exactly in units of 2**-40); and draw from what is
+  left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the chosen
+  token's, and each row's top-n alternatives (most likely first).
 - ``Sampled.to_host()`` is the step's one device->host copy; it gives the engine's ``TokenOut`` list.
 
 Draws are counter-based, so a request's tokens do not depend on what shares its step, on which row it
-runs, or on a recomputation after preemption: the draw for the token at position ``counter`` (the
+runs, or on a recomputation after preemption. The draw for the token at position ``counter`` (the
 sequence's ``num_tokens`` when it samples) of a request with 64-bit ``seed`` uses, for vocabulary id
-``j``, the uniform ``u = hash(seed, counter, j)``, made by 32-bit xor-shift-multiply mixing in int64
-tensor ops (every product of a 32-bit value and a multiplier below 2**31 stays below 2**63), the same
-bits on every device. The chosen id is ``argmax_j(scaled_j + g_j)`` over the kept ids, ``g = -log(-log u)``
-(Gumbel-max). Exactness: ``g_j`` are independent standard Gumbels, and ``scaled_j + g_j`` is Gumbel with
-location ``scaled_j``; the maximum of independent Gumbels with locations ``l_j`` falls on ``j`` with
-probability ``exp(l_j) / sum_i exp(l_i)`` (equivalently, ``exp(-g_j)`` are independent Exp(1) and
-``argmin_j Exp_j / p_j`` is the first arrival of a race of exponential clocks with rates ``p_j``). Masked
-ids have ``-inf`` and never win, so the draw follows softmax(logits / temperature) renormalised over
-the kept ids, exactly the distribution top-k and top-p define, up to the 2**-24 grid of the uniforms.
+``j``, the uniform ``u_j = hash(seed, counter, j)``: 32-bit xor-shift-multiply mixing in int64 tensor
+ops (a 32-bit value times a multiplier below 2**31 stays below 2**63), the same bits on every device.
+The chosen id is ``argmax_j(scaled_j + g_j)`` over the kept ids, with ``g_j = -log(-log u_j)``
+(Gumbel-max). Why this is exact: the ``g_j`` are independent standard Gumbels, so ``scaled_j + g_j``
+is Gumbel with location ``scaled_j``, and the largest of independent Gumbels with locations ``l_j``
+falls on ``j`` with probability ``exp(l_j) / sum_i exp(l_i)``. (Equivalently: ``exp(-g_j)`` are
+independent Exp(1), and the argmax is the first of exponential clocks with rates ``p_j`` to ring.)
+Masked ids hold ``-inf`` and never win, so the draw follows softmax(logits / temperature) renormalised
+over the kept ids: exactly the distribution top-k and top-p define, up to the 2**-24 grid of the
+uniforms and the hash standing in for independent draws.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x68E31DA5
 _SPREAD = 0x9E3779B9  # spreads consecutive vocabulary ids over 32 bits (id < 2**31: product < 2**63)
 _UNIFORM_BITS = 24  # what float32 holds exactly: u = (h >> 8 + 1/2) / 2**24 lies strictly inside (0, 1)
+_MASS_BITS = 40  # top-p counts mass in units of 2**-40: a vocabulary's sum stays far below 2**63
 
 # Rows of the packed per-row host tensor, one host->device copy. Floats travel as float64 bit patterns.
 # The top-p rows come first in their two rows, padded to the number of drawing rows.
@@ -63,7 +66,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [draws] float32, > 0
     top_k: torch.Tensor  # [draws] int64, 0 = off
     top_p_rows: torch.Tensor  # [num_top_p] int64: index among the drawing rows of each that uses top-p
-    top_p: torch.Tensor  # [num_top_p] float32, within (0, 1)
+    top_p: torch.Tensor  # [num_top_p] float64, within (0, 1)
     seed: torch.Tensor  # [draws] int64: the request's 64-bit seed in two's complement
     counter: torch.Tensor  # [draws] int64: position of the token being sampled
 
@@ -93,14 +96,14 @@ class SamplingBatch:
             packed = host.to(device, non_blocking=True)
         else:  # every row greedy: nothing to copy
             packed = torch.empty(7, 0, dtype=torch.int64, device=device)
-        floats_dev = packed[_TEMPERATURE:].view(torch.float64).float()  # [2, draws]
+        floats_dev = packed[_TEMPERATURE:].view(torch.float64)  # [2, draws]
         return cls(
             num_rows=len(seqs),
             num_logprobs=tuple(s.params.logprobs for s in seqs),
             top_ks=tuple(s.params.top_k for _, s in draws),
             num_top_p=len(top_p),
             draw_rows=packed[_ROW],
-            temperature=floats_dev[0],
+            temperature=floats_dev[0].float(),
             top_k=packed[_TOP_K],
             top_p_rows=packed[_TOP_P_ROW, : len(top_p)],
             top_p=floats_dev[1, : len(top_p)],
@@ -159,14 +162,46 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tenso
         kth = scaled.topk(k_max, dim=-1).values.gather(1, (batch.top_k.clamp(1, k_max) - 1)[:, None])
         kth = kth.masked_fill(~on[:, None], float("-inf"))  # [draws, 1]: off rows keep everything
         scaled.masked_fill_(scaled < kth, float("-inf"))
-    if batch.num_top_p:  # the vocabulary sort, only for the rows that need it
+    if batch.num_top_p:
         nucleus = scaled.index_select(0, batch.top_p_rows)  # [num_top_p, vocab]
-        sorted_logits, order = nucleus.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= batch.top_p[:, None]  # the mass before reaches p
-        nucleus.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
-        scaled.index_copy_(0, batch.top_p_rows, nucleus)
+        keep = _nucleus(nucleus.softmax(dim=-1), batch.top_p)
+        scaled.index_copy_(0, batch.top_p_rows, nucleus.masked_fill_(~keep, float("-inf")))
     return scaled.add_(_gumbel(batch.seed, batch.counter, vocab)).max(dim=-1).indices
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] bool: the smallest prefix of each row of ``probs`` [rows, vocab], ordered by
+    probability (ties: lower id first), whose mass reaches the row's ``top_p`` [rows], the crossing
+    token included.
+
+    Without a sort (a CPU sorts a vocabulary in milliseconds a row): a radix select finds the crossing
+    token's float32 bit pattern (monotonic in p >= 0, and below 2**30 for p <= 1) ten bits at a time,
+    from per-row histograms of mass over the next ten bits. Masses are counted in int64 units of
+    2**-40 (each token's rounded once), so every sum is exact, in any order, on any device: the cut
+    depends neither on summation order nor on the batch. Large temporaries are reused in place, as a
+    CPU spends more on fresh [rows, vocab] tensors than on the arithmetic.
+    """
+    rows = probs.shape[0]
+    bits = probs.view(torch.int32).long()  # [rows, vocab]
+    mass = (probs * 2.0**_MASS_BITS).round_().long()  # [rows, vocab]: exact, float32 scaled by a power of 2
+    target = (top_p * 2.0**_MASS_BITS).round_().long().clamp_(min=1)[:, None]  # [rows, 1]: the top token always
+    prefix = torch.zeros(rows, 1, dtype=torch.int64, device=probs.device)  # crossing token's bits found so far
+    bucket = torch.empty_like(bits)  # [rows, vocab]
+    for shift in (20, 10, 0):
+        # Buckets: 0 = ranked below the tokens that share the prefix, 1..1024 = those by their next ten
+        # bits, 1025 = ranked above them.
+        below = ((prefix >> (shift + 10)) << 10) - 1  # [rows, 1]
+        torch.bitwise_right_shift(bits, shift, out=bucket).sub_(below).clamp_(0, 1025)
+        hist = torch.zeros(rows, 1026, dtype=torch.int64, device=probs.device).scatter_add_(1, bucket, mass)
+        before = hist.flip(-1).cumsum(-1).flip(-1) - hist  # [rows, 1026]: mass ranked above each bucket
+        # the crossing bucket: the lowest whose tokens still start before the target mass
+        crossing = ((before < target) & (hist > 0)).byte().argmax(dim=-1, keepdim=True)  # [rows, 1]
+        prefix |= (crossing - 1) << shift
+        above = before.gather(1, crossing)  # [rows, 1]
+    tie = bits == prefix  # [rows, vocab]: the crossing token's probability; these are kept in id order
+    tie_mass = mass.masked_fill_(~tie, 0)
+    tie_before = bucket.copy_(tie_mass).cumsum_(dim=-1).sub_(tie_mass)
+    return (tie_before < target - above).logical_and_(tie).logical_or_(bits > prefix)
 
 
 def _gumbel(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from data_plane.engine.sampler import SamplingBatch, sample
+from data_plane.engine.sampler import SamplingBatch, _nucleus, sample
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.errors import InvalidRequest
 from tests.tolerances import eps, sum_atol
@@ -114,6 +114,33 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token():
     logits = torch.randn(500, 64, generator=torch.Generator().manual_seed(1))  # [rows, vocab]
     seqs = [sequence(str(s), temperature=2.0, top_p=1e-6, seed=s) for s in range(500)]
     assert [t.id for t in step(logits, seqs)] == logits.argmax(dim=-1).tolist()
+
+
+def test_top_p_keeps_the_prefix_of_the_sorted_distribution_that_reaches_p_on_rows_of_every_shape():
+    gen = torch.Generator().manual_seed(6)
+    vocab = 3000
+    logits = torch.cat([
+        torch.randn(8, vocab, generator=gen) * 4,  # peaked
+        torch.randn(8, vocab, generator=gen) * 0.05,  # nearly flat
+        (torch.randn(8, vocab, generator=gen) * 2).round(),  # many tokens tied at each probability
+        torch.randn(8, vocab, generator=gen).masked_fill(torch.rand(8, vocab, generator=gen) < 0.9, float("-inf")),
+        torch.zeros(2, vocab),  # uniform
+    ])  # [rows, vocab]
+    top_p = torch.rand(len(logits), generator=gen, dtype=torch.float64)  # [rows]
+    top_p[:3] = torch.tensor([1e-13, 0.999999, 0.5])  # below the mass unit of 2**-40, near 1, a half
+    probs = logits.softmax(dim=-1)
+    kept = _nucleus(probs, top_p)
+    for row, (p, cut) in enumerate(zip(probs.double().tolist(), top_p.tolist(), strict=True)):
+        mass, nucleus = 0.0, set()
+        for i in sorted(range(vocab), key=lambda i: (-p[i], i)):
+            if mass >= cut:
+                break
+            nucleus.add(i)
+            mass += p[i]
+        assert set(kept[row].nonzero()[:, 0].tolist()) == nucleus, f"row {row}"
+    # mass that never reaches top_p (rounding, with top_p a hair below 1) keeps every token that has mass
+    short = torch.tensor([[0.25, 0.0, 0.25, 0.25, 0.0]])  # [1, vocab]
+    assert _nucleus(short, torch.tensor([0.9], dtype=torch.float64)).tolist() == [[True, False, True, True, False]]
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
