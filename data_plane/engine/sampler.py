@@ -143,9 +143,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     if logits.dtype != torch.float32:
         raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
     row_max, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
-    if batch.num_draws:
+    if 0 < batch.num_draws == rows:  # draw_rows is every row, in order
+        ids = _draw(logits, batch, vocab)[:, None]
+    elif batch.num_draws:
         drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
-        ids = drawn if batch.num_draws == rows else ids.index_copy_(0, batch.draw_rows, drawn)
+        ids = ids.index_copy_(0, batch.draw_rows, drawn)
     # log_softmax's own formula, (logit - max) - log(sum(exp(logits - max))), for the few entries returned.
     log_sum = (logits - row_max).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
     chosen = (logits.gather(1, ids) - row_max - log_sum)[:, 0]  # [rows]
