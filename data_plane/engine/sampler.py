@@ -46,6 +46,9 @@ _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x68E31DA5
 _SPREAD = 0x9E3779B9  # spreads consecutive vocabulary ids over 32 bits (id < 2**31: product < 2**63)
 _UNIFORM_BITS = 24  # what float32 holds exactly: u = (h >> 8 + 1/2) / 2**24 lies strictly inside (0, 1)
+# Temperatures are floored: a far smaller one could overflow float32 (logits / 1e-40), and at 1e-5 a
+# draw is already the argmax unless two logits lie within about 1e-4 of each other.
+_MIN_TEMPERATURE = 1e-5
 _MASS_BITS = 40  # top-p counts mass in units of 2**-40: a vocabulary's sum stays far below 2**63
 
 # Rows of the packed per-row host tensor, one host->device copy. Floats travel as float64 bit patterns.
@@ -88,7 +91,8 @@ class SamplingBatch:
         pad = [(0, 1.0)] * (len(draws) - len(top_p))
         ints = [[i, s.params.top_k, _signed64(s.sampling_seed), s.num_tokens, j]
                 for (i, s), (j, _) in zip(draws, top_p + pad, strict=True)]
-        floats = [[s.params.temperature, p] for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
+        floats = [[max(s.params.temperature, _MIN_TEMPERATURE), p]
+                  for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
         if draws:  # [7, draws]: one copy, then views; pinned on CUDA so the copy need not wait for the host
             host = torch.empty(7, len(draws), dtype=torch.int64, pin_memory=device.type == "cuda")
             host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T

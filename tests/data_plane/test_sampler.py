@@ -104,15 +104,11 @@ def test_greedy_rows_take_the_highest_logit_and_ties_go_to_the_lowest_id():
     assert [t.id for t in step(logits, seqs)] == [1, 0, 0]
 
 
-def test_top_k_of_1_is_greedy():
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-40, top_p=0.9)],
+                         ids=["top_k_1", "tiny_top_p", "vanishing_temperature"])
+def test_draws_that_can_only_keep_the_most_likely_token_are_greedy(params):
     logits = torch.randn(500, 64, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
-    seqs = [sequence(str(s), temperature=2.0, top_k=1, seed=s) for s in range(500)]
-    assert [t.id for t in step(logits, seqs)] == logits.argmax(dim=-1).tolist()
-
-
-def test_a_tiny_top_p_keeps_only_the_most_likely_token():
-    logits = torch.randn(500, 64, generator=torch.Generator().manual_seed(1))  # [rows, vocab]
-    seqs = [sequence(str(s), temperature=2.0, top_p=1e-6, seed=s) for s in range(500)]
+    seqs = [sequence(str(s), **{"temperature": 2.0, **params}, seed=s) for s in range(500)]
     assert [t.id for t in step(logits, seqs)] == logits.argmax(dim=-1).tolist()
 
 
