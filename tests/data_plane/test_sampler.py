@@ -22,8 +22,8 @@ DRAWS = 20_000
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
 
 
-def sequence(name: str = "r", prompt: int = 3, **params) -> Sequence:
-    return Sequence(name, None, [1] * prompt, SamplingParams(**params), 10_000)
+def sequence(name: str = "r", **params) -> Sequence:
+    return Sequence(name, None, [1, 2, 3], SamplingParams(**params), 10_000)
 
 
 def step(logits: torch.Tensor, seqs: list[Sequence]) -> list:
