@@ -122,7 +122,8 @@ def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlan
 def profile_peak_bytes(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig, rank: int = 8) -> int:
     """The CUDA memory the pod's largest step needs at its peak, weights and adapter slots included: a
     step of --max-num-batched-tokens tokens over as many sequences as sample in one step (up to
-    --max-num-seqs), with a dummy adapter in every slot and the sequences spread over the slots."""
+    --max-num-seqs), with a dummy adapter in every slot and the sequences spread over the slots, every
+    one sampling with temperature, top-k, top-p and the most log-probabilities (the sampler's scratch)."""
     cache = lora.cache
     cache.fill_with_dummies(min(rank, lora.limits.max_rank))
     tokens = config.max_num_batched_tokens
@@ -133,7 +134,8 @@ def profile_peak_bytes(model: LlamaForCausalLM, lora: LoraRuntime, config: DataP
     runner = ModelRunner(model, lora, model.new_kv_cache(num_blocks, config.block_size), blocks, num_seqs, tokens)
     batch = []
     for i, n in enumerate(sizes):
-        seq = Sequence(f"profile-{i}", None, [0] * n, SamplingParams(), n + 1, slot=i % cache.max_loras)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
+        seq = Sequence(f"profile-{i}", None, [0] * n, params, n + 1, slot=i % cache.max_loras)
         blocks.allocate(seq, n)
         batch.append(ScheduledSeq(seq, n))
     torch.cuda.synchronize()

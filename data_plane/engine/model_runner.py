@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.sampler import sample
+from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.scheduler import ScheduledSeq
-from data_plane.engine.sequence import Sequence, TokenOut
+from data_plane.engine.sequence import TokenOut
 from data_plane.engine.step_inputs import SeqStep, StepInputBuilder, StepInputs
 from data_plane.engine.step_runner import EagerRunner, GraphRunner, StepRunner, decode_buckets
 from data_plane.lora.runtime import LoraRuntime
@@ -68,17 +68,19 @@ class ModelRunner:
                 sampled_positions.append(k)
         decode_only = len(token_ids) == len(steps)
         inputs = self.inputs.build(steps, token_ids, self.step_runner.padded_size(len(steps), decode_only))
-        return PreparedStep(inputs, order, sampled_seqs, sampled_positions)
+        sampling = SamplingBatch.build(sampled_seqs, self.device) if sampled_seqs else None
+        return PreparedStep(inputs, order, sampling, sampled_positions)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> list[TokenOut | None]:
         """The forward pass and sampling of a prepared step (on the model thread)."""
         hidden = self.step_runner.forward(step.inputs)
         out: list[TokenOut | None] = [None] * len(step.order)
-        if not step.sampled_seqs:
+        if step.sampling is None:
             return out
-        logits = self.model.logits(hidden.index_select(0, step.inputs.sample_rows)).cpu()
-        for k, tok in zip(step.sampled_positions, sample(logits, step.sampled_seqs), strict=True):
+        logits = self.model.logits(hidden.index_select(0, step.inputs.sample_rows))
+        # The one device->host copy of the step: the chosen tokens and the asked-for log-probabilities.
+        for k, tok in zip(step.sampled_positions, sample(logits, step.sampling).to_host(), strict=True):
             out[k] = tok
         return out
 
@@ -87,5 +89,5 @@ class ModelRunner:
 class PreparedStep:
     inputs: StepInputs
     order: list[int]  # batch position of each sequence in the step's (adapter-sorted) token order
-    sampled_seqs: list[Sequence]  # the sequence of each sampled row (its sampling parameters)
-    sampled_positions: list[int]  # the batch position of each of those rows
+    sampling: SamplingBatch | None  # each sampled row's parameters, on the device; None: nothing samples
+    sampled_positions: list[int]  # the batch position of each sampled row

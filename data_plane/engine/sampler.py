@@ -1,52 +1,238 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seeded; logprobs of the chosen token
-and the top alternatives under the model's unscaled distribution."""
+"""Choosing the next token of every sampling row of a step at once, on the logits' device.
+
+Contract:
+
+- ``SamplingBatch.build(seqs, device)``, once per step, reads each sequence's parameters and the
+  position of the token it samples, and makes the per-row tensors with at most one host->device copy
+  (none when every row is greedy). Its host facts (which rows draw, their top-k values, how many use
+  top-p, how many logprobs each row wants) are all that ``sample`` branches on.
+- ``sample(logits, batch)`` takes ``logits`` [rows, vocab] float32 on any device and returns a
+  ``Sampled`` of device tensors. It never synchronises with the host: no ``.item()``, ``.tolist()``,
+  ``.cpu()``, ``nonzero`` or shape that depends on values. Greedy rows (temperature 0) take the
+  argmax (the lowest id among equal logits). The others divide by their temperature; keep their
+  top-k logits (0 or k >= vocab: all; ties with the k-th kept); then keep the smallest prefix of the
+  distribution sorted by probability (ties: lower id first) whose mass reaches top_p, the token that
+  crosses it included (0 or 1: all; mass counted exactly in units of 2**-40); and draw from what is
+  left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the chosen
+  token's, and each row's top-n alternatives (most likely first).
+- ``Sampled.to_host()`` is the step's one device->host copy; it gives the engine's ``TokenOut`` list.
+
+Draws are counter-based, so a request's tokens do not depend on what shares its step, on which row it
+runs, or on a recomputation after preemption. The draw for the token at position ``counter`` (the
+sequence's ``num_tokens`` when it samples) of a request with 64-bit ``seed`` uses, for vocabulary id
+``j``, the uniform ``u_j = hash(seed, counter, j)``: 32-bit xor-shift-multiply mixing in int64 tensor
+ops (a 32-bit value times a multiplier below 2**31 stays below 2**63), the same bits on every device.
+The chosen id is ``argmax_j(scaled_j + g_j)`` over the kept ids, with ``g_j = -log(-log u_j)``
+(Gumbel-max). Why this is exact: the ``g_j`` are independent standard Gumbels, so ``scaled_j + g_j``
+is Gumbel with location ``scaled_j``, and the largest of independent Gumbels with locations ``l_j``
+falls on ``j`` with probability ``exp(l_j) / sum_i exp(l_i)``. (Equivalently: ``exp(-g_j)`` are
+independent Exp(1), and the argmax is the first of exponential clocks with rates ``p_j`` to ring.)
+Masked ids hold ``-inf`` and never win, so the draw follows softmax(logits / temperature) renormalised
+over the kept ids: exactly the distribution top-k and top-p define, up to the 2**-24 grid of the
+uniforms and the hash standing in for independent draws.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from data_plane.engine.sequence import Sequence, TokenOut
 
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31, chosen for avalanche (each input bit flips each output bit with
+# probability 1/2 within sampling noise, measured over random inputs).
+_MUL1, _MUL2 = 0x7FEB352D, 0x68E31DA5
+_SPREAD = 0x9E3779B9  # spreads consecutive vocabulary ids over 32 bits (id < 2**31: product < 2**63)
+_UNIFORM_BITS = 24  # what float32 holds exactly: u = (h >> 8 + 1/2) / 2**24 lies strictly inside (0, 1)
+# Temperatures are floored: a far smaller one could overflow float32 (logits / 1e-40), and at 1e-5 a
+# draw is already the argmax unless two logits lie within about 1e-4 of each other.
+_MIN_TEMPERATURE = 1e-5
+_MASS_BITS = 40  # top-p counts mass in units of 2**-40: a vocabulary's sum stays far below 2**63
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOut]:
-    """``logits``: [len(seqs), vocab] float32, one row per sequence that needs a next token."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
-    greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
-    chosen = [0] * len(seqs)
-    if greedy:  # one argmax over every greedy row
-        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
-            chosen[i] = tok
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            chosen[i] = _choose(logits[i], seq)
-    max_top = max((s.params.logprobs for s in seqs), default=0)
-    top_vals = top_ids = None
-    if max_top:
-        top_vals, top_ids = logprobs.topk(max_top, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    chosen_lp = logprobs[torch.arange(len(seqs)), torch.tensor(chosen)].tolist()
-    out = []
-    for i, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        top = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n else ()
-        out.append(TokenOut(chosen[i], chosen_lp[i], top))
-    return out
+# Rows of the packed per-row host tensor, one host->device copy. Floats travel as float64 bit patterns.
+# The top-p rows come first in their two rows, padded to the number of drawing rows.
+_ROW, _TOP_K, _SEED, _COUNTER, _TOP_P_ROW, _TEMPERATURE, _TOP_P = range(7)
 
 
-def _choose(row: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    scaled = row / p.temperature
-    if p.top_k:
-        kth = scaled.topk(min(p.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if 0.0 < p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if seq.generator is None:
-        seq.generator = torch.Generator()
-        seq.generator.manual_seed(p.seed if p.seed is not None else torch.seed())
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling inputs of one step. Device tensors cover only the rows that draw
+    (``draw_rows``), or of those only the ones that use top-p; host facts cost no synchronisation."""
+
+    num_rows: int
+    num_logprobs: tuple[int, ...]  # [rows] top alternatives each row asked for
+    top_ks: tuple[int, ...]  # [draws] each drawing row's top_k (0 = off), to size the top-k on the host
+    num_top_p: int  # drawing rows with 0 < top_p < 1
+    draw_rows: torch.Tensor  # [draws] int64: logits row of each non-greedy row, ascending
+    temperature: torch.Tensor  # [draws] float32, > 0
+    top_k: torch.Tensor  # [draws] int64, 0 = off
+    top_p_rows: torch.Tensor  # [num_top_p] int64: index among the drawing rows of each that uses top-p
+    top_p: torch.Tensor  # [num_top_p] float64, within (0, 1)
+    seed: torch.Tensor  # [draws] int64: the request's 64-bit seed in two's complement
+    counter: torch.Tensor  # [draws] int64: position of the token being sampled
+
+    @property
+    def num_draws(self) -> int:
+        return len(self.top_ks)
+
+    @property
+    def max_logprobs(self) -> int:
+        return max(self.num_logprobs, default=0)
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], device: torch.device | str) -> SamplingBatch:
+        """The batch for ``seqs``, one per logits row in that order, each about to sample the token
+        at position ``seq.num_tokens``."""
+        device = torch.device(device)
+        draws = [(i, s) for i, s in enumerate(seqs) if not s.params.greedy]
+        top_p = [(j, s.params.top_p) for j, (_, s) in enumerate(draws) if 0.0 < s.params.top_p < 1.0]
+        pad = [(0, 1.0)] * (len(draws) - len(top_p))
+        ints = [[i, s.params.top_k, _signed64(s.sampling_seed), s.num_tokens, j]
+                for (i, s), (j, _) in zip(draws, top_p + pad, strict=True)]
+        floats = [[max(s.params.temperature, _MIN_TEMPERATURE), p]
+                  for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
+        if draws:  # [7, draws]: one copy, then views; pinned on CUDA so the copy need not wait for the host
+            host = torch.empty(7, len(draws), dtype=torch.int64, pin_memory=device.type == "cuda")
+            host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
+            host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
+            packed = host.to(device, non_blocking=True)
+        else:  # every row greedy: nothing to copy
+            packed = torch.empty(7, 0, dtype=torch.int64, device=device)
+        floats_dev = packed[_TEMPERATURE:].view(torch.float64)  # [2, draws]
+        return cls(
+            num_rows=len(seqs),
+            num_logprobs=tuple(s.params.logprobs for s in seqs),
+            top_ks=tuple(s.params.top_k for _, s in draws),
+            num_top_p=len(top_p),
+            draw_rows=packed[_ROW],
+            temperature=floats_dev[0].float(),
+            top_k=packed[_TOP_K],
+            top_p_rows=packed[_TOP_P_ROW, : len(top_p)],
+            top_p=floats_dev[1, : len(top_p)],
+            seed=packed[_SEED],
+            counter=packed[_COUNTER],
+        )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One step's choices, on the logits' device until ``to_host``."""
+
+    ids: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor  # [rows] float32: log_softmax(logits) of the chosen id
+    top_ids: torch.Tensor  # [rows, max_logprobs] int64, most likely first
+    top_logprobs: torch.Tensor  # [rows, max_logprobs] float32
+    num_logprobs: tuple[int, ...]  # [rows] how many of the top alternatives each row returns
+
+    def to_host(self) -> list[TokenOut]:
+        """The tokens, one per row, after one device->host copy (float64 holds the ids exactly)."""
+        n = self.top_ids.shape[1]
+        packed = torch.cat([self.ids[:, None].double(), self.logprobs[:, None].double(),
+                            self.top_ids.double(), self.top_logprobs.double()], dim=1)  # [rows, 2 + 2n]
+        out = []
+        for row, k in zip(packed.tolist(), self.num_logprobs, strict=True):
+            top = tuple((int(row[2 + j]), row[2 + n + j]) for j in range(k))
+            out.append(TokenOut(int(row[0]), row[1], top))
+        return out
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+    """The next token of each row of ``logits`` [rows, vocab] float32 under ``batch``'s parameters
+    (see the module's contract), with no host synchronisation."""
+    rows, vocab = logits.shape
+    if rows != batch.num_rows:
+        raise ValueError(f"logits have {rows} rows but the sampling batch was built for {batch.num_rows}")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
+    row_max, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
+    if 0 < batch.num_draws == rows:  # draw_rows is every row, in order
+        ids = _draw(logits, batch, vocab)[:, None]
+    elif batch.num_draws:
+        drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
+        ids = ids.index_copy_(0, batch.draw_rows, drawn)
+    # log_softmax's own formula, (logit - max) - log(sum(exp(logits - max))), for the few entries returned.
+    log_sum = (logits - row_max).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
+    chosen = (logits.gather(1, ids) - row_max - log_sum)[:, 0]  # [rows]
+    top_logits, top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1)  # [rows, max_logprobs]
+    return Sampled(ids[:, 0], chosen, top_ids, top_logits - row_max - log_sum, batch.num_logprobs)
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tensor:
+    """[draws] ids drawn from ``logits`` [draws, vocab] (the drawing rows) after temperature, top-k, top-p."""
+    scaled = logits / batch.temperature[:, None]  # [draws, vocab]
+    k_max = max((k for k in batch.top_ks if 0 < k < vocab), default=0)
+    if k_max:
+        on = (batch.top_k > 0) & (batch.top_k < vocab)  # [draws]
+        kth = scaled.topk(k_max, dim=-1).values.gather(1, (batch.top_k.clamp(1, k_max) - 1)[:, None])
+        kth = kth.masked_fill(~on[:, None], float("-inf"))  # [draws, 1]: off rows keep everything
+        scaled.masked_fill_(scaled < kth, float("-inf"))
+    if batch.num_top_p:
+        nucleus = scaled.index_select(0, batch.top_p_rows)  # [num_top_p, vocab]
+        keep = _nucleus(nucleus.softmax(dim=-1), batch.top_p)
+        scaled.index_copy_(0, batch.top_p_rows, nucleus.masked_fill_(~keep, float("-inf")))
+    return scaled.add_(_gumbel(batch.seed, batch.counter, vocab)).max(dim=-1).indices
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] bool: the smallest prefix of each row of ``probs`` [rows, vocab], ordered by
+    probability (ties: lower id first), whose mass reaches the row's ``top_p`` [rows], the crossing
+    token included.
+
+    Without a sort (a CPU sorts a vocabulary in milliseconds a row): a radix select finds the crossing
+    token's float32 bit pattern (monotonic in p >= 0, and below 2**30 for p <= 1) ten bits at a time,
+    from per-row histograms of mass over the next ten bits. Masses are counted in int64 units of
+    2**-40 (each token's rounded once), so every sum is exact, in any order, on any device: the cut
+    depends neither on summation order nor on the batch. Large temporaries are reused in place, as a
+    CPU spends more on fresh [rows, vocab] tensors than on the arithmetic.
+    """
+    rows = probs.shape[0]
+    bits = probs.view(torch.int32).long()  # [rows, vocab]
+    mass = (probs * 2.0**_MASS_BITS).round_().long()  # [rows, vocab]: exact, float32 scaled by a power of 2
+    target = (top_p * 2.0**_MASS_BITS).round_().long().clamp_(min=1)[:, None]  # [rows, 1]: the top token always
+    prefix = torch.zeros(rows, 1, dtype=torch.int64, device=probs.device)  # crossing token's bits found so far
+    bucket = torch.empty_like(bits)  # [rows, vocab]
+    for shift in (20, 10, 0):
+        # Buckets: 0 = ranked below the tokens that share the prefix, 1..1024 = those by their next ten
+        # bits, 1025 = ranked above them.
+        below = ((prefix >> (shift + 10)) << 10) - 1  # [rows, 1]
+        torch.bitwise_right_shift(bits, shift, out=bucket).sub_(below).clamp_(0, 1025)
+        hist = torch.zeros(rows, 1026, dtype=torch.int64, device=probs.device).scatter_add_(1, bucket, mass)
+        before = hist.flip(-1).cumsum(-1).flip(-1) - hist  # [rows, 1026]: mass ranked above each bucket
+        # the crossing bucket: the lowest whose tokens still start before the target mass
+        crossing = ((before < target) & (hist > 0)).byte().argmax(dim=-1, keepdim=True)  # [rows, 1]
+        prefix |= (crossing - 1) << shift
+        above = before.gather(1, crossing)  # [rows, 1]
+    tie = bits == prefix  # [rows, vocab]: the crossing token's probability; these are kept in id order
+    tie_mass = mass.masked_fill_(~tie, 0)
+    tie_before = bucket.copy_(tie_mass).cumsum_(dim=-1).sub_(tie_mass)
+    return (tie_before < target - above).logical_and_(tie).logical_or_(bits > prefix)
+
+
+def _gumbel(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[draws, vocab] float32 standard Gumbel noise, a function of (seed, counter, vocabulary id) only."""
+    hi, lo = (seed >> 32) & _MASK32, seed & _MASK32  # [draws] each: the seed's two 32-bit halves
+    key = _mix32_(hi ^ _mix32_(lo ^ _mix32_(counter & _MASK32)))  # [draws]: distinct for distinct counters
+    spread = (torch.arange(vocab, device=seed.device) * _SPREAD) & _MASK32  # [vocab]
+    h = torch.bitwise_xor(key[:, None], spread[None, :])  # [draws, vocab]
+    h = _mix32_(h)  # a bijection of the id within each row
+    u = h.bitwise_right_shift_(32 - _UNIFORM_BITS).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    return u.log_().neg_().log_().neg_()
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """Mixes ``x``, 32-bit values held in int64, in place: a bijection, each output bit depending on
+    every input bit. In place with one scratch buffer, as fresh [draws, vocab] tensors cost a CPU more
+    than the arithmetic."""
+    tmp = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+
+
+def _signed64(seed: int) -> int:
+    """A 64-bit unsigned seed as the int64 with the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

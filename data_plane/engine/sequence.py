@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from data_plane.errors import InvalidRequest
 
@@ -29,7 +28,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
-    seed: int | None = None
+    seed: int | None = None  # 64-bit; None = a random one per request
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     ignore_eos: bool = False
@@ -45,6 +44,8 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be within [0, 20], got {self.logprobs}")
         if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
             raise InvalidRequest("stop takes at most 16 non-empty strings of at most 256 characters")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise InvalidRequest(f"seed must be within [0, 2**64), got {self.seed}")
         if self.max_tokens < 0:
             raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
 
@@ -76,10 +77,15 @@ class Sequence:
     kv_row: int = -1  # its row of the block manager's table while it holds blocks
     slot: int = -1  # adapter slot while running, -1 = base model
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
+    # The key of every draw this request makes (with the token's position as the counter): its seed if
+    # given, else a random one, so that a recomputation after preemption draws the same tokens again.
+    sampling_seed: int = field(init=False)
     first_scheduled: float | None = None  # time.monotonic() of its first admission
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
 
     @property
     def all_ids(self) -> list[int]:

@@ -86,7 +86,8 @@ def test_the_gpu_path_computes_what_the_cpu_path_computes_without_host_syncs(gra
             logits.append(rows.clone())
             for item in batch:
                 item.seq.num_computed += item.num_new
-            for k, seq in enumerate(prepared.sampled_seqs):  # both paths continue with the CPU path's tokens
+            sampled = [batch[k].seq for k in prepared.sampled_positions]
+            for k, seq in enumerate(sampled):  # both paths continue with the CPU path's tokens
                 seq.output_ids.append(int(outputs[False][len(logits) - 1][k].argmax()) if gpu_path
                                       else int(rows[k].argmax()))
         outputs[gpu_path] = logits
