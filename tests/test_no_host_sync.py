@@ -1,5 +1,5 @@
 """Nothing in a forward pass waits on the device: the model, its attention backends, the LoRA layers,
-the GPU LoRA backend, the step runners and every Triton launcher call no ``.item()``, ``.tolist()``,
+the GPU LoRA backend, the step runners, the sampler and every Triton launcher call no ``.item()``, ``.tolist()``,
 ``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not capture such a call, and
 eagerly each one stalls the host until the GPU drains.) tests/kernels/test_forward_on_gpu_path.py runs
 the same path under the Triton interpreter and fails on the syncing ops the dispatcher sees."""
@@ -24,6 +24,7 @@ FORWARD_PATH = {
     "kernels/lora_shrink.py": ["*"],
     "kernels/lora_expand.py": ["*"],
     "kernels/lora_launch.py": ["*"],
+    "data_plane/engine/sampler.py": ["sample", "_draw", "_nucleus", "_gumbel", "_mix32_"],
     "data_plane/engine/step_runner.py": ["EagerRunner.forward", "GraphRunner.forward", "GraphRunner._bounded",
                                          "forward_batch"],
 }
