@@ -1,8 +1,10 @@
 """Host time of a decode step, everything but the forward: scheduling, building the step's inputs
-(metadata, one upload), sampling and the copy of the chosen tokens back, on CPU.
+(metadata, one upload) and the copy of the chosen tokens back, on CPU; and apart from it, sampling.
 
 A tiny model (1 layer, hidden 64) with the demo model's vocabulary (49,152) keeps the forward cheap;
-its time (the model's forward and the output projection) is measured and taken out of each step.
+its time (the model's forward and the output projection) is measured and taken out of each step, and
+so is the time inside ``sample`` (the sampler's compute, which a GPU pod runs on the device), which is
+reported on its own.
 Sequences sit at a context of 512 tokens; half of them sample at temperature 0.8 with top-p 0.9 and a
 seed, half greedily. One torch thread.
 
@@ -18,6 +20,7 @@ import time
 import torch
 from processes import cpu_model, load_average  # benchmarks/processes.py
 
+from data_plane.engine import model_runner
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import Scheduler, SchedulerLimits
@@ -39,9 +42,10 @@ def tiny_model() -> LlamaForCausalLM:
     return model.eval()
 
 
-def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> list[float]:
-    """Per step: wall time of schedule -> run -> postprocess minus the time inside the model's forward
-    and output projection, in milliseconds (the first five steps are left out)."""
+def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> tuple[list[float], list[float]]:
+    """Per step, in milliseconds (the first five steps left out): the wall time of schedule -> run ->
+    postprocess minus the time inside the model's forward, output projection and sampler; and the
+    sampler's time."""
     lora = LoraRuntime(model, 4, 8, 8, 4096, ())
     per_seq = -(-(CONTEXT + steps + 5) // BLOCK)
     blocks = BlockManager(batch_size * per_seq, BLOCK, batch_size, per_seq)
@@ -53,33 +57,36 @@ def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> list[float]
         blocks.allocate(seq, CONTEXT)
         seq.num_computed, seq.status = CONTEXT - 1, SequenceStatus.RUNNING
         scheduler.running.append(seq)
-    inside = [0.0]
-    forward, logits = model.forward, model.logits
+    inside = {"model": 0.0, "sample": 0.0}
+    forward, logits, sample = model.forward, model.logits, model_runner.sample
 
-    def timed(fn):
+    def timed(fn, key: str):
         def run(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                inside[0] += time.perf_counter() - started
+                inside[key] += time.perf_counter() - started
         return run
 
-    model.forward, model.logits = timed(forward), timed(logits)
-    out = []
+    model.forward, model.logits = timed(forward, "model"), timed(logits, "model")
+    model_runner.sample = timed(sample, "sample")
+    host, sampling = [], []
     try:
         for step in range(steps + 5):
-            inside[0] = 0.0
+            inside["model"] = inside["sample"] = 0.0
             started = time.perf_counter()
             batch = scheduler.schedule()
             for item, tok in zip(batch, runner.run(batch), strict=True):
                 item.seq.num_computed += item.num_new
                 item.seq.output_ids.append(tok.id)
             if step >= 5:
-                out.append((time.perf_counter() - started - inside[0]) * 1e3)
+                host.append((time.perf_counter() - started - inside["model"] - inside["sample"]) * 1e3)
+                sampling.append(inside["sample"] * 1e3)
     finally:
         del model.forward, model.logits
-    return out
+        model_runner.sample = sample
+    return host, sampling
 
 
 def main() -> None:
@@ -91,11 +98,13 @@ def main() -> None:
     model = tiny_model()
     print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, torch {torch.__version__}, load average {load_average()}; "
           f"context {CONTEXT}, {args.steps} steps each\n")
-    print("| batch | host ms p50 | host ms p90 |")
-    print("|---|---|---|")
+    print("| batch | host ms p50 | host ms p90 | sampling ms p50 |")
+    print("|---|---|---|---|")
     for batch_size in args.batches:
-        times = sorted(host_ms(model, batch_size, args.steps))
-        print(f"| {batch_size} | {statistics.median(times):.2f} | {times[int(0.9 * len(times))]:.2f} |")
+        host, sampling = host_ms(model, batch_size, args.steps)
+        host.sort()
+        print(f"| {batch_size} | {statistics.median(host):.2f} | {host[int(0.9 * len(host))]:.2f} | "
+              f"{statistics.median(sampling):.2f} |")
 
 
 if __name__ == "__main__":
