@@ -319,7 +319,8 @@ class Engine:
         decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
         for size in sorted({b for b in cpu_linear.ROW_BUCKETS if b < n} | {n}):
             self._warm_up_step([ScheduledSeq(seq, 1) for seq in decodes[:size]])
-        chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size)
+        chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size,
+                    self.limits.max_model_len)
         # A step that mixes a prefill chunk with decodes can have any row count up to the chunk: the row
         # buckets past a full batch would otherwise first meet oneDNN mid-serving (a kernel built then,
         # and memory that grows under load).
