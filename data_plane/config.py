@@ -56,6 +56,7 @@ class DataPlaneConfig:
     kv_cache_bytes: int = 0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    prefix_caching: bool = True  # full KV blocks kept and reused by prompts that begin alike
     drain_grace_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
@@ -153,6 +154,7 @@ class DataPlaneConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_bytes=args.kv_cache_bytes, enforce_eager=args.enforce_eager,
+            prefix_caching=not args.no_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
             max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
@@ -235,6 +237,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of GPU memory the pod may use (model, adapters, activations, KV cache) "
                         f"(default {d.gpu_memory_utilization})")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: full KV blocks are kept and reused by later prompts "
+                        "that begin with the same tokens under the same adapter content and precision)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly on CUDA (default: decode steps replay CUDA graphs captured at "
                         "start-up per batch-size bucket)")

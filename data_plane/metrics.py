@@ -82,6 +82,20 @@ class _StateCollector:
         preemptions = CounterMetricFamily("lorafleet_preemptions", "Sequences preempted for lack of KV blocks.")
         preemptions.add_metric([], s.preemptions)
         yield preemptions
+        if s.prefix is not None:
+            p = s.prefix
+            yield GaugeMetricFamily("lorafleet_prefix_cache_blocks", "Full KV blocks the prefix cache can find.",
+                                    value=p.cached_blocks)
+            for name, doc, value in (
+                ("lorafleet_prefix_cache_queried_tokens", "Prompt tokens of admitted requests looked up in the "
+                 "prefix cache.", p.queried_tokens),
+                ("lorafleet_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed); "
+                 "its rate over the queried tokens' is the hit rate.", p.hit_tokens),
+                ("lorafleet_prefix_cache_evictions", "Cached KV blocks given to another use.", p.evictions),
+            ):
+                counter = CounterMetricFamily(name, doc)
+                counter.add_metric([], value)
+                yield counter
         # One series per resident adapter: bounded by --max-cpu-loras.
         resident = GaugeMetricFamily("lorafleet_adapter_resident", "Resident adapters (2 = device slot, 1 = CPU).",
                                      labels=["adapter", "pinned"])

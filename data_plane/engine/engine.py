@@ -23,7 +23,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
-from data_plane.engine.state import EngineState
+from data_plane.engine.state import EngineState, PrefixState
 from data_plane.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -81,23 +81,29 @@ class _Stream:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
                  resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
-                 policy: Policy = Policy.FAIR, cuda_graphs: bool = False) -> None:
+                 policy: Policy = Policy.FAIR, cuda_graphs: bool = False, prefix_caching: bool = True,
+                 precision: str | None = None) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
-        decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model)."""
+        decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model); ``prefix_caching``:
+        full KV blocks are kept and reused by requests whose prompts begin alike, keyed also by
+        ``precision`` (default: the weights' dtype) and each adapter's content."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
         self.limits = limits
         self.metrics = metrics
         max_blocks_per_seq = min(limits.num_kv_blocks, -(-limits.max_model_len // limits.block_size))
-        self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size, limits.max_num_seqs, max_blocks_per_seq)
+        self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size, limits.max_num_seqs, max_blocks_per_seq,
+                                   prefix_caching)
+        self.precision = precision or str(model.embed_tokens.weight.dtype).removeprefix("torch.")
         self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size), self.blocks,
                                   limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
-                                   self.blocks, lora.cache, self.adapters.is_resident, weights, policy)
+                                   self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
+                                   self._prefix_salt)
         self.delays = DelayEstimator(limits.max_num_seqs, limits.max_num_batched_tokens)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
@@ -224,6 +230,11 @@ class Engine:
                 self.abort(stream.seq.request_id, error)
         self._wakeup.set()
 
+    def _prefix_salt(self, adapter: str | None) -> str:
+        """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision
+        and its adapter's content (the sha256 of its weights), so no block is shared across either."""
+        return f"{self.precision}/{'' if adapter is None else self.lora.cache.get(adapter).sha256}"
+
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
@@ -277,7 +288,8 @@ class Engine:
             seq = item.seq
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed += item.num_new
+            seq.num_computed += item.num_cached + item.num_new
+            self.blocks.cache_full_blocks(seq)
             if tok is None:
                 continue
             seq.output_ids.append(tok.id)
@@ -349,5 +361,12 @@ class Engine:
             slots=cache.slot_usage(), cpu=cache.cpu_usage(), adapters=tuple(cache.list()), loads=loads,
             evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
             waiting=self.scheduler.num_waiting, kv_usage=self.blocks.usage,
-            preemptions=self.scheduler.num_preemptions,
+            preemptions=self.scheduler.num_preemptions, prefix=self._prefix_state(),
         )
+
+    def _prefix_state(self) -> PrefixState | None:
+        prefix = self.blocks.prefix
+        if prefix is None:
+            return None
+        st = prefix.stats
+        return PrefixState(prefix.num_cached, st.queried_tokens, st.hit_tokens, st.evictions)

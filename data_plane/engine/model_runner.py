@@ -59,7 +59,7 @@ class ModelRunner:
         steps, token_ids, sampled_seqs, sampled_positions = [], [], [], []
         for k in order:  # the one walk over the step's sequences; everything per token is tensor ops
             seq, num_new = batch[k].seq, batch[k].num_new
-            start = seq.num_computed
+            start = seq.num_computed + batch[k].num_cached
             samples = start + num_new == seq.num_tokens
             steps.append(SeqStep(seq.kv_row, start, num_new, seq.slot, samples))
             token_ids += seq.token_slice(start, start + num_new)

@@ -51,11 +51,12 @@ from data_plane.lora.adapter_cache import AdapterCache
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens computed for it this step
+    num_cached: int = 0  # tokens after its computed ones found in the prefix cache at admission (not computed)
 
     @property
     def samples(self) -> bool:
         """True when this step completes the sequence's known tokens, so it gets a next token."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_cached + self.num_new == self.seq.num_tokens
 
 
 _NOBODY = object()  # no tenant (None is the base model's name)
@@ -77,9 +78,11 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
-                 policy: Policy = Policy.FAIR) -> None:
+                 policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "") -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
-        under the FAIR policy."""
+        under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
+        tokens (its adapter's content and the pod's precision)."""
+        self._salt = salt
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -189,9 +192,13 @@ class Scheduler:
             if not self._can_run(tenant):
                 passed.add(tenant)
                 continue
-            num_new = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_allocate(seq, num_new):
+            num_cached = self.blocks.match_prefix(seq, self._salt(tenant))
+            num_new = min(seq.num_uncomputed - num_cached, budget)
+            if not self.blocks.can_allocate(seq, num_cached + num_new):
+                self.blocks.free(seq)  # the matched blocks go back, still cached
                 break  # the next request in fair order keeps its turn for KV blocks
+            if self.blocks.prefix is not None:
+                self.blocks.prefix.record_lookup(seq.num_tokens, num_cached)
             if tenant is not None:
                 seq.slot = self.cache.acquire(tenant)
                 self._reserved.pop(tenant, None)
@@ -200,7 +207,7 @@ class Scheduler:
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
             self.running.append(seq)
-            budget -= self._take(batch, seq, num_new)
+            budget -= self._take(batch, seq, num_new, num_cached)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -269,9 +276,9 @@ class Scheduler:
     def _admissible(self, seq: Sequence) -> bool:
         return seq.adapter is None or self._adapter_ready(seq.adapter)
 
-    def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int) -> int:
-        self.blocks.allocate(seq, num_new)
-        batch.append(ScheduledSeq(seq, num_new))
+    def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int, num_cached: int = 0) -> int:
+        self.blocks.allocate(seq, num_cached + num_new)
+        batch.append(ScheduledSeq(seq, num_new, num_cached))
         self.shares.charge(seq.adapter, num_new)
         return num_new
 

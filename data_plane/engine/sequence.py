@@ -75,6 +75,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     kv_row: int = -1  # its row of the block manager's table while it holds blocks
+    cache_salt: str = ""  # what its cached blocks are keyed under besides their tokens (adapter content, precision)
+    prefix_ids: list[int] = field(default_factory=list)  # content id of each leading full block in the prefix cache
     slot: int = -1  # adapter slot while running, -1 = base model
     finish_reason: FinishReason | None = None
     # The key of every draw this request makes (with the token's position as the counter): its seed if

@@ -23,3 +23,12 @@ class EngineState:
     waiting: int  # requests queued for admission
     kv_usage: float  # fraction of KV-cache blocks in use
     preemptions: int  # sequences preempted for lack of KV blocks so far
+    prefix: PrefixState | None = None  # the prefix cache's counts; None without prefix caching
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    cached_blocks: int  # full KV blocks findable by their tokens
+    queried_tokens: int  # prompt tokens of admitted requests looked up so far
+    hit_tokens: int  # of those, found cached (not computed)
+    evictions: int  # cached blocks given to another use so far

@@ -172,3 +172,30 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
     assert "after its deadline" in str(refused) and 0.05 <= refused.retry_after_s <= 60
     assert state == (1, 1)  # the refused request was never queued; the one without a deadline is
     assert counts == (1, 1, 0)
+
+
+def test_a_cached_prefix_gives_the_tokens_a_cold_prefill_gives(demo_model_dir):
+    system = ("You are a careful assistant for a shipping company. Answer in two short sentences, name the "
+              "port, and never invent tracking numbers. ") * 3
+
+    async def run(prefix_caching: bool):
+        engine = engine_for(demo_model_dir, max_loras=2, max_cpu_loras=2, prefix_caching=prefix_caching)
+        try:
+            out = {}
+            for adapter in (None, DEMO_ADAPTERS[0]):
+                first = engine.tokenizer.encode(system + "Where is my parcel from Oslo?")
+                second = engine.tokenizer.encode(system + "When does the ferry to Bergen leave?")
+                out[adapter, "first"] = await tokens_of(engine, first, 12, adapter)
+                out[adapter, "second"] = await tokens_of(engine, second, 12, adapter)
+            shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+            return out, engine.snapshot().prefix, shared
+        finally:
+            await engine.stop()
+
+    cold, no_cache, _ = asyncio.run(run(False))
+    warm, prefix, shared = asyncio.run(run(True))
+    assert no_cache is None
+    assert warm == cold
+    # each second prompt found the full blocks of the tokens it shares with the first (base model, adapter)
+    assert shared >= 48 and prefix.hit_tokens == 2 * (shared // 16) * 16
+    assert prefix.cached_blocks > 0 and prefix.queried_tokens > prefix.hit_tokens
