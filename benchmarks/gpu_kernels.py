@@ -1,7 +1,7 @@
 """The decode step's two memory-bound kernels against the time to read the bytes they touch:
 multi-adapter LoRA (shrink + expand, ``kernels.lora_shrink`` / ``kernels.lora_expand``) over one
-decoder layer's four LoRA projections, and paged attention (``kernels.paged_attention``) over one
-layer's KV cache. Every row is first checked against a torch reference on the same inputs.
+decoder layer's four LoRA projections, and paged decode attention (``kernels.paged_attention``) over
+one layer's KV cache. Every row is first checked against ``kernels.reference`` on the same inputs.
 
 On CUDA each op is replayed from a CUDA graph, as the decode step runs it; on a CPU the Triton
 kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by gpu.py before they are
@@ -19,7 +19,8 @@ from kernels import reference
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import LoraMetaBuilder
 from kernels.lora_shrink import lora_shrink
-from tests.tolerances import RTOL, eps, sum_atol, tolerances
+from kernels.paged_attention import paged_attention
+from tests.tolerances import RTOL, eps, magnitude, sum_atol, tolerances
 
 
 def layer_projections(config: dict) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -112,63 +113,50 @@ def lora_rows(clock: Clock, config: dict, dtype: torch.dtype, ranks: list[int], 
     return rows
 
 
-def paged_attention_kernel():
-    """``kernels.paged_attention.paged_attention``, or the reason it cannot be imported."""
-    try:
-        from kernels.paged_attention import paged_attention
-    except ImportError as e:
-        return None, f"kernels.paged_attention.paged_attention is missing ({e})"
-    return paged_attention, ""
-
-
 def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list[int], context: int,
                    block_size: int, gbs: float) -> list[dict]:
-    """One row per batch: decode attention (one query per sequence over ``context`` cached tokens) of one
-    layer, checked against gather + softmax in float32, then timed against its bytes floor.
-
-    The call this benchmark makes, which the kernel's launcher must accept::
-
-        out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        # q: [seqs, heads, head_dim]; k_cache, v_cache: [num_blocks * block_size, kv_heads, head_dim]
-        # (one layer of the pod's cache); block_tables: [seqs, max_blocks] int32; seq_lens: [seqs] int32,
-        # the context of each query, its own key and value included; out: [seqs, heads, head_dim]
-    """
-    kernel, missing = paged_attention_kernel()
-    if kernel is None:
-        raise ImportError(missing)
+    """One row per batch: decode attention of one layer (one query per sequence over ``context`` cached
+    tokens, blocks scattered over the cache), checked against ``kernels.reference.paged_attention``,
+    then timed against its bytes floor."""
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    scale, dev, rows = head_dim**-0.5, clock.device, []
+    dev, rows = clock.device, []
     per_seq = math.ceil(context / block_size)
+    kwargs = dict(block_size=block_size, scale=head_dim**-0.5, window=None, max_query_len=1, max_seq_len=context)
     for seqs in batches:
         num_blocks = seqs * per_seq + 1
-        k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)
+        k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)  # [slots, kv, d]
         v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)
-        # blocks scattered over the cache, as a pod's are after some traffic
         tables = torch.randperm(num_blocks, device=dev)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
-        seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=dev)
-        q = torch.randn(seqs, heads, head_dim, device=dev).to(dtype)
-
-        def call(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_lens=seq_lens):
-            return kernel(q, k_cache, v_cache, tables, seq_lens, scale)
-
-        keys = k_cache.view(num_blocks, block_size, kv_heads, head_dim)[tables.long()]
-        values = v_cache.view(num_blocks, block_size, kv_heads, head_dim)[tables.long()]
-        keys = keys.reshape(seqs, -1, kv_heads, head_dim)[:, :context].float().repeat_interleave(heads // kv_heads, 2)
-        values = values.reshape(seqs, -1, kv_heads, head_dim)[:, :context].float()
-        weights = torch.einsum("shd,schd->shc", q.float(), keys).mul(scale).softmax(-1)  # [seqs, heads, context]
-        expected = torch.einsum("shc,schd->shd", weights, values.repeat_interleave(heads // kv_heads, 2))
-        # Scores are float32 sums of head_dim products (|q|·|k|·scale each); a score off by δ scales a
-        # weight by e^±δ, moving the output by up to 2δ·max|v|; weights rounded to the dtype before P·V
-        # (as flash-style kernels do) add eps·max|v|; P·V itself is a float32 sum of `context` terms.
-        v_max = v_cache.float().abs().max().item()
-        score_err = sum_atol(head_dim, head_dim * q.float().abs().max().item() * k_cache.float().abs().max().item()
-                             * scale)
-        atol = v_max * (2 * score_err + eps(dtype)) + sum_atol(context, v_max)
-        err, ok = _within(call(), expected, RTOL[dtype], atol)
-        ms, how = clock.replay_ms(call)
+        seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=dev)  # [seqs]
+        query_start = torch.arange(seqs + 1, dtype=torch.int32, device=dev)  # [seqs + 1], one query each
+        q = torch.randn(seqs, heads, head_dim, device=dev).to(dtype)  # [seqs, heads, head_dim]
+        out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+        expected = torch.full_like(q, float("nan"))
+        args = (q, k_cache, v_cache, tables, seq_lens, query_start)
+        paged_attention(*args, out, **kwargs)
+        reference.paged_attention(*args, expected, **kwargs)
+        atol = _attention_atol(q, k_cache, v_cache, kwargs["scale"], context)
+        err, ok = _within(out, expected, RTOL[dtype], atol)
+        ms, how = clock.replay_ms(lambda args=args, out=out: paged_attention(*args, out, **kwargs))
         # keys and values read, queries read and outputs written, block tables and lengths read
         moved = q.element_size() * 2 * seqs * (context * kv_heads + heads) * head_dim + 4 * (tables.numel() + seqs)
         floor = moved / gbs / 1e6
         rows.append({"batch": seqs, "context": context, "ms": ms, "floor_ms": floor, "ratio": ms / floor,
                      "timed": how, "max_err": err, "atol": atol, "ok": ok})
     return rows
+
+
+def _attention_atol(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, context: int) -> float:
+    """The kernel tests' bound (tests/kernels/test_paged_attention.py): a score is a sum of head_dim
+    products (+3 roundings) that the two sides may round apart by ``delta``, moving a softmax weight by a
+    factor within exp(±2·delta); the GPU's exp2 adds 2 ulps of float32 to each weight and each split's
+    rescaling; fp16/bf16 weights are rounded to that dtype before they meet the values; all relative to
+    max|v|; plus the L-term float32 sums of the weights and the weighted values."""
+    # Σ_d |q_d|·|k_d| <= Σ_d |q_d| · max|k|: a bound on every score's Σ|terms| without the [q × k] product
+    score_scale = scale * q.float().abs().sum(-1).max().item() * k_cache.float().abs().max().item()
+    delta = sum_atol(q.shape[-1] + 3, score_scale)
+    weights = math.expm1(2 * delta) + 8 * eps(torch.float32)
+    if q.dtype != torch.float32:
+        weights += eps(q.dtype) + context * torch.finfo(q.dtype).smallest_normal * eps(q.dtype)
+    v_max = magnitude(v_cache)
+    return weights * v_max + sum_atol(2 * (context + 1), v_max)

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_pods import Request  # benchmarks/gpu_pods.py
 
 from data_plane.engine.sequence import TokenOut
 from tests.tolerances import LOGITS_K, eps, logits_atol, longest_sum, magnitude
@@ -28,9 +27,12 @@ class Reference:
         self.device = device
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device).eval()
         self.config = base.config
-        self.model = PeftModel.from_pretrained(base, root / names[0], adapter_name=names[0])
+        # Adapters stay in the checkpoint's dtype, as the pod keeps them (peft would upcast them to float32).
+        self.model = PeftModel.from_pretrained(base, root / names[0], adapter_name=names[0],
+                                               autocast_adapter_dtype=False)
         for name in names[1:]:
-            self.model.load_adapter(root / name, adapter_name=name, low_cpu_mem_usage=True)
+            self.model.load_adapter(root / name, adapter_name=name, low_cpu_mem_usage=True,
+                                    autocast_adapter_dtype=False)
         self.model.eval()
 
     def logprobs(self, adapter: str | None, ids: list[int]) -> tuple[torch.Tensor, float]:
@@ -46,7 +48,7 @@ class Reference:
                 logits = self.model(x).logits[0].float().cpu()
         return torch.log_softmax(logits, dim=-1), magnitude(logits)
 
-    def generate(self, requests: list[Request], new_tokens: int, pad_id: int) -> float:
+    def generate(self, requests: list[tuple[list[int], str | None]], new_tokens: int, pad_id: int) -> float:
         """Seconds of one greedy ``generate`` over all ``requests`` as one left-padded batch, each row
         with its own adapter, exactly ``new_tokens`` new tokens per row (after an untimed small one)."""
         width = max(len(ids) for ids, _ in requests)
