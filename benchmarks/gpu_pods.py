@@ -59,7 +59,9 @@ async def running_pod(config: DataPlaneConfig) -> AsyncIterator[Engine]:
     """The pod's engine, built (model loaded, KV cache sized, warmed up) on a device freed of earlier
     pods, and started; stopped on exit. Keep no reference to it past the block: ``free_device`` then
     gives its memory back."""
-    free_device(config.device)
+    held = free_device(config.device)
+    if held:  # a pod or a benchmark before this one left tensors referenced: this pod gets less KV cache
+        print(f"note: {held / 2**30:.2f} GiB of device memory still allocated before this pod's start", flush=True)
     engine = await asyncio.to_thread(build_engine, config, PodMetrics())
     engine.start()
     try:
