@@ -2,10 +2,11 @@
 
 Benchmarks at a production model's size need its shapes, not its weights: a checkpoint of
 Llama-3-8B's shape with random weights costs the same to serve. ``write_random_model`` writes one
-(config, sharded safetensors, the demo model's tokenizer) that both our loader and transformers
-read; ``write_random_adapter`` writes a peft LoRA on all seven projections. The vocabulary is the
-demo tokenizer's (49,152 entries), since no other tokenizer ships offline; the output head is
-therefore smaller than Llama-3's 128,256 rows and everything else is the named shape.
+(config, sharded safetensors, a tokenizer) that both our loader and transformers read;
+``write_random_adapter`` writes a peft LoRA on all seven projections. By default the tokenizer and
+vocabulary are the demo model's (49,152 entries), so that prompts are real text; the output head is
+then smaller than Llama-3's 128,256 rows and everything else is the named shape. benchmarks/gpu.py
+passes its own byte-level tokenizer and the full vocabulary instead (benchmarks/gpu_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ def _block(module: str) -> str:
 
 
 def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int = 0, device: str = "cpu",
-                       shard_bytes: int = SHARD_BYTES, tokenizer_dir: Path | None = None) -> Path:
-    """A checkpoint of ``preset``'s shape (vocabulary: the demo tokenizer's) with N(0, 0.02) weights,
-    unit norms and an untied head, in ``dtype``, in shards of at most ``shard_bytes`` (or one
-    tensor); random numbers are drawn on ``device`` (a GPU draws 8B of them in seconds). Returns
-    ``target``. ``tokenizer_dir``: where the demo model's tokenizer and config files are (default:
-    the installed demo model)."""
+                       shard_bytes: int = SHARD_BYTES, tokenizer_dir: Path | None = None,
+                       vocab_size: int = DEMO_VOCAB) -> Path:
+    """A checkpoint of ``preset``'s shape with a ``vocab_size`` vocabulary (default: the demo
+    tokenizer's), N(0, 0.02) weights, unit norms and an untied head, in ``dtype``, in shards of at
+    most ``shard_bytes`` (or one tensor); random numbers are drawn on ``device`` (a GPU draws 8B of
+    them in seconds). Returns ``target``. ``tokenizer_dir``: where the tokenizer files and a
+    config.json with its special token ids are (default: the installed demo model's)."""
     demo = tokenizer_dir or ensure_demo_model(quiet=True)
     demo_config = json.loads((demo / "config.json").read_text())
-    config = {**preset, "model_type": "llama", "vocab_size": DEMO_VOCAB, "hidden_act": "silu", "rope_scaling": None,
+    config = {**preset, "model_type": "llama", "vocab_size": vocab_size, "hidden_act": "silu", "rope_scaling": None,
               "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
               "bos_token_id": demo_config["bos_token_id"], "eos_token_id": demo_config["eos_token_id"],
               "pad_token_id": demo_config["pad_token_id"], "torch_dtype": str(dtype).removeprefix("torch.")}
@@ -76,7 +78,7 @@ def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int
         return torch.empty(shape, device=device).normal_(0.0, INIT_STD, generator=g).to(dtype).cpu()
 
     def tensors():  # drawn one at a time, so that only one shard is in memory
-        yield "model.embed_tokens.weight", normal(DEMO_VOCAB, hidden)
+        yield "model.embed_tokens.weight", normal(vocab_size, hidden)
         for layer in range(config["num_hidden_layers"]):
             prefix = f"model.layers.{layer}"
             yield f"{prefix}.input_layernorm.weight", torch.ones(hidden, dtype=dtype)
@@ -84,7 +86,7 @@ def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int
             for module, (n_in, n_out) in projection_shapes(config).items():
                 yield f"{prefix}.{_block(module)}.{module}.weight", normal(n_out, n_in)
         yield "model.norm.weight", torch.ones(hidden, dtype=dtype)
-        yield "lm_head.weight", normal(DEMO_VOCAB, hidden)
+        yield "lm_head.weight", normal(vocab_size, hidden)
 
     shards: list[list[str]] = []  # tensor names of each written shard
     current: dict[str, torch.Tensor] = {}
@@ -115,16 +117,21 @@ def write_random_model(target: Path, preset: dict, dtype: torch.dtype, seed: int
 
 
 def write_random_adapter(target: Path, config: dict, rank: int, seed: int = 0,
-                         dtype: torch.dtype = torch.bfloat16) -> Path:
+                         dtype: torch.dtype = torch.bfloat16, b_std: float = 0.01, device: str = "cpu") -> Path:
     """A rank-``rank`` LoRA on all seven projections of every layer of a ``config``-shaped model, as
-    peft saves it (alpha = 2 × rank; B nonzero, so the adapter changes the output). Returns ``target``."""
-    g = torch.Generator().manual_seed(seed)
+    peft saves it: A ~ N(0, 1/in_features), B ~ N(0, ``b_std``²) (nonzero, so the adapter changes the
+    output), alpha = 2 × rank; random numbers drawn on ``device``. Returns ``target``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(rows: int, cols: int, std: float) -> torch.Tensor:
+        return torch.empty(rows, cols, device=device).normal_(0.0, std, generator=g).to(dtype).cpu()
+
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for module, (n_in, n_out) in projection_shapes(config).items():
             prefix = f"base_model.model.model.layers.{layer}.{_block(module)}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in**0.5).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * 0.01).to(dtype)
+            tensors[f"{prefix}.lora_A.weight"] = normal(rank, n_in, n_in**-0.5)
+            tensors[f"{prefix}.lora_B.weight"] = normal(n_out, rank, b_std)
     target.mkdir(parents=True)
     save_file(tensors, target / "adapter_model.safetensors")
     adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(ALL_PROJECTIONS),

@@ -1,0 +1,300 @@
+"""The whole GPU evaluation of a pod in one command and one process (issue 23, item 7):
+
+    python benchmarks/gpu.py [--model 8b|tiny] [--device cuda|cpu] [--dtype D] [--out PATH]
+
+1. a random-weight checkpoint of the model's shape (``8b``: Llama-3-8B, vocabulary 128,256) with a
+   byte-level tokenizer, PEFT adapters of rank 8 and 64 and 64 of rank 16 (gpu_checkpoint.py);
+2. correctness first: our pod's greedy tokens and log-probabilities, base and rank-8/16/64 adapters in
+   one batch, against transformers (+ peft) teacher-forced on the same tokens (gpu_reference.py);
+3. the device's copy bandwidth, measured here: the floor for everything after it;
+4. LoRA shrink+expand and paged attention at batch 1/16/64 against the time to read the bytes they
+   touch (gpu_kernels.py);
+5. decode at batch 1 against the weight-read floor, with CUDA graphs on and off (``enforce_eager``);
+6. serving 8 and 64 distinct rank-16 adapters at batch 64 against base-only on the same pod, a pod
+   started with the least LoRA, and transformers + peft on the 64-adapter mix; (LoRA step - base step)
+   against the time to read those adapters once (gpu_pods.py);
+7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity.
+
+Prints one table and writes it with every figure as JSON (``--out``; default $OUT/gpu-MODEL-DEVICE.json
+when $OUT is set, else under benchmarks/results/). Exits 1 when a check fails (parity, a kernel against
+its reference, a section that raised). ``--model tiny --device cpu`` runs every section at tiny sizes on a
+CPU in about 25 s, the Triton kernels under the interpreter (tests/benchmarks/test_gpu_benchmark.py).
+What a bare GPU machine must be given first: benchmarks/gpu_wheels.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the packages and tests.tolerances, where lorafleet is not installed (a GPU machine)
+
+from gpu_checkpoint import (  # noqa: E402 (benchmarks/, beside this script)
+    BOS_ID,
+    EOS_ID,
+    PRESETS,
+    adapter_bytes,
+    decode_weight_bytes,
+    write_adapters,
+    write_checkpoint,
+)
+from gpu_clock import Clock, copy_bandwidth, percentile  # noqa: E402
+from gpu_pods import drive, free_device, pod_config, poisson_arrivals, prompts, running_pod  # noqa: E402
+from gpu_report import Report  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch: int  # requests of a closed serving run, all at once (the serving pods' max_num_seqs)
+    prompt_tokens: int
+    new_tokens: int  # per request of a serving run
+    parity_tokens: int
+    decode_tokens: int  # of the batch-1 decode
+    peft_new_tokens: int  # per row of the peft batch, and of the lorafleet run it is compared with
+    open_requests: int
+    rounds: int  # interleaved rounds of the serving runs
+    kernel_ranks: tuple[int, ...]
+    kernel_batches: tuple[int, ...]
+    kernel_max_loras: int
+    attention_context: int
+    copy_bytes: int
+    iters: int
+    warmup: int
+
+
+SIZES = {
+    "8b": Sizes(64, 128, 128, 8, 64, 16, 256, 2, (8, 16, 64), (1, 16, 64), 64, 2048, 1 << 30, 50, 5),
+    # The Triton interpreter runs a launch per program in Python: few ranks, few tokens, few slots.
+    "tiny": Sizes(64, 16, 16, 6, 16, 4, 32, 1, (8, 64), (1, 4), 4, 64, 64 << 20, 1, 0),
+}
+SERVING = [f"r16-{i}" for i in range(64)]  # 64 distinct rank-16 adapters
+RANKS = {"r8": 8, "r64": 64, **dict.fromkeys(SERVING, 16)}
+PARITY = [(None, 0), ("r8", 8), ("r16-0", 16), ("r64", 64)]  # (adapter, rank): one mixed batch
+OPEN_LOOP_LOAD = 0.7  # open-loop arrival rate over the closed 64-adapter run's request rate
+
+
+def kernels(report: Report, clock: Clock, config: dict, dtype: torch.dtype, sizes: Sizes, gbs: float) -> None:
+    from gpu_kernels import attention_rows, lora_rows  # after TRITON_INTERPRET is set
+
+    rows = lora_rows(clock, config, dtype, list(sizes.kernel_ranks), list(sizes.kernel_batches),
+                     sizes.kernel_max_loras, gbs)
+    report.sections["lora_kernels"] = rows
+    for r in rows:
+        report.check(r["ok"], f"LoRA rank {r['rank']} batch {r['batch']}: off the reference by {r['max_err']:.3g} "
+                              f"> {r['atol']:.3g}")
+        report.row("LoRA", f"shrink+expand, one layer, rank {r['rank']}, batch {r['batch']}, {r['adapters']} "
+                           f"distinct adapter(s), {r['timed']}", r["ms"], "ms", f"bytes floor {r['floor_ms']:.3g} ms",
+                   r["ratio"], "<= 1.15")
+    rows = attention_rows(clock, config, dtype, list(sizes.kernel_batches), sizes.attention_context, 16, gbs)
+    report.sections["attention"] = rows
+    for r in rows:
+        report.check(r["ok"], f"attention batch {r['batch']}: off the reference by {r['max_err']:.3g} "
+                              f"> {r['atol']:.3g}")
+        report.row("attention", f"paged decode, one layer, batch {r['batch']}, context {r['context']}, {r['timed']}",
+                   r["ms"], "ms", f"bytes floor {r['floor_ms']:.3g} ms", r["ratio"], "<= 1.15")
+
+
+def summary(runs: list) -> dict:
+    """Throughput (median over rounds) and inter-token p50 (over every gap of every round) of a mix's runs."""
+    itl = [g for r in runs for g in r.itl]
+    return {"tok_s": statistics.median(r.throughput for r in runs), "itl_p50_ms": percentile(itl, 0.5) * 1e3,
+            "requests": len(runs[0].outputs), "new_tokens": runs[0].tokens // len(runs[0].outputs), "rounds": len(runs)}
+
+
+async def parity_pod(report: Report, args, sizes: Sizes, model_dir: Path, root: Path, floor_ms: float,
+                     found: dict, eager: bool) -> None:
+    """A small pod, CUDA graphs on or off (``enforce_eager``): the parity batch (kept for transformers),
+    then decode at batch 1."""
+    small = dict(max_loras=3, max_cpu_loras=3, max_lora_rank=64, max_num_seqs=4, adapter_roots=(root,))
+    config, absent = pod_config(model_dir, args.device, args.dtype, enforce_eager=eager, **small)
+    if absent and eager:
+        report.notes.append("DataPlaneConfig has no enforce_eager: decode with CUDA graphs off not measured")
+        return
+    async with running_pod(config) as engine:
+        parity = await drive(engine, "parity", parity_requests(sizes), sizes.parity_tokens, logprobs=20)
+        found["parity"][f"enforce_eager={eager}"] = parity.outputs
+        run = await drive(engine, "decode", [(prompts(1, sizes.prompt_tokens, BOS_ID, 2)[0], None)],
+                          sizes.decode_tokens)
+    itl = statistics.median(run.itl) * 1e3
+    found["runs"][f"decode b1, enforce_eager={eager}"] = {"itl_p50_ms": itl, "floor_ms": floor_ms}
+    report.row("decode b1", f"inter-token p50, enforce_eager={eager}", itl, "ms",
+               f"weight-read floor {floor_ms:.3g} ms", itl / floor_ms, "" if eager else "<= 1.2")
+
+
+def requests(count: int, sizes: Sizes, mix: list[str | None], seed: int) -> list[tuple[list[int], str | None]]:
+    """``count`` requests over the adapters of ``mix`` in turn, each with its own prompt: prompts differ from
+    run to run (``seed``), so that the pod's prefix cache never serves one run from an earlier one."""
+    return [(p, mix[i % len(mix)]) for i, p in enumerate(prompts(count, sizes.prompt_tokens, BOS_ID, seed))]
+
+
+async def serving_pod(args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
+    """The serving pod (64 slots of rank 16): closed batches of each mix in interleaved rounds, the run the
+    peft batch is compared with, then the open-loop load."""
+    mixes = {"64 adapters": SERVING, "8 adapters": SERVING[:8], "base only": [None]}
+    config, _ = pod_config(model_dir, args.device, args.dtype, max_loras=64, max_cpu_loras=64, max_lora_rank=16,
+                           max_num_seqs=sizes.batch, adapter_roots=(root,))
+    async with running_pod(config) as engine:
+        await drive(engine, "adapter loads", requests(64, sizes, SERVING, seed=10), 2)
+        runs: dict[str, list] = {label: [] for label in mixes}
+        for r in range(sizes.rounds + 1):  # the first round, shorter and untimed, meets every step shape once
+            for k, (label, mix) in enumerate(mixes.items()):
+                run = await drive(engine, label, requests(sizes.batch, sizes, mix, seed=100 + 10 * r + k),
+                                  sizes.new_tokens if r else 4)
+                if r:
+                    runs[label].append(run)
+        for label, rs in runs.items():
+            found["runs"][label] = summary(rs)
+        found["runs"]["64 adapters, peft's length"] = summary([await drive(
+            engine, "as peft", requests(sizes.batch, sizes, SERVING, seed=200), sizes.peft_new_tokens)])
+        rate = OPEN_LOOP_LOAD * found["runs"]["64 adapters"]["tok_s"] / sizes.new_tokens
+        run = await drive(engine, "open loop", requests(sizes.open_requests, sizes, SERVING, seed=300),
+                          sizes.new_tokens, arrivals=poisson_arrivals(sizes.open_requests, rate))
+    found["runs"]["open loop"] = {"rate_rps": rate, "requests": sizes.open_requests, "new_tokens": sizes.new_tokens,
+                                  **{f"{k}_p{q}_ms": percentile(getattr(run, k), q / 100) * 1e3
+                                     for k in ("ttft", "itl") for q in (50, 99)}}
+
+
+async def no_lora_pod(report: Report, args, sizes: Sizes, model_dir: Path, found: dict) -> None:
+    """The same base-only load on a pod started with the least LoRA it takes."""
+    config, absent = pod_config(model_dir, args.device, args.dtype, max_loras=1, max_cpu_loras=1, max_lora_rank=1,
+                                max_num_seqs=sizes.batch, enable_lora=False)
+    if absent:
+        report.notes.append("the no-LoRA pod is the least LoRA a pod takes (1 slot of rank 1, no adapter loaded): "
+                            "DataPlaneConfig has no enable_lora")
+    async with running_pod(config) as engine:
+        await drive(engine, "warm-up", requests(sizes.batch, sizes, [None], seed=400), 4)
+        runs = [await drive(engine, "no LoRA", requests(sizes.batch, sizes, [None], seed=401 + r), sizes.new_tokens)
+                for r in range(sizes.rounds)]
+    found["runs"]["no-LoRA pod, base only"] = summary(runs)
+
+
+def serving_rows(report: Report, runs: dict, sizes: Sizes, adapters_ms: float) -> None:
+    """The serving and latency rows of the table, from the runs that completed."""
+    for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only"):
+        if label in runs:
+            report.row("serving", f"{label}, batch {sizes.batch}, {sizes.new_tokens} new tokens",
+                       runs[label]["tok_s"], "tok/s")
+
+    def compare(what: str, a: str, b: str, key: str, against: str, target: str, unit: str = "") -> None:
+        if a in runs and b in runs:
+            value = runs[a][key] / runs[b][key] if key == "tok_s" else runs[a][key] - runs[b][key]
+            reference = 1.0 if key == "tok_s" else adapters_ms
+            report.row("serving", what, value, unit, against, value / reference, target)
+
+    compare("8 adapters / base only", "8 adapters", "base only", "tok_s", "same pod", ">= 0.93")
+    compare("base only: LoRA pod / no-LoRA pod", "base only", "no-LoRA pod, base only", "tok_s", "two pods", ">= 0.99")
+    compare("LoRA step - base step (inter-token p50, 64 adapters)", "64 adapters", "base only", "itl_p50_ms",
+            f"adapters read once {adapters_ms:.3g} ms", "<= 1.15", "ms")
+    if "peft" in runs and "64 adapters, peft's length" in runs:
+        ours, peft = runs["64 adapters, peft's length"]["tok_s"], runs["peft"]["tok_s"]
+        report.row("serving", f"transformers + peft, 64 adapters, batch {sizes.batch}, {sizes.peft_new_tokens} new "
+                   "tokens", peft, "tok/s", f"lorafleet {ours:.0f} tok/s", ours / peft, ">= 10")
+    if "open loop" in runs:
+        o = runs["open loop"]
+        report.row("latency", f"open loop, {o['rate_rps']:.3g} req/s x {o['requests']}: TTFT p50 / p99",
+                   f"{o['ttft_p50_ms']:.3g} / {o['ttft_p99_ms']:.3g}", "ms")
+        report.row("latency", "open loop: inter-token p50 / p99", f"{o['itl_p50_ms']:.3g} / {o['itl_p99_ms']:.3g}",
+                   "ms")
+
+
+def parity_requests(sizes: Sizes) -> list[tuple[list[int], str | None]]:
+    """The parity batch: base and each adapter of PARITY, one prompt each."""
+    return [(p, adapter) for p, (adapter, _) in zip(prompts(len(PARITY), sizes.prompt_tokens, BOS_ID, seed=1),
+                                                    PARITY, strict=True)]
+
+
+def reference(report: Report, args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
+    from gpu_reference import Reference, parity_row
+
+    free_device(args.device)
+    names = ["r8", "r16-0", "r64", *SERVING[1:]]
+    ref = Reference(model_dir, root, names, args.device, getattr(torch, args.dtype))
+    report.sections["parity"] = []
+    report.check(bool(found["parity"]), "parity: no pod gave tokens to check")
+    for pod, outputs in found["parity"].items():
+        for (prompt, adapter), (_, rank), tokens in zip(parity_requests(sizes), PARITY, outputs, strict=True):
+            r = {"pod": pod, **parity_row(ref, getattr(torch, args.dtype), adapter, rank, prompt, tokens)}
+            report.sections["parity"].append(r)
+            effect = "" if r["adapter_effect"] is None else f", adapter moves it {r['adapter_effect']:.3g}"
+            report.check(r["ok"], f"parity {r['adapter']} ({pod}): |diff| {r['max_diff']:.3g}, greedy gap "
+                                  f"{r['greedy_gap']:.3g}{effect}, atol {r['atol']:.3g}")
+            report.row("parity", f"{r['adapter']} ({pod}): max |diff log-prob|, {r['tokens']} tokens", r["max_diff"],
+                       "", f"atol {r['atol']:.3g}{effect}", r["max_diff"] / r["atol"], "< 1")
+    wall = ref.generate(requests(sizes.batch, sizes, SERVING, seed=200), sizes.peft_new_tokens, EOS_ID)
+    found["runs"]["peft"] = {"tok_s": sizes.batch * sizes.peft_new_tokens / wall, "wall_s": wall}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="8b", choices=list(PRESETS))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="default: bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on a CPU")
+    parser.add_argument("--out", type=Path, help="the JSON file (default: $OUT/gpu-MODEL-DEVICE.json or "
+                                                 "benchmarks/results/gpu-MODEL-DEVICE-DATE.json)")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here; run --device cpu (with --model tiny) instead")
+    if args.out is None:
+        name = f"gpu-{args.model}-{args.device}"
+        args.out = (Path(os.environ["OUT"]) / f"{name}.json" if os.environ.get("OUT")
+                    else REPO / "benchmarks" / "results" / f"{name}-{time.strftime('%Y-%m-%d')}.json")
+    return args
+
+
+def prepare(tmp: Path, preset: dict, dtype: torch.dtype, device: str) -> tuple[Path, Path]:
+    """The model directory and the adapter root."""
+    return write_checkpoint(tmp, preset, dtype, device), write_adapters(tmp / "adapters", preset, RANKS, dtype, device)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are defined (imported)
+        torch.set_num_threads(args.threads)
+    sizes, dtype, preset = SIZES[args.model], getattr(torch, args.dtype), PRESETS[args.model]
+    report = Report(args.device, REPO)
+    with tempfile.TemporaryDirectory(prefix="lorafleet-gpu-") as tmp:
+        written = report.run("checkpoint and adapters", prepare, Path(tmp), preset, dtype, args.device)
+        clock = Clock(torch.device(args.device), sizes.iters, sizes.warmup)
+        gbs = report.sections["copy_gbs"] = copy_bandwidth(clock, sizes.copy_bytes)
+        report.row("copy", f"device-to-device copy of {sizes.copy_bytes >> 20} MiB (read + write)", gbs, "GB/s")
+        report.run("kernels", kernels, report, clock, preset, dtype, sizes, gbs)
+        del clock  # its L2-flush buffer: the pods' KV caches take what the device has free
+        if written is not None:
+            model_dir, root = written
+            floor_ms = decode_weight_bytes(preset, dtype) / gbs / 1e6
+            found = {"parity": {}, "runs": {}}
+            report.sections["serving"] = found["runs"]
+            # One event loop per pod: a stopped engine stays referenced until its loop is gone (the cancelled
+            # step loop's traceback), and the next pod's KV cache takes what the device has free.
+            for eager in (False, True):
+                report.run(f"parity pod, enforce_eager={eager}", asyncio.run,
+                           parity_pod(report, args, sizes, model_dir, root, floor_ms, found, eager))
+            report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
+            report.run("no-LoRA pod", asyncio.run, no_lora_pod(report, args, sizes, model_dir, found))
+            report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
+            adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
+            report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms)
+    if args.device == "cpu":
+        report.notes.append("CPU run: the Triton kernels ran under the interpreter (their times are not speeds), "
+                            "and CUDA graphs do not apply")
+    report.print_table()
+    report.write_json(args.out, args.model)
+    sys.exit(0 if report.passed else 1)
+
+
+if __name__ == "__main__":
+    main()

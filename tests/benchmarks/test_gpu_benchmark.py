@@ -1,0 +1,113 @@
+"""benchmarks/gpu.py, the whole GPU evaluation in one command, runs end to end in its tiny CPU mode:
+every section writes finite figures, and our pod matches transformers + peft. Its parity check fails
+a pod whose log-probabilities are off or that ignored the adapter."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_plane.engine.sequence import TokenOut
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("gpu-benchmark") / "gpu.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--model", "tiny", "--device", "cpu",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    return done, json.loads(out.read_text()) if out.is_file() else {}
+
+
+def _finite(*values) -> bool:
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
+    done, data = tiny_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert data["passed"] and not data["failures"]
+    meta = data["meta"]
+    assert {"device_name", "torch", "triton", "transformers", "date", "command"} <= meta.keys()
+    assert "--model tiny" in meta["command"]
+    assert _finite(data["copy_gbs"]) and data["copy_gbs"] > 0
+    for row in data["lora_kernels"] + data["attention"]:
+        assert row["ok"] and _finite(row["ms"], row["floor_ms"], row["ratio"], row["max_err"]), row
+    assert {r["rank"] for r in data["lora_kernels"]} == {8, 64}
+    runs = data["serving"]
+    for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only", "64 adapters, peft's length",
+                  "peft"):
+        assert _finite(runs[label]["tok_s"]) and runs[label]["tok_s"] > 0, label
+    assert _finite(*(runs[f"decode b1, enforce_eager={eager}"]["itl_p50_ms"] for eager in (False, True)))
+    assert _finite(*(runs["open loop"][f"{k}_p{q}_ms"] for k in ("ttft", "itl") for q in (50, 99)))
+    # the printed table carries the same rows
+    assert "| serving | 8 adapters / base only |" in done.stdout and "all checks passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_matches_transformers_and_peft_with_and_without_graphs(tiny_run):
+    _, data = tiny_run
+    rows = data["parity"]
+    pods = ("enforce_eager=False", "enforce_eager=True")
+    assert {(r["pod"], r["adapter"]) for r in rows} == {(p, a) for p in pods for a in ("base", "r8", "r16-0", "r64")}
+    for r in rows:
+        assert r["ok"] and r["max_diff"] < r["atol"] and r["greedy_gap"] <= r["atol"], r
+        if r["adapter"] != "base":  # the adapters move the log-probabilities far past the tolerance
+            assert r["adapter_effect"] > 10 * r["atol"], r
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        from gpu_checkpoint import TINY, write_adapters, write_checkpoint
+        from gpu_reference import Reference, parity_row
+
+    root = tmp_path_factory.mktemp("checkpoint")
+    model_dir = write_checkpoint(root, TINY, torch.float32, "cpu")
+    write_adapters(root / "adapters", TINY, {"r16": 16}, torch.float32, "cpu")
+    return Reference(model_dir, root / "adapters", ["r16"], "cpu", torch.float32), parity_row
+
+
+PROMPT = [256, 72, 101, 108, 108, 111]
+
+
+def _greedy(ref, adapter: str | None, new_tokens: int = 4, top: int = 5) -> list[TokenOut]:
+    """transformers' own greedy tokens with their log-probabilities, as the pod reports them."""
+    ids, out = list(PROMPT), []
+    for _ in range(new_tokens):
+        logprobs, _ = ref.logprobs(adapter, ids)
+        values, index = logprobs[-1].topk(top)
+        out.append(TokenOut(int(index[0]), float(values[0]), tuple(zip(index.tolist(), values.tolist(), strict=True))))
+        ids.append(int(index[0]))
+    return out
+
+
+def test_parity_passes_for_the_references_own_tokens(reference):
+    ref, parity_row = reference
+    for adapter, rank in ((None, 0), ("r16", 16)):
+        assert parity_row(ref, torch.float32, adapter, rank, PROMPT, _greedy(ref, adapter))["ok"]
+
+
+def test_parity_fails_a_log_probability_off_by_more_than_the_tolerance(reference):
+    ref, parity_row = reference
+    tokens = _greedy(ref, None)
+    atol = parity_row(ref, torch.float32, None, 0, PROMPT, tokens)["atol"]
+    t = tokens[2]
+    tokens[2] = TokenOut(t.id, t.logprob, (*t.top[:-1], (t.top[-1][0], t.top[-1][1] + 2 * atol)))
+    assert not parity_row(ref, torch.float32, None, 0, PROMPT, tokens)["ok"]
+
+
+def test_parity_fails_a_pod_that_ignored_the_adapter(reference):
+    ref, parity_row = reference
+    row = parity_row(ref, torch.float32, "r16", 16, PROMPT, _greedy(ref, None))
+    assert not row["ok"] and row["max_diff"] > row["atol"]
