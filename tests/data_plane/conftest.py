@@ -36,11 +36,10 @@ def random_adapter_root(demo_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pod(demo_model_dir, random_adapter_root, tmp_path_factory):
-    """One pod: 4 adapter slots, 8 CPU entries, up to 16 sequences per step. Its matmuls stay float32
-    on every CPU: its tests compare steps of different sizes token for token, which bfloat16's 8-bit
-    outputs (``--cpu-matmul auto`` on a CPU with native bfloat16) would not promise."""
+    """One pod: 4 adapter slots, 8 CPU entries, up to 16 sequences per step, in float32 on every CPU
+    (named, as a user who compares it with transformers + peft in float32 would)."""
     workdir = tmp_path_factory.mktemp("pod")
-    process = PodProcess(workdir, "--cpu-matmul", "float32", "--max-loras", "4", "--max-cpu-loras", "8",
+    process = PodProcess(workdir, "--dtype", "float32", "--max-loras", "4", "--max-cpu-loras", "8",
                          "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "192",
                          "--max-lora-rank", "64",
                          "--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent),
