@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import os
 import random
 
 import pytest
@@ -24,45 +22,10 @@ from data_plane.metrics import PodMetrics
 from data_plane.model.config import ModelConfig
 from data_plane.model.precision import Precision
 from data_plane.pod import build_engine
+from tests.data_plane.conftest import ADAPTERS, SEED, TINY
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Fresh adapters and prompts: seeds no other test draws from (LORAFLEET_INVARIANCE_SEED tries others).
-SEED = int(os.environ.get("LORAFLEET_INVARIANCE_SEED", "24024"))
-ADAPTERS = {
-    "fresh-r4": dict(r=4, lora_alpha=8, target_modules=ALL),
-    "fresh-r12": dict(r=12, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"]),
-    "fresh-r32": dict(r=32, lora_alpha=64, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj"]),
-    "fresh-r2": dict(r=2, lora_alpha=2, target_modules=["up_proj", "down_proj"]),
-}
 NUM_REQUESTS, NEW_TOKENS = 16, 8
-
-
-@pytest.fixture(scope="module")
-def tiny_pod_files(tmp_path_factory):
-    """(model directory with a word-level tokenizer, adapter root) of a tiny random Llama and PEFT adapters."""
-    from peft import LoraConfig, get_peft_model
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    model_dir, root = tmp_path_factory.mktemp("tiny-pod"), tmp_path_factory.mktemp("fresh-adapters")
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
-    model.save_pretrained(model_dir)
-    Tokenizer(WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0")).save(
-        str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(SEED + 1 + i)
-        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                torch.nn.init.normal_(p, std=0.3)
-        peft_model.save_pretrained(root / name)
-    return model_dir, root, model
 
 
 def requests() -> list[tuple[str | None, list[int]]]:
