@@ -14,8 +14,8 @@ order set by its own inputs (measured with torch 2.13 / MKL on a 2-core Xeon, ev
   softmax sums each key into the same lane whatever the row's length, and padding adds exact zeros;
 - ``p @ v``: a matmul whose reduction is over keys changes its blocking with the number of keys
   (1500 and 1504 keys sum differently), so it runs in fixed tiles of ``KEY_TILE`` keys, one small
-  matmul each, and the tiles' partial sums are added in tile order; tiles past a query's context
-  add exact zeros.
+  matmul each (at 64 to 256 keys a row's sums did not change with the rows or tiles beside it), and
+  the tiles' partial sums are added in tile order; tiles past a query's context add exact zeros.
 
 Sequences are grouped by their number of new tokens (rounded up to a power of two) and each group
 is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length.
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-KEY_TILE = 32
+KEY_TILE = 64
 
 
 class SeqShare(Protocol):
@@ -117,6 +117,7 @@ def tiled_attention(
     for g in groups:
         n, max_new = g.query_index.shape
         keys = g.key_index.shape[1]
+        tiles = keys // KEY_TILE
         hidden = g.hidden[window]  # [n, max_new, keys]
         # rows of one key/value head: its (query, head) pairs, [kv_heads, n, max_new * per_kv, head_dim]
         qg = q.index_select(0, g.query_index.reshape(-1)).float().mul_(scale)
@@ -126,23 +127,19 @@ def tiled_attention(
             qg, hidden = qg.expand(num_kv, n, 2, 1, head_dim), hidden.expand(n, 2, keys)
         rows = qg.shape[2] * per_kv
         qg = qg.reshape(num_kv, n, rows, head_dim)
-        k = _gather(k_cache, g.key_index, n, keys)  # [kv_heads, n, keys, head_dim]
-        v = _gather(v_cache, g.key_index, n, keys)
-        scores = torch.matmul(qg, k.transpose(-1, -2))  # [kv_heads, n, rows, keys]
-        scores.view(num_kv, n, rows // per_kv, per_kv, keys).masked_fill_(hidden[None, :, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        tiles = keys // KEY_TILE
-        probs = probs.view(num_kv, n, rows, tiles, KEY_TILE).transpose(2, 3)  # [kv, n, tiles, rows, KEY_TILE]
-        parts = torch.matmul(probs, v.view(num_kv, n, tiles, KEY_TILE, head_dim))  # [kv, n, tiles, rows, head_dim]
-        attn = parts.sum(dim=2)  # [kv_heads, n, rows, head_dim], tile by tile
+        # keys and values as gathered, [n, keys, kv_heads, head_dim]: each head is a strided view, not a copy
+        k = k_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
+        v = v_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
+        attn = qg.new_empty(n, rows // per_kv, num_kv, per_kv, head_dim)
+        for h in range(num_kv):
+            scores = torch.bmm(qg[h], k[:, :, h].transpose(1, 2))  # [n, rows, keys]
+            scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
+            probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]
+            parts = torch.bmm(probs, v[:, :, h].reshape(n * tiles, KEY_TILE, head_dim))  # [n * tiles, rows, head_dim]
+            attn[:, :, h] = parts.view(n, tiles, rows // per_kv, per_kv, head_dim).sum(dim=1)  # tile by tile
         if lone:
-            attn = attn[:, :, :1]
-        attn = attn.view(num_kv, n, max_new, per_kv, head_dim).permute(1, 2, 0, 3, 4).reshape(n * max_new, -1)
+            attn = attn[:, :1]
+        attn = attn.reshape(n * max_new, num_heads * head_dim)
         out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
     return out
-
-
-def _gather(cache: torch.Tensor, index: torch.Tensor, n: int, keys: int) -> torch.Tensor:
-    """``cache[index]`` as float32 [kv_heads, n, keys, head_dim], contiguous."""
-    rows = cache.index_select(0, index.reshape(-1)).view(n, keys, *cache.shape[1:])  # [n, keys, kv_heads, head_dim]
-    return rows.permute(2, 0, 1, 3).float().contiguous()

@@ -70,12 +70,13 @@ def test_a_decode_query_gives_the_same_bits_whatever_shares_its_step(heads):
 
 
 @pytest.mark.parametrize("window", [None, 8])
-@pytest.mark.parametrize("chunks", [(20, 1, 16), (1,) * 37, (5, 32), (33, 4), (KEY_TILE, 37 - KEY_TILE)])
+@pytest.mark.parametrize("chunks", [(20, 1, 16, 113), (1,) * 150, (5, 145), (KEY_TILE, 150 - KEY_TILE),
+                                    (KEY_TILE + 1, KEY_TILE - 1, 150 - 2 * KEY_TILE)])
 def test_a_prompt_gives_the_same_bits_however_it_is_chunked(window, chunks):
-    qkv = _new(37, 9)
-    whole = _attend(_cache(), [SeqSlice(range(3), 0, 37)], [qkv], window)
+    qkv = _new(150, 9)
+    whole = _attend(_cache(), [SeqSlice(range(10), 0, 150)], [qkv], window)
     cache, parts, done = _cache(), [], 0
     for n in chunks:
-        parts.append(_attend(cache, [SeqSlice(range(3), done, n)], [tuple(t[done: done + n] for t in qkv)], window))
+        parts.append(_attend(cache, [SeqSlice(range(10), done, n)], [tuple(t[done: done + n] for t in qkv)], window))
         done += n
     assert torch.equal(torch.cat(parts), whole)
