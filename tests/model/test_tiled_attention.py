@@ -47,7 +47,7 @@ def test_attention_equals_scaled_dot_product_attention(window, heads):
         mask &= pos[None, :] > pos[:, None] - window
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
     # scores: 64-term sums of |q||k|; outputs: 37-term averages of |v| (weights sum to one)
-    atol = sum_atol(64, float((q.abs().max() * k.abs().max() * 64))) + sum_atol(37, float(v.abs().max()))
+    atol = sum_atol(64, float(q.abs().max() * k.abs().max() * 64)) + sum_atol(37, float(v.abs().max()))
     torch.testing.assert_close(out, expected.reshape(37, -1), rtol=0, atol=atol)
 
 
