@@ -2,16 +2,16 @@
 
 Batch invariance. A matmul library chooses its kernel, and with it the order in which each output's
 products are summed, from the shape of the call and the threads it has. Measured with torch 2.13
-(oneDNN 3.12, MKL 2024.2) on a 2-core Xeon with AVX512-BF16 and AMX, demo-model weights: a row
-multiplied alone and in a call of 2 rows differs in float32 on the down projection (K = 1536), MKL's
-plain float32 matmul gives a row another result at every row count from 1 to 2, and bfloat16 rows
-change past 32 rows on the 3072-wide gate/up projection and on the output head (oneDNN switches to
-AMX kernels). So a row's result would depend on how many rows share its step. Here every call
-has one shape: ``x`` is cut into tiles of exactly ``CpuWeight.rows`` rows, the last one padded
-with zeros, so oneDNN runs one kernel for every step, and within a tile a row's result does not
-depend on its position or on the other rows (measured at every position, every weight shape).
-A token's projections are then the same bits in a decode step of 1 or 32 rows and in any prefill
-chunk.
+(oneDNN 3.12, MKL 2024.2) on a 2-core Xeon with AVX512-BF16 and AMX, on the demo model's weight
+shapes: in float32 a row multiplied alone by the down projection (K = 1536) sums differently than
+in a call of 2 or more rows, and MKL's plain matmul (which served steps of over 128 rows) differs
+from oneDNN's at every row count; in bfloat16 the 3072-wide gate/up projection and the output head
+round some rows differently past 32 rows (oneDNN switches to AMX kernels). So a row's result
+depended on how many rows shared its step. Here every call has one shape: ``x`` is cut into tiles
+of exactly ``CpuWeight.rows`` rows, the last one padded with zeros, so oneDNN runs one kernel for
+every step, and within a tile a row's result depends neither on its position nor on the other rows
+(checked at every position, every shape). A token's projections are then the same bits in a decode
+step of 1 or 32 rows and in any prefill chunk.
 
 Speed. oneDNN takes a weight reordered ahead of time into its blocked layout ("prepacked"): for
 the few rows of a decode step it runs the demo model's projections 1.2–1.5× and its 49152-row
