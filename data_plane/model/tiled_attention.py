@@ -24,6 +24,7 @@ Scores and probabilities are float32 whatever the model's dtype.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,9 @@ from typing import Protocol
 import torch
 
 KEY_TILE = 64
+# A long prefill's queries are taken this many at a time, each block over the keys its last query sees
+# (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
+QUERY_BLOCK = 128
 
 
 class SeqShare(Protocol):
@@ -50,6 +54,8 @@ class AttentionGroup:
     hidden: dict[int | None, torch.Tensor]  # window -> [seqs, max_new, keys] bool, True where a query may not see a key
     rows: torch.Tensor  # [group tokens] row of each real query in the flattened [seqs * max_new] queries
     tokens: torch.Tensor  # [group tokens] its step token
+    # keys that queries QUERY_BLOCK * i onwards (the next QUERY_BLOCK) may see, a multiple of KEY_TILE
+    block_keys: tuple[int, ...]
 
 
 def build_groups(seqs: Sequence[SeqShare], block_size: int, windows: set[int | None],
@@ -71,7 +77,7 @@ def _group(seqs: Sequence[SeqShare], starts: list[int], block_size: int, windows
            device: torch.device | str) -> AttentionGroup:
     n = len(seqs)
     max_new = max(s.num_new for s in seqs)
-    keys = -(-max(s.num_cached + s.num_new for s in seqs) // KEY_TILE) * KEY_TILE
+    keys = _tiles(max(s.num_cached + s.num_new for s in seqs))
     query_index = torch.zeros(n, max_new, dtype=torch.long)
     key_index = torch.zeros(n, keys, dtype=torch.long)
     query_pos = torch.full((n, max_new), -1, dtype=torch.long)  # -1 marks padding
@@ -96,8 +102,15 @@ def _group(seqs: Sequence[SeqShare], starts: list[int], block_size: int, windows
         mask = base if window is None else base & (key_pos[None, None, :] > query_pos[:, :, None] - window)
         # Padded query rows see key 0 so that softmax never sees an empty row; their output is dropped.
         hidden[window] = (~(mask | ((query_pos[:, :, None] < 0) & (key_pos[None, None, :] == 0)))).to(device)
+    block_keys = tuple(_tiles(max(s.num_cached + min(q0 + QUERY_BLOCK, s.num_new) for s in seqs))
+                       for q0 in range(0, max_new, QUERY_BLOCK))
     return AttentionGroup(query_index.to(device), key_index.to(device), hidden, torch.cat(rows).to(device),
-                          torch.cat(tokens).to(device))
+                          torch.cat(tokens).to(device), block_keys)
+
+
+def _tiles(keys: int) -> int:
+    """``keys`` rounded up to whole key tiles."""
+    return -(-keys // KEY_TILE) * KEY_TILE
 
 
 def tiled_attention(
@@ -117,7 +130,6 @@ def tiled_attention(
     for g in groups:
         n, max_new = g.query_index.shape
         keys = g.key_index.shape[1]
-        tiles = keys // KEY_TILE
         hidden = g.hidden[window]  # [n, max_new, keys]
         # rows of one key/value head: its (query, head) pairs, [kv_heads, n, max_new * per_kv, head_dim]
         qg = q.index_select(0, g.query_index.reshape(-1)).float().mul_(scale)
@@ -131,15 +143,29 @@ def tiled_attention(
         k = k_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
         v = v_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
         attn = qg.new_empty(n, rows // per_kv, num_kv, per_kv, head_dim)
-        for h in range(num_kv):
-            scores = torch.bmm(qg[h], k[:, :, h].transpose(1, 2))  # [n, rows, keys]
-            scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
-            probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]
-            parts = torch.bmm(probs, v[:, :, h].reshape(n * tiles, KEY_TILE, head_dim))  # [n * tiles, rows, head_dim]
-            attn[:, :, h] = parts.view(n, tiles, rows // per_kv, per_kv, head_dim).sum(dim=1)  # tile by tile
+        # A block over fewer keys than the group's reads them as a view only for one sequence at a time.
+        seqs = [slice(None)] if len(g.block_keys) == 1 else [slice(b, b + 1) for b in range(n)]
+        for h, s, (i, block_keys) in itertools.product(range(num_kv), seqs, enumerate(g.block_keys)):
+            q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, rows // per_kv)
+            attn[s, q0:q1, h] = _attend(qg[h][s, q0 * per_kv: q1 * per_kv], k[s, :block_keys, h],
+                                        v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv)
         if lone:
             attn = attn[:, :1]
         attn = attn.reshape(n * max_new, num_heads * head_dim)
         out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+            per_kv: int) -> torch.Tensor:  # [n, queries, per_kv, head_dim]
+    """One key/value head's attention for a block of queries: ``q`` [n, queries * per_kv, head_dim]
+    (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
+    n, rows, head_dim = q.shape
+    keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
+    scores = torch.bmm(q, k.transpose(1, 2))  # [n, rows, keys]
+    scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
+    probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]
+    # v's tiles as a view: every call reads values in one layout (rows kv_heads * head_dim apart)
+    parts = torch.bmm(probs, v.view(n * tiles, KEY_TILE, head_dim))  # [n * tiles, rows, head_dim]
+    return parts.view(n, tiles, rows // per_kv, per_kv, head_dim).sum(dim=1)  # tile by tile

@@ -80,3 +80,11 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked(window, chunks):
         parts.append(_attend(cache, [SeqSlice(range(10), done, n)], [tuple(t[done: done + n] for t in qkv)], window))
         done += n
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_a_long_prefill_gives_the_same_bits_beside_another_long_prefill_and_decodes():
+    qkv = _new(150, 9)
+    alone = _attend(_cache(), [SeqSlice(range(10), 0, 150)], [qkv])
+    seqs = [SeqSlice(range(10, 30), 100, 140), SeqSlice(range(10), 0, 150), SeqSlice(range(30, 40), 99, 1)]
+    together = _attend(_cache(), seqs, [_new(140, 10), qkv, _new(1, 11)])
+    assert torch.equal(together[140:290], alone)
