@@ -18,8 +18,10 @@ order set by its own inputs (measured with torch 2.13 / MKL on a 2-core Xeon, ev
   the tiles' partial sums are added in tile order; tiles past a query's context add exact zeros.
 
 Sequences are grouped by their number of new tokens (rounded up to a power of two) and each group
-is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length.
-Scores and probabilities are float32 whatever the model's dtype.
+is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length; a
+long prefill's queries go ``QUERY_BLOCK`` at a time, each block over the keys its last query sees.
+Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
+switch kernels with the shape as the projections' do).
 """
 
 from __future__ import annotations
