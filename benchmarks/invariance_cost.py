@@ -5,9 +5,11 @@ invariance costs (fixed row tiles in the projections and LoRA, tiled attention) 
 before it; benchmarks/RESULTS.md ("Batch invariance") says how the figures there were taken.
 
 Each step kind runs ``--steps`` times after two warm runs; the median and the fastest are reported,
-in milliseconds of wall time on ``--threads`` threads. Prints one markdown row per step kind.
+in milliseconds of wall time on ``--threads`` threads, or with ``--cpu-time`` (one thread) of the
+thread's CPU time, which other jobs on a shared machine barely change. Prints one markdown row per
+step kind.
 
-    python benchmarks/invariance_cost.py --dtype float32 [--steps 15] [--label after]
+    python benchmarks/invariance_cost.py --dtype float32 [--steps 15] [--label after] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed runs per step kind")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--label", default="", help="the tree measured, for the table")
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time")
     args = parser.parse_args()
+    if args.cpu_time:
+        args.threads = 1
+    timer = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         engine, slots = build_demo_engine(32, Path(tmp), args.dtype)
@@ -56,12 +62,13 @@ def main() -> None:
                 engine.runner.run(batch)
             runs = []
             for _ in range(args.steps):
-                started = time.perf_counter()
+                started = timer()
                 engine.runner.run(batch)
-                runs.append(time.perf_counter() - started)
+                runs.append(timer() - started)
             times[kind] = runs
         precision = getattr(engine.model, "precision", None)
-    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads, torch "
+    clock = "CPU time" if args.cpu_time else "wall time"
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads ({clock}), torch "
           f"{torch.__version__}, load average {load_average()}; demo model, --dtype {args.dtype}"
           f"{f' ({precision.value})' if precision is not None else ''}, {args.steps} runs per step\n")
     for kind, runs in times.items():
