@@ -55,6 +55,7 @@ bench: setup
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/cpu_matmul.py
 	$(PY) benchmarks/step_trace.py
+	for d in float32 bfloat16-matmul bfloat16; do $(PY) benchmarks/invariance_cost.py --dtype $$d; done
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/control_plane.py
 	$(PY) benchmarks/control_plane_scale.py

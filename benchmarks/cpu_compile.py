@@ -2,7 +2,7 @@
 in one command: compile times, step times interleaved with eager's, deviation of the logits.
 
 The pod's forward (``LlamaForCausalLM.forward`` as ``ModelRunner.execute`` runs it) holds Python that a
-compiled graph cannot: the LoRA layers' per-step path tuner and packs (``kernels.lora_backend``) and
+compiled graph cannot: the LoRA layers' packs and thread switch (``kernels.lora_backend``) and
 oneDNN's opaque reordered weights (``cpu_linear``). Variants, each beside eager:
 
 - ``blocks``: every projection (base matmul + LoRA) stays eager; the pure tensor code between
@@ -45,7 +45,7 @@ from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes
 from data_plane.engine.step_runner import forward_batch
 from data_plane.lora.layer import LoRAProjection
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM
-from data_plane.model.torch_attention import GatherAttention
+from data_plane.model.torch_attention import TiledAttention
 
 Forward = Callable[[ForwardBatch], torch.Tensor]
 
@@ -59,7 +59,7 @@ def split_forward(model: LlamaForCausalLM, decode_attention: bool, compile_fn: C
     assert set(c.sliding_windows) == {None}, "the demo model has no sliding window"
 
     def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: GatherAttention) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: TiledAttention) -> torch.Tensor:
         qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
         qk = qk.view(-1, nh + nkv, hd)
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)
@@ -68,13 +68,14 @@ def split_forward(model: LlamaForCausalLM, decode_attention: bool, compile_fn: C
             return meta(q, k, v, k_cache, v_cache, None, scale)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        seqs, ctx = meta.key_index.shape  # one query per sequence: query_index is [seqs, 1]
-        keys, values = k_cache[meta.key_index], v_cache[meta.key_index]  # [seqs, ctx, kv_heads, head_dim]
-        q = q[meta.query_index.view(-1)].view(seqs, 1, nkv, group, hd)
+        (g,) = meta.groups  # a decode step: one group, one query per sequence (query_index is [seqs, 1])
+        seqs, ctx = g.key_index.shape
+        keys, values = k_cache[g.key_index], v_cache[g.key_index]  # [seqs, ctx, kv_heads, head_dim]
+        q = q[g.query_index.view(-1)].view(seqs, 1, nkv, group, hd)
         scores = (q * keys.unsqueeze(3)).sum(-1) * scale  # [seqs, ctx, kv_heads, group]
-        scores = scores.masked_fill(~meta.masks[None].view(seqs, ctx, 1, 1), float("-inf"))
+        scores = scores.masked_fill(g.hidden[None].view(seqs, ctx, 1, 1), float("-inf"))
         out = (scores.softmax(1).unsqueeze(-1) * values.unsqueeze(3)).sum(1)  # [seqs, kv_heads, group, head_dim]
-        return out.reshape(seqs, nh * hd)[meta.out_index]
+        return out.reshape(seqs, nh * hd)[g.rows]
 
     def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + delta

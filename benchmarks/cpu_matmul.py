@@ -1,7 +1,7 @@
 """float32 against bfloat16 decode matmuls on this CPU, on the demo model: speed and accuracy, in one run.
 
-What ``--cpu-matmul auto`` decides at pod start-up, shown in full: the start-up measurement's
-totals (``cpu_linear.choose_precision``), then whole decode steps of ``--seqs`` sequences (the
+What ``--dtype auto`` decides at a CPU pod's start-up (float32 or bfloat16-matmul), shown in full: the
+start-up measurement's totals (``cpu_linear.choose_precision``), then whole decode steps of ``--seqs`` sequences (the
 serving mix of benchmarks/serve.py: base model, the demo adapters and a random rank-16 adapter)
 with the reordered weights in each precision, interleaved step by step in one process, and the
 deviation of the bfloat16 steps' logits from the float32 ones (largest |Δlogit| against the
@@ -30,21 +30,22 @@ from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.metrics import PodMetrics
 from data_plane.model import cpu_linear
-from data_plane.model.cpu_linear import MatmulPrecision
 from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.llama import Projection
-from data_plane.pod import build_engine
+from data_plane.model.precision import Precision
+from data_plane.pod import DECODE_ROWS_MEASURED, build_engine
+
+PRECISIONS = (Precision.FLOAT32, Precision.BFLOAT16_MATMUL)
 
 
 def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[ScheduledSeq]:
     """``seqs`` sequences one decode token past ``context`` cached ones, adapters round-robin over ``slots``.
-    Sequence ``i`` of every such batch has block-table row ``i`` and the same blocks (written into the
-    table here, past the block manager: the batches are replayed, never scheduled)."""
+    Sequence ``i`` of every such batch has block-table row ``i`` and the same blocks: the batches are
+    replayed (``replay``), never scheduled."""
     blocks = -(-(context + 1) // engine.limits.block_size)
     batch = []
     for i in range(seqs):
         table = list(range(i * blocks, (i + 1) * blocks))
-        engine.blocks.table[i, :blocks] = torch.tensor(table, dtype=torch.int32)
         seq = Sequence(f"s{i}", None, [5] * context, SamplingParams(), context + 2, block_table=table, kv_row=i,
                        slot=slots[i % len(slots)])
         seq.num_computed = context - 1
@@ -52,7 +53,16 @@ def decode_batch(engine, slots: list[int], seqs: int, context: int) -> list[Sche
     return batch
 
 
-def demo_pod_config(seqs: int, adapter_dir: Path, cpu_matmul: str) -> DataPlaneConfig:
+def replay(engine, batch: list[ScheduledSeq]):
+    """Runs a hand-built step: its sequences' block tables are written into their rows of the pod's table
+    first (past the block manager; a CPU pod's device reads that table itself)."""
+    for item in batch:
+        table = item.seq.block_table
+        engine.blocks.table[item.seq.kv_row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return engine.runner.run(batch)
+
+
+def demo_pod_config(seqs: int, adapter_dir: Path, dtype: str) -> DataPlaneConfig:
     """A pod on the demo model for steps of up to ``seqs`` sequences, with room for the demo adapters and
     serve.py's random rank-16 one (written into ``adapter_dir``), all found under its adapter roots."""
     model_dir = ensure_demo_model(quiet=True)
@@ -60,13 +70,13 @@ def demo_pod_config(seqs: int, adapter_dir: Path, cpu_matmul: str) -> DataPlaneC
                          dtype=torch.float32)
     roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, adapter_dir)
     return DataPlaneConfig(model=model_dir, max_num_seqs=seqs, max_loras=len(DEMO_ADAPTERS) + 1,
-                           max_cpu_loras=32, adapter_roots=roots, cpu_matmul=cpu_matmul)
+                           max_cpu_loras=32, adapter_roots=roots, dtype=dtype)
 
 
-def build_demo_engine(seqs: int, adapter_dir: Path, cpu_matmul: str = "float32") -> tuple[Engine, list[int]]:
+def build_demo_engine(seqs: int, adapter_dir: Path, dtype: str = "float32") -> tuple[Engine, list[int]]:
     """The pod's engine of ``demo_pod_config``, every adapter of the mix resident; returns it with the
     slots of the mix: -1 (base) then each adapter's."""
-    config = demo_pod_config(seqs, adapter_dir, cpu_matmul)
+    config = demo_pod_config(seqs, adapter_dir, dtype)
     engine = build_engine(config, PodMetrics())
     slots = [-1]
     for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):
@@ -87,40 +97,41 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine, slots = build_demo_engine(args.seqs, Path(tmp))
         model = engine.model
-        n = min(args.seqs, cpu_linear.PACKED_MAX_ROWS)
+        n = min(args.seqs, DECODE_ROWS_MEASURED)
         choice = cpu_linear.choose_precision(model.matmul_weights(), sorted({1, min(8, n), n}))
 
         projections = [m for m in model.modules() if isinstance(m, Projection)]
         # the projections in each precision; the output head stays float32, as in the pod
-        packs = {p: [cpu_linear.prepack(m.weight, p) for m in projections] for p in MatmulPrecision}
+        packs = {p: [cpu_linear.pack(m.weight, p.matmul_dtype) for m in projections] for p in PRECISIONS}
 
-        def use(precision: MatmulPrecision) -> None:
+        def use(precision: Precision) -> None:
             for module, packed in zip(projections, packs[precision], strict=True):
                 module.packed = packed
 
         mixes = {"base + 4 adapters": decode_batch(engine, slots, args.seqs, args.context),
                  "base only": decode_batch(engine, [-1], args.seqs, args.context)}
-        times: dict[tuple[MatmulPrecision, str], list[float]] = {}
-        for precision in MatmulPrecision:  # warm both
+        times: dict[tuple[Precision, str], list[float]] = {}
+        for precision in PRECISIONS:  # warm both
             use(precision)
             for batch in mixes.values():
-                engine.runner.run(batch)
+                replay(engine, batch)
         for _ in range(args.steps):
-            for precision in MatmulPrecision:
+            for precision in PRECISIONS:
                 use(precision)
                 for mix, batch in mixes.items():
                     started = time.perf_counter()
-                    engine.runner.run(batch)
+                    replay(engine, batch)
                     times.setdefault((precision, mix), []).append(time.perf_counter() - started)
 
         logits = {}
         with torch.inference_mode():
-            for precision in MatmulPrecision:
+            for precision in PRECISIONS:
                 use(precision)
+                replay(engine, mixes["base + 4 adapters"])  # writes the mix's table rows
                 step = engine.runner.prepare(mixes["base + 4 adapters"])
                 hidden = engine.runner.step_runner.forward(step.inputs)
                 logits[precision] = model.logits(hidden.index_select(0, step.inputs.sample_rows))
-    f32, bf16 = logits[MatmulPrecision.FLOAT32], logits[MatmulPrecision.BFLOAT16]
+    f32, bf16 = logits[Precision.FLOAT32], logits[Precision.BFLOAT16_MATMUL]
     top = f32.argmax(-1, keepdim=True)
     logprob_change = (f32.log_softmax(-1).gather(1, top) - bf16.log_softmax(-1).gather(1, top)).abs().max()
 
@@ -128,12 +139,12 @@ def main() -> None:
           f"{torch.__version__}, load average {load_average()}; demo model, {args.seqs} decode sequences at "
           f"context {args.context}, median of {args.steps} interleaved steps\n")
     secs = choice.seconds
-    print(f"start-up measurement: float32 {secs.get(MatmulPrecision.FLOAT32, 0) * 1e3:.2f} ms, bfloat16 "
-          f"{secs.get(MatmulPrecision.BFLOAT16, 0) * 1e3:.2f} ms -> {choice.precision.value} ({choice.reason})\n")
+    print(f"start-up measurement: float32 {secs.get(Precision.FLOAT32, 0) * 1e3:.2f} ms, bfloat16 "
+          f"{secs.get(Precision.BFLOAT16_MATMUL, 0) * 1e3:.2f} ms -> {choice.precision.value} ({choice.reason})\n")
     print("| mix | float32 step ms | bfloat16 step ms | bfloat16 / float32 |")
     print("|---|---|---|---|")
     for mix in mixes:
-        a, b = (statistics.median(times[(p, mix)]) * 1e3 for p in MatmulPrecision)
+        a, b = (statistics.median(times[(p, mix)]) * 1e3 for p in PRECISIONS)
         print(f"| {mix} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
     print(f"\nbfloat16 logits against float32 on the mixed step ({f32.shape[0]} rows): largest |Δlogit| "
           f"{(f32 - bf16).abs().max():.3f} with largest |logit| {f32.abs().max():.1f}; greedy tokens agree on "

@@ -38,9 +38,9 @@ from processes import PodProcess, cpu_flags, cpu_model, load_average  # benchmar
 from stream_load import PROMPTS, Run, drive, percentile_ms  # benchmarks/stream_load.py
 from synthetic import PRESETS, write_random_adapter, write_random_model  # benchmarks/synthetic.py
 
-from data_plane.config import CPU_MATMUL_CHOICES
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.model.demo_model import ensure_demo_model
+from data_plane.model.precision import DTYPE_CHOICES, load_dtype
 
 EXTRA_ADAPTER = "bench-r16"  # a random rank-16 adapter on all seven projections, beside the demo adapters
 
@@ -95,7 +95,7 @@ def prepare(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path],
         demo_root = demo_adapter_dir(DEMO_ADAPTERS[0]).parent
         roots = {**{n: demo_root for n in DEMO_ADAPTERS}, EXTRA_ADAPTER: adapter_root}
         return model_dir, roots, [None, *DEMO_ADAPTERS, EXTRA_ADAPTER], "base + 4 adapters"
-    dtype = getattr(torch, args.dtype)
+    dtype = load_dtype(args.dtype, args.device)
     model_dir = write_random_model(tmp / "model", PRESETS[args.model], dtype, device=args.device,
                                    tokenizer_dir=args.tokenizer)
     config = json.loads((model_dir / "config.json").read_text())
@@ -106,10 +106,9 @@ def prepare(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path],
 
 
 def logged_precision(log_path: Path) -> str:
-    """What the pod's "cpu matmul precision" log line says it chose and why ("none logged" on CUDA or
-    other dtypes, where there is no choice)."""
+    """What the pod's "precision" log line says it computes in and why."""
     for line in log_path.read_text().splitlines():
-        if '"cpu matmul precision"' in line:
+        if '"msg": "precision"' in line:
             record = json.loads(line)
             return f"{record['precision']}: {record['reason']}"
     return "none logged"
@@ -120,9 +119,8 @@ def main() -> None:
     parser.add_argument("--model", default="demo", choices=["demo", *PRESETS],
                         help="the demo model and adapters, or random weights of a named shape")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES,
-                        help="the pod's --cpu-matmul (a float32 CPU model's projection matmul precision)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="the pod's precision (peft runs in its weights' dtype)")
     parser.add_argument("--tokenizer", type=Path,
                         help="directory with the demo model's tokenizer and config files, for a random-weight "
                              "model where the demo model is not installed (default: the installed demo model)")
@@ -136,8 +134,9 @@ def main() -> None:
                         help="rounds of (LoRA, base only, peft), interleaved so that drifting machine load "
                              "affects all three alike; medians are reported")
     args = parser.parse_args()
-    if args.model == "demo" and (args.device, args.dtype) != ("cpu", "float32"):
-        parser.error("--model demo runs on the CPU in float32; name a random-weight model for other devices")
+    if args.model == "demo" and (args.device, load_dtype(args.dtype, args.device)) != ("cpu", torch.float32):
+        parser.error("--model demo runs on the CPU with float32 weights (--dtype auto, float32 or bfloat16-matmul); "
+                     "name a random-weight model for other devices")
     if args.device == "cpu":  # a GPU run leaves the host's threads to torch (writing 15 GB of weights)
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -148,9 +147,8 @@ def main() -> None:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         names = [a for a in cycle if a]
         peft = None if args.skip_peft else PeftRunner(model_dir, roots, adapters, prompts, args.device,
-                                                     getattr(torch, args.dtype))
+                                                     load_dtype(args.dtype, args.device))
         pod_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype,
-                    "--cpu-matmul", args.cpu_matmul,
                     "--max-num-seqs", str(args.requests), "--max-loras", str(len(names)),
                     "--max-cpu-loras", str(max(32, len(names)))]
         if args.model != "demo":  # slots sized to the adapters: 64 slots of rank 64 would take 21 GB at 8B
@@ -181,7 +179,7 @@ def main() -> None:
              else f"{cpu_model()} ({platform.machine()}; {cpu_flags()}), {args.threads} threads")
     print(f"\n{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; model {args.model} {args.dtype}, {args.requests} requests, "
-          f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds, pod --cpu-matmul {args.cpu_matmul} "
+          f"{args.new_tokens} new tokens each, {args.rounds} interleaved rounds, pod --dtype {args.dtype} "
           f"({precision}), load average {load_average()}\n")
     print("| round | run | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |")
     print("|---|---|---|---|---|---|---|---|")

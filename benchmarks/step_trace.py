@@ -4,12 +4,11 @@ pod's engine in this process, every step timed and attributed.
 Inter-token latency at p99 is set by a few slow steps: with 32 streams a step's delay reaches 32
 gaps at once, so the 1% slowest gaps of a 4096-token run are about its slowest step or two. For
 each step this records its forward pass's wall time, its shape (tokens, sequences, prefill tokens,
-adapter segments), how many CPU LoRA path choices it measured (``kernels.cpu_tuner.PATH_TUNER``),
-and the garbage collector's pauses inside it; then prints the step-time and ITL percentiles and the
+adapter segments) and the garbage collector's pauses inside it; then prints the step-time and ITL percentiles and the
 slowest steps with what they held, per round of (LoRA, base only). The engine is the pod's
 (``data_plane.pod.build_engine``); there is no gRPC, so the figures are the engine's alone.
 
-    python benchmarks/step_trace.py [--rounds 2] [--cpu-matmul auto|float32|bfloat16]
+    python benchmarks/step_trace.py [--rounds 2] [--dtype auto|float32|bfloat16|bfloat16-matmul]
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes
 from serve import EXTRA_ADAPTER  # benchmarks/serve.py
 from stream_load import PROMPTS, percentile_ms  # benchmarks/stream_load.py
 
-from data_plane.config import CPU_MATMUL_CHOICES
 from data_plane.demo_adapters import DEMO_ADAPTERS
 from data_plane.engine.sequence import SamplingParams
 from data_plane.local import prompt_ids
 from data_plane.metrics import PodMetrics
+from data_plane.model.precision import DTYPE_CHOICES
 from data_plane.pod import build_engine
-from kernels import cpu_tuner
 
 
 @dataclass
@@ -44,7 +42,6 @@ class Step:
     seqs: int
     prefill_tokens: int
     segments: int
-    measured: int  # path choices measured during the step
     gc_ms: float
 
 
@@ -65,13 +62,13 @@ def traced(execute, trace: Trace):
     """``execute`` timed and attributed into ``trace``."""
 
     def run(step):
-        measured, gc_ms = len(cpu_tuner.PATH_TUNER.timings), trace.gc_ms
+        gc_ms = trace.gc_ms
         started = time.perf_counter()
         out = execute(step)
         tokens, seqs = step.inputs.input_ids.numel(), len(step.order)
         trace.steps.append(Step(time.perf_counter() - started, tokens, seqs,
                                 tokens - sum(o is not None for o in out), len(step.inputs.lora.host_segments),
-                                len(cpu_tuner.PATH_TUNER.timings) - measured, trace.gc_ms - gc_ms))
+                                trace.gc_ms - gc_ms))
         return out
 
     return run
@@ -96,11 +93,11 @@ def report(label: str, trace: Trace, wall_s: float, tokens: int, slowest: int) -
     print(f"\n{label}: {tokens / wall_s:.1f} tok/s, {len(times)} steps; step p50 {percentile_ms(times, 0.5)} ms, "
           f"p99 {percentile_ms(times, 0.99)} ms, max {max(times) * 1e3:.0f} ms; ITL p50 "
           f"{percentile_ms(trace.itl, 0.5)} ms, p99 {percentile_ms(trace.itl, 0.99)} ms; garbage collection "
-          f"{trace.gc_ms:.0f} ms in all; {sum(s.measured for s in trace.steps)} path choices measured")
-    print("| step ms | tokens | sequences | prefill tokens | adapter segments | path choices measured | gc ms |")
-    print("|---|---|---|---|---|---|---|")
+          f"{trace.gc_ms:.0f} ms in all")
+    print("| step ms | tokens | sequences | prefill tokens | adapter segments | gc ms |")
+    print("|---|---|---|---|---|---|")
     for s in sorted(trace.steps, key=lambda s: -s.seconds)[:slowest]:
-        print(f"| {s.seconds * 1e3:.0f} | {s.tokens} | {s.seqs} | {s.prefill_tokens} | {s.segments} | {s.measured} "
+        print(f"| {s.seconds * 1e3:.0f} | {s.tokens} | {s.seqs} | {s.prefill_tokens} | {s.segments} "
               f"| {s.gc_ms:.0f} |")
 
 
@@ -108,10 +105,10 @@ def report(label: str, trace: Trace, wall_s: float, tokens: int, slowest: int) -
 CYCLE = [None, *DEMO_ADAPTERS, EXTRA_ADAPTER]
 
 
-async def demo_engine(workdir: str, requests: int, cpu_matmul: str, freeze_gc: bool = True):
+async def demo_engine(workdir: str, requests: int, dtype: str, freeze_gc: bool = True):
     """The pod's engine on the demo model with serve.py's adapters resident (the random one written to
     ``workdir``), started; and the token ids of ``requests`` prompts."""
-    pod = demo_pod_config(requests, Path(workdir), cpu_matmul)
+    pod = demo_pod_config(requests, Path(workdir), dtype)
     engine = await asyncio.to_thread(build_engine, pod, PodMetrics())
     if freeze_gc:
         gc.freeze()  # as the pod process does once started
@@ -127,7 +124,7 @@ async def demo_engine(workdir: str, requests: int, cpu_matmul: str, freeze_gc: b
 
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        engine, ids = await demo_engine(tmp, args.requests, args.cpu_matmul, args.freeze_gc)
+        engine, ids = await demo_engine(tmp, args.requests, args.dtype, args.freeze_gc)
         execute = engine.runner.execute
         try:
             for r in range(1, args.rounds + 1):
@@ -151,14 +148,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slowest", type=int, default=5, help="slowest steps listed per run")
-    parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMUL_CHOICES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="the pod's precision")
     parser.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                         help="leave start-up objects to the collector (the pod freezes them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads, torch "
           f"{torch.__version__}, load average {load_average()}; demo model, {args.requests} requests x "
-          f"{args.new_tokens} tokens, --cpu-matmul {args.cpu_matmul}, gc frozen: {args.freeze_gc}")
+          f"{args.new_tokens} tokens, --dtype {args.dtype}, gc frozen: {args.freeze_gc}")
     asyncio.run(main_async(args))
     print(f"\nload average at the end {load_average()}")
 

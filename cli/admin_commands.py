@@ -98,12 +98,12 @@ def _pods(args: argparse.Namespace) -> int:
         print(json.dumps([_as_dict(p) for p in pods], indent=2))
         return 0
     now = time.time()
-    rows = [(p.id, p.endpoint, "yes" if p.ready else "no", p.base_model,
+    rows = [(p.id, p.endpoint, "yes" if p.ready else "no", p.base_model, p.precision or "-",
              f"{p.slots_used}/{p.slots_total} ({p.slots_pinned} pinned)", f"{p.cpu_cache_used}/{p.cpu_cache_capacity}",
              f"{p.running_requests}/{p.waiting_requests}", f"{max(0.0, now - p.last_heartbeat):.1f}s ago",
              ",".join(f"{a}*" if a in p.pinned_adapters else a for a in p.adapters) or "-")
             for p in pods]
-    print(table(("POD", "ENDPOINT", "READY", "BASE MODEL", "SLOTS", "CPU CACHE", "RUN/WAIT", "HEARTBEAT",
+    print(table(("POD", "ENDPOINT", "READY", "BASE MODEL", "PRECISION", "SLOTS", "CPU CACHE", "RUN/WAIT", "HEARTBEAT",
                  "ADAPTERS (* pinned)"), rows, empty="no pods"))
     return 0
 

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")
-    gen.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16", "float16"],
-                     help="weights dtype for --local")
+    gen.add_argument("--dtype", default=defaults.DTYPE, choices=defaults.DTYPES,
+                     help="precision for --local, as the pod's --dtype")
     gen.add_argument("--max-tokens", type=int, default=128, help="maximum tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")

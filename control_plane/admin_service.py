@@ -59,4 +59,4 @@ def pod_pb(v: PodView) -> pb.Pod:
                   cpu_cache_used=p.cpu_cache_used, adapters=[r.name for r in p.residents],
                   pinned_adapters=[r.name for r in p.residents if r.pinned], last_heartbeat=p.last_heartbeat,
                   base_model=p.base_model, running_requests=p.running_requests,
-                  waiting_requests=p.waiting_requests)
+                  waiting_requests=p.waiting_requests, precision=p.precision)

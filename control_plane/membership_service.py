@@ -35,5 +35,5 @@ def pod_record(request: pb.HeartbeatRequest) -> PodRecord:
                      slots_pinned=s.slots.pinned, cpu_cache_capacity=s.cpu_cache.capacity,
                      cpu_cache_used=s.cpu_cache.used, cpu_cache_pinned=s.cpu_cache.pinned,
                      running_requests=s.running_requests, waiting_requests=s.waiting_requests, residents=residents,
-                     kv_usage=s.kv_cache_usage,
+                     kv_usage=s.kv_cache_usage, precision=s.precision,
                      demand=tuple((r.adapter, r.requests_per_second) for r in request.demand.rates))

@@ -76,6 +76,7 @@ class PodRecord:
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     # (adapter, requests per second) of its busiest adapters, as decayed by the pod, highest first
     demand: tuple[tuple[str, float], ...] = ()
+    precision: str = ""  # what the pod computes in (its --dtype, auto resolved); "" before it says
 
     def is_live(self, now: float, lease_ttl_s: float) -> bool:
         """Whether the lease from its last heartbeat still runs."""

@@ -34,10 +34,12 @@ POD_ENDPOINT = f"{HOST}:{POD_PORT}"
 # What `lorafleet generate` dials without --endpoint or $LORAFLEET_ENDPOINT: the router `lorafleet up` starts.
 ROUTER_ENDPOINT = f"{HOST}:{ROUTER_PORT}"
 
-# Compute device and weights dtype of a pod, of `lorafleet up`'s pod and of `lorafleet generate --local`.
-# The chart passes its own (cuda, bfloat16) as flags, for a GPU node pool.
+# Compute device and precision (--dtype) of a pod, of `lorafleet up`'s pod and of `lorafleet generate --local`.
+# The chart passes its own device (cuda) and dtype (auto unless set) as flags, for a GPU node pool.
 DEVICE = "cpu"
-DTYPE = "float32"
+DTYPE = "auto"
+# What --dtype accepts: auto, then every precision of data_plane/model/precision.py, by its name.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "bfloat16-matmul")
 
 # Adapter slots on the compute device (--max-loras), preallocated at start-up; `lorafleet up`'s pod too.
 MAX_LORAS = 8

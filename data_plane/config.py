@@ -10,8 +10,8 @@ from pathlib import Path
 
 from conventions import defaults
 from conventions.names import NAME_RULE, is_valid_name
+from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
 
-CPU_MATMUL_CHOICES = ("auto", "float32", "bfloat16")
 # A CPU pod's KV cache when --kv-cache-bytes is 0: ~17k tokens of the demo model in float32 (46 KB a token).
 DEFAULT_CPU_KV_CACHE_BYTES = 768 << 20
 
@@ -23,10 +23,9 @@ class DataPlaneConfig:
     port: int = defaults.POD_PORT
     metrics_port: int = defaults.POD_METRICS_PORT
     device: str = defaults.DEVICE
-    dtype: str = defaults.DTYPE
-    # Precision of a float32 CPU model's projection matmuls: "auto" measures float32 and bfloat16 on this
-    # CPU at start-up and takes the faster (see data_plane/model/cpu_linear.py); other dtypes and CUDA ignore it.
-    cpu_matmul: str = "auto"
+    # The precision (data_plane/model/precision.py), or "auto": bfloat16 on CUDA; on CPU float32 weights with
+    # float32 or bfloat16 projections, whichever measures faster on this CPU at start-up.
+    dtype: str = AUTO
     max_loras: int = defaults.MAX_LORAS
     max_cpu_loras: int = defaults.MAX_CPU_LORAS
     max_lora_rank: int = defaults.MAX_LORA_RANK
@@ -68,10 +67,7 @@ class DataPlaneConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.cpu_matmul not in CPU_MATMUL_CHOICES:
-            raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMUL_CHOICES)}, not {self.cpu_matmul!r}")
+        check_dtype(self.dtype, self.device)
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= --max-loras ({self.max_loras}) <= --max-cpu-loras ({self.max_cpu_loras})")
         if not 1 <= self.max_lora_rank <= 512:
@@ -141,8 +137,7 @@ class DataPlaneConfig:
     def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
-            max_loras=args.max_loras,
+            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
@@ -161,6 +156,16 @@ class DataPlaneConfig:
             adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
             demand_window_s=args.demand_window, demand_report_top=args.demand_report_top,
         )
+
+
+class RemovedFlag(argparse.Action):
+    """``--cpu-matmul``, folded into ``--dtype``: refused with the --dtype that says the same."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was folded into --dtype, which now names the whole precision: "
+                     "--dtype float32 for float32 everywhere (was --cpu-matmul float32), --dtype bfloat16-matmul "
+                     "for bfloat16 projections on a float32 CPU model (was --cpu-matmul bfloat16), or --dtype auto "
+                     "to measure which is faster (was --cpu-matmul auto)")
 
 
 def adapter_weight(text: str) -> tuple[str, float]:
@@ -185,11 +190,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (Generation, DataPlaneAdmin, health)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
-    p.add_argument("--cpu-matmul", default=d.cpu_matmul, choices=CPU_MATMUL_CHOICES,
-                   help="precision of a float32 CPU model's projection matmuls: auto measures float32 and bfloat16 "
-                        "(operands rounded to bfloat16, float32 sums, outputs rounded to bfloat16) on this CPU at "
-                        "start-up and takes the faster")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
+                   help="the precision the pod computes in, the same for every request and step: float32; bfloat16; "
+                        "float16 (cuda); bfloat16-matmul (cpu: float32 but for the projection matmuls, whose operands "
+                        "and outputs are rounded to bfloat16); auto (default): bfloat16 on cuda, and on cpu "
+                        "bfloat16-matmul where it measures faster at start-up, else float32")
+    p.add_argument("--cpu-matmul", action=RemovedFlag, help=argparse.SUPPRESS)
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")

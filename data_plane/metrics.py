@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from data_plane.lora.adapter_cache import Tier
@@ -45,6 +45,14 @@ class PodMetrics:
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.precision = Gauge("lorafleet_precision_info",
+                               "1 for the precision the pod computes in (its --dtype, auto resolved): float32, "
+                               "bfloat16, float16 or bfloat16-matmul.", ["precision"], registry=r)
+
+    def set_precision(self, precision: str) -> None:
+        """Exports ``precision`` as the pod's one precision (1), once the model is loaded."""
+        self.precision.clear()
+        self.precision.labels(precision).set(1)
 
     def watch(self, snapshot: Callable[[], EngineState]) -> None:
         """Exports the gauges and the load, eviction and preemption counts of ``snapshot()`` at scrape time."""

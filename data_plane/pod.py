@@ -20,12 +20,14 @@ from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
 from data_plane.model import LlamaForCausalLM, cpu_linear, load_model
 from data_plane.model.attention import KVCache
-from data_plane.model.cpu_linear import MatmulPrecision
 from data_plane.model.demo_model import ensure_demo_model
+from data_plane.model.precision import AUTO, Precision, load_dtype
 from data_plane.model.tokenizer import Tokenizer
 
 log = logging.getLogger("lorafleet.pod")
 
+# The largest decode step the start-up measurement of bfloat16 projections times (with 1 and 8 rows).
+DECODE_ROWS_MEASURED = 128
 
 def local_resolver(roots: tuple[Path, ...]) -> Resolver:
     """Resolves an adapter name to the directory of that name under the first root holding it."""
@@ -45,8 +47,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     """Loads the model, wraps it with LoRA slots, sizes the KV cache, warms up. Call inside the event loop."""
     model_dir = config.model or ensure_demo_model()
     device = torch.device(config.device)
-    model = load_model(model_dir, config.dtype, device)
-    set_cpu_matmul_precision(model, config.cpu_matmul, config.max_num_seqs)
+    model = load_model(model_dir, load_dtype(config.dtype, config.device), device)
+    set_precision(model, config.dtype, config.max_num_seqs)
     tokenizer = Tokenizer(model_dir)
     roots = config.adapter_roots
     # One cache directory per pod: a pod clears unfinished downloads in its directory at start-up.
@@ -64,33 +66,33 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
                     config.fair_share_weights, Policy(config.scheduling_policy),
                     cuda_graphs=device.type == "cuda" and not config.enforce_eager,
-                    prefix_caching=config.prefix_caching)
+                    prefix_caching=config.prefix_caching, precision=model.precision.value)
     engine.warm_up()
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": config.max_loras, "device": config.device})
     return engine
 
 
-def set_cpu_matmul_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> MatmulPrecision | None:
-    """Gives a float32 CPU model's reordered weights the precision ``setting`` names ("auto": the
-    faster of float32 and bfloat16 measured here on the model's own weights, at decode row counts up
-    to ``max_num_seqs``); returns it, or None for models without reordered weights (other dtypes,
-    CUDA). Raises ValueError for bfloat16 where this CPU's oneDNN has none."""
-    if not cpu_linear.can_prepack(model.head_weight):
-        return None
-    if setting == "auto":
-        n = min(max_num_seqs, cpu_linear.PACKED_MAX_ROWS)
+def set_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> Precision:
+    """Makes ``model`` (loaded in ``load_dtype(setting, ...)``) compute in the precision ``--dtype
+    setting`` names, and returns it, logged. "auto" keeps the loaded precision, except that a float32
+    CPU model takes bfloat16 projections where they measure faster on its own weights, at decode row
+    counts up to ``max_num_seqs`` (``cpu_linear.choose_precision``)."""
+    reason, timings = f"--dtype {setting}", {}
+    if setting == AUTO and model.precision is Precision.FLOAT32 and model.head_weight.device.type == "cpu":
+        n = min(max_num_seqs, DECODE_ROWS_MEASURED)
         choice = cpu_linear.choose_precision(model.matmul_weights(), sorted({1, min(8, n), n}))
-        precision, reason = choice.precision, choice.reason
+        precision, reason = choice.precision, f"--dtype auto: {choice.reason}"
         timings = {f"{p.value}_ms": round(t * 1e3, 3) for p, t in choice.seconds.items()}
     else:
-        precision, reason, timings = MatmulPrecision(setting), f"--cpu-matmul {setting}", {}
-        if precision is MatmulPrecision.BFLOAT16 and not cpu_linear.bfloat16_supported():
-            raise ValueError("--cpu-matmul bfloat16: oneDNN has no bfloat16 matmul on this CPU; use auto or float32")
-    if precision is not MatmulPrecision.FLOAT32:  # load_model reordered them in float32
-        model.prepack_cpu_weights(precision)
-    log.info("cpu matmul precision", extra={"precision": precision.value, "reason": reason, **timings})
-    return precision
+        precision = model.precision if setting == AUTO else Precision(setting)
+    if precision is not model.precision:  # load_model packed the projections in the weights' dtype
+        model.prepack_cpu_weights(precision.matmul_dtype)
+    if precision is not model.precision:
+        raise ValueError(f"--dtype {setting}: a model of {model.embed_tokens.weight.dtype} weights on "
+                         f"{model.head_weight.device.type} cannot compute in {precision.value}")
+    log.info("precision", extra={"precision": model.precision.value, "reason": reason, **timings})
+    return model.precision
 
 
 def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> int:

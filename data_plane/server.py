@@ -80,6 +80,7 @@ async def serve(config: DataPlaneConfig) -> None:
     gc.collect()  # start-up's garbage first: frozen, it would stay for good
     gc.freeze()
     metrics.watch(engine.snapshot)
+    metrics.set_precision(engine.model.precision.value)
     engine.start()
     handle.engine = engine
     heartbeats = asyncio.get_running_loop().create_task(membership.run()) if membership else None

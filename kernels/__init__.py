@@ -1,3 +1,3 @@
-"""Multi-adapter LoRA ops and paged attention: Triton kernels for CUDA; on CPU the paths of ``cpu_lora``
-and ``reference`` (pure torch, also the test oracle). ``lora_backend`` picks between the LoRA paths, on
-CPU by the measurements of ``cpu_tuner``; ``paged_attention`` is the attention kernels' one entry."""
+"""Multi-adapter LoRA ops and paged attention: Triton kernels for CUDA; on CPU the fixed-tile LoRA path
+of ``cpu_lora``; ``reference`` (pure torch) is the test oracle. ``lora_backend`` picks by device;
+``paged_attention`` is the attention kernels' one entry."""

@@ -3,24 +3,24 @@ layer is built, called once per forward.
 
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
-  magnitude): per step, the path of ``CpuLoraPath`` that ``kernels.cpu_tuner.choose_path``
-  measured fastest on this machine for steps like it: dense, gathered or segmented
-  (``kernels.cpu_lora``) over a packed copy of the slots, or the segment loop of ``kernels.reference``.
+  magnitude): one batched matmul pair per adapter segment over fixed row tiles, on a packed copy of
+  the slots (``kernels.cpu_lora``), so that a row's delta does not depend on what shares its step.
 
-Every path has the semantics documented in ``kernels.reference``, so one layer code runs on any. One
-exception, in a row whose own adapter product overflows: the segmented path also turns the row's other
-slices to NaN (``kernels.cpu_lora.lora_segmented``); that row's output is lost on every path.
+Both have the semantics documented in ``kernels.reference``, so one layer code runs on either. One
+exception, in a row whose own adapter product overflows: the CPU path also turns the row's other
+slices to NaN (``kernels.cpu_lora.lora_segmented``); that row's output is lost either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kernels import cpu_lora, cpu_tuner, reference
-from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun, intra_op_threads
+from kernels import cpu_lora
 from kernels.lora_meta import LoraMeta
 
 
@@ -75,81 +75,44 @@ class TritonBackend:
 
 
 class CpuBackend:
-    """The CPU paths. After a slot change, the plan (ranks only) and the dense and segmented packs
-    are rebuilt when next needed; the gathered pack is patched, one changed slot at a time, by the
-    next step that takes the gathered path."""
+    """The CPU path (``kernels.cpu_lora``) on one thread, over a packed copy of the slots that follows
+    each changed slot before the next step reads it."""
 
     def __init__(self, slots: LoraSlots) -> None:
         self.slots = slots
-        self._plan: cpu_tuner.CpuPlan | None = None  # None: slots changed since it was made
-        self._dense: cpu_lora.DensePack | None = None
-        self._segmented: cpu_lora.SegmentPack | None = None
-        self._gathered: cpu_lora.GatherPack | None = None
-        self._stale_slots: set[int] = set()  # slots changed since the gathered pack was last brought up to date
+        self._pack: cpu_lora.SegmentPack | None = None  # None: not built yet
+        self._stale_slots: set[int] = set()  # slots changed since the pack was last brought up to date
 
     def slot_changed(self, slot: int) -> None:
-        self._plan = self._dense = self._segmented = None
         self._stale_slots.add(slot)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
-        path = self.path(y, x, meta)
-        if path is not None:  # None: no resident adapter adapts this layer
-            self._run(path, y, x, meta)
+        with intra_op_threads(1):
+            cpu_lora.lora_segmented(y, x, self.pack(), meta)
 
-    def _run(self, choice: CpuLoraRun, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
-        with intra_op_threads(choice.threads):
-            self._run_path(choice.path, y, x, meta)
-
-    def _run_path(self, path: CpuLoraPath, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
-        sl, step = self.slots, meta.step_cache
-        if path is CpuLoraPath.DENSE:
-            pack = self._dense_pack()
-            cpu_lora.lora_dense(y, x, pack, step.mask(pack, meta.token_slots))
-        elif path is CpuLoraPath.GATHERED:
-            pack = self._gathered_pack()
-            cpu_lora.lora_gathered(y, x, pack, step.gather_index(pack, meta.token_slots))
-        elif path is CpuLoraPath.SEGMENTED:
-            if self._segmented is None:
-                self._segmented = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
-            cpu_lora.lora_segmented(y, x, self._segmented, meta)
-        else:
-            buf = meta.buffer[: sl.lora_a.shape[0], : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
-            reference.lora_shrink(x, sl.lora_a, sl.ranks, meta, buf, sl.host_ranks)
-            reference.lora_expand(y, buf, sl.lora_b, sl.ranks, sl.host_offsets, meta, sl.host_ranks)
-
-    def path(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> CpuLoraRun | None:
-        """The path, and the threads it runs on, this layer takes in the step of ``meta`` (``y``, ``x``
-        as for ``apply``; runs not measured yet for steps like this one are timed on them, into a
-        scratch copy of ``y``); None when no resident adapter has a rank on it."""
-        plan = self._plan
-        if plan is None:
-            sl = self.slots
-            plan = self._plan = cpu_tuner.plan(sl.host_ranks, sl.lora_a.shape[3], sl.lora_b.shape[1])
-        if plan.rank == 0:
-            return None
-        # Layers with equal plans (same shape, same resident ranks) choose alike: once per step.
-        paths = meta.step_cache.paths
-        path = paths.get(plan)
-        if path is None:
-            scratch = y.clone()
-            path = paths[plan] = cpu_tuner.choose_path(plan, meta.num_tokens, meta.host_segments,
-                                                      lambda p: self._run(p, scratch, x, meta))
-        return path
-
-    def _dense_pack(self) -> cpu_lora.DensePack:
-        if self._dense is None:
-            sl = self.slots
-            self._dense = cpu_lora.pack(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
-        return self._dense
-
-    def _gathered_pack(self) -> cpu_lora.GatherPack:
+    def pack(self) -> cpu_lora.SegmentPack:
+        """The packed copy of the slots as they are now."""
         sl = self.slots
-        args = (sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
-        packed = self._gathered
-        if packed is not None and not all(cpu_lora.update_gathered(packed, *args, slot)
-                                          for slot in sorted(self._stale_slots)):
-            packed = None  # a slot outgrew the pack's rank
-        if packed is None:
-            packed = self._gathered = cpu_lora.pack_gathered(*args)
+        if self._pack is None:
+            self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
+        else:
+            for slot in sorted(self._stale_slots):
+                cpu_lora.update_slot(self._pack, sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
         self._stale_slots.clear()
-        return packed
+        return self._pack
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block. With OpenMP this is the calling thread's
+    count (and the default a thread that starts parallel work meanwhile takes): call it from the thread
+    that runs the model."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

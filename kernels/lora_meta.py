@@ -10,11 +10,10 @@ alike without reordering the requests: program ``(segment, block)`` processes th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_lora import CpuStepCache
 from kernels.step_buffer import StepBuffer
 
 
@@ -31,8 +30,6 @@ class LoraMeta:
     # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
     # path then slices instead of gathering.
     host_segments: tuple[tuple[int, int, int, int], ...]
-    # What the CPU LoRA layers of this step compute once and share.
-    step_cache: CpuStepCache = field(default_factory=CpuStepCache)
 
     @property
     def has_lora(self) -> bool:

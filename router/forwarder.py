@@ -19,6 +19,7 @@ from router.channels import PodChannels
 from router.errors import InvalidRequest
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
+from router.scoring import Choice
 
 log = logging.getLogger("lorafleet.router")
 
@@ -36,6 +37,11 @@ class PodError(LorafleetError):
         self.status = error.code().name
 
 
+def same_precision(ranked: list[Choice]) -> list[Choice]:
+    """``ranked`` without the pods whose precision differs from the first one's, in order."""
+    return [c for c in ranked if c.pod.precision == ranked[0].pod.precision] if ranked else ranked
+
+
 def adapter_of(request: bytes) -> str:
     """The adapter a serialized GenerateRequest names ("" = base model); InvalidRequest if it is not one."""
     try:
@@ -47,7 +53,8 @@ def adapter_of(request: bytes) -> str:
 
 class Forwarder:
     """Serves Generate by forwarding it. Before a pod's first message, a refusal that leaves the request
-    untouched (UNAVAILABLE, RESOURCE_EXHAUSTED) sends it to the next pod, up to ``retries`` more; after
+    untouched (UNAVAILABLE, RESOURCE_EXHAUSTED) sends it to the next pod of the first pod's precision, up
+    to ``retries`` more (a pod of another precision would give other tokens than the pod chosen); after
     it, the pod's error is the caller's, with the pod's retry hint (grpc-retry-pushback-ms) when it
     sent one. A pod that answered RESOURCE_EXHAUSTED goes last in the ranking for as long as its
     hint says. The caller's deadline goes to the pod with the call, and a caller
@@ -97,7 +104,7 @@ class Forwarder:
 
     async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:
-        candidates = self._picker.choose(adapter)[: self._retries + 1]
+        candidates = same_precision(self._picker.choose(adapter))[: self._retries + 1]
         for attempt, choice in enumerate(candidates):
             pod = choice.pod
             call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=timeout)

@@ -34,6 +34,7 @@ class PodView:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
+    precision: str = ""  # what it computes in (PodState.precision); pods of one precision answer alike
 
     def tier(self, adapter: str) -> Tier:
         return self.residency.get(adapter, Tier.NONE)
@@ -76,7 +77,8 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
             residency[name] = Tier.DEVICE
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
                              slots_used=state.slots.used, residency=residency, running=state.running_requests,
-                             waiting=state.waiting_requests, kv_usage=state.kv_cache_usage))
+                             waiting=state.waiting_requests, kv_usage=state.kv_cache_usage,
+                             precision=state.precision))
     base_model = next((s.base_model for s in states.values() if s.base_model), base_model)
     return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
                      base_model)

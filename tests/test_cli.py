@@ -363,6 +363,7 @@ def test_pods_lists_the_pod_ready_with_its_pinned_adapters(up):
     (pod,) = json.loads(done.stdout)
     assert (pod["id"], pod["endpoint"], pod["ready"]) == ("local-pod", f"127.0.0.1:{up.pod_port}", True)
     assert set(pod["pinned_adapters"]) == set(PRESENT_DEMO_ADAPTERS)
+    assert pod["precision"] in ("float32", "bfloat16-matmul")  # --dtype auto, resolved on a CPU pod
     table = lorafleet("pods", env=up.env)
     assert table.returncode == 0 and table.stdout.splitlines()[1].startswith("local-pod "), table.stdout
 

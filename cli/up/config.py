@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(_flag(name), type=int, default=getattr(d, name), help=f"{what} (default {getattr(d, name)})")
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: the demo model)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="the pod's compute device")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--dtype", default=d.dtype, choices=defaults.DTYPES,
+                   help="the pod's precision (see lorafleet data-plane --help)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--adapter-root", type=Path, action="append", default=[],
                    help="another directory the pod may load adapters from (repeatable)")

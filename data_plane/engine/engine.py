@@ -36,7 +36,6 @@ from data_plane.errors import (
 from data_plane.lora.adapter_cache import Tier
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
-from data_plane.model import cpu_linear
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
 
@@ -319,26 +318,21 @@ class Engine:
         seq.last_token_time = now
 
     def warm_up(self, rank: int = 8) -> None:
-        """Fills every adapter slot with a zero adapter and runs, on the model thread, steps of every
-        CPU row bucket (decode batches up to a full batch, prefills of a bucket's size beyond it) and a
-        full prefill chunk through every slot, so that no oneDNN kernel or buffer is first built while
-        requests wait (the CPU LoRA paths are still measured when real adapters' layouts first run);
-        then captures the decode CUDA graphs, where the engine uses them. Call before ``start``, off the
-        event loop."""
+        """Fills every adapter slot with a zero adapter and runs, on the model thread, a one-sequence
+        decode step, a full decode batch and a full prefill chunk through every slot, so that no
+        oneDNN kernel or buffer is first built while requests wait (CPU projections run in one row
+        tile, ``cpu_linear``: one kernel per weight shape); then captures the decode CUDA graphs, where
+        the engine uses them. Call before ``start``, off the event loop."""
         cache = self.lora.cache
         cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
         n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
         decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
-        for size in sorted({b for b in cpu_linear.ROW_BUCKETS if b < n} | {n}):
+        for size in sorted({1, n}):
             self._warm_up_step([ScheduledSeq(seq, 1) for seq in decodes[:size]])
         chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size,
                     self.limits.max_model_len)
-        # A step that mixes a prefill chunk with decodes can have any row count up to the chunk: the row
-        # buckets past a full batch would otherwise first meet oneDNN mid-serving (a kernel built then,
-        # and memory that grows under load).
-        for size in [b for b in cpu_linear.ROW_BUCKETS if n < b < chunk] + [chunk]:
-            prefill = Sequence(f"warm-up-prefill-{size}", None, [0] * size, SamplingParams(), size + 1, slot=0)
-            self._warm_up_step([ScheduledSeq(prefill, size)])
+        prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1, slot=0)
+        self._warm_up_step([ScheduledSeq(prefill, chunk)])
         self._model_thread.submit(self.runner.capture_graphs).result()
         cache.clear_free_slots()
 

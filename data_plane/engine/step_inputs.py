@@ -22,7 +22,6 @@ import torch
 
 from data_plane.engine.block_manager import BlockManager
 from data_plane.model.attention import AttentionInputs, KVCache
-from kernels.cpu_lora import CpuStepCache
 from kernels.lora_meta import LoraMeta, LoraMetaBuilder
 from kernels.step_buffer import StepBuffer
 
@@ -56,7 +55,7 @@ class StepInputs:
         """A copy in tensors of its own: the builder's buffers are rewritten by every later step."""
         attn = replace(self.attn, **{f: getattr(self.attn, f).clone() for f in
                                      ("slot_mapping", "block_tables", "seq_lens", "query_start")})
-        lora = self.lora and replace(self.lora, step_cache=CpuStepCache(), **{
+        lora = self.lora and replace(self.lora, **{
             f: getattr(self.lora, f).clone() for f in ("token_slots", "sorted_tokens", "seg_slots", "seg_starts")})
         return replace(self, input_ids=self.input_ids.clone(), positions=self.positions.clone(), attn=attn,
                        lora=lora, sample_rows=self.sample_rows.clone())

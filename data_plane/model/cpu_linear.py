@@ -1,31 +1,37 @@
-"""Linear layers on CPU through oneDNN with weights reordered once, for steps of few rows, in the
-matmul precision this CPU runs fastest.
+"""Linear layers on CPU in one fixed row tile, through oneDNN with weights reordered once.
 
-A decode step multiplies a few dozen rows by every weight. For such shapes the default CPU
-matmul re-lays the weight out on each call; oneDNN can take a weight reordered ahead of time
-into its blocked layout ("prepacked"). Measured on a 2-core x86 VM with torch 2.13, float32,
-32 rows: the demo model's projections run 1.2–1.5× faster and its 49152-row output projection
-2×. Past ~128 rows (prefill) the default path is as fast or faster, so both are kept and the row
-count picks one. The reordered copy adds the memory of the weights it covers in float32, half of
-it in bfloat16.
+Batch invariance. A matmul library chooses its kernel, and with it the order in which each output's
+products are summed, from the shape of the call and the threads it has. Measured with torch 2.13
+(oneDNN 3.12, MKL 2024.2) on a 2-core Xeon with AVX512-BF16 and AMX, on the demo model's weight
+shapes: in float32 a row multiplied alone by the down projection (K = 1536) sums differently than
+in a call of 2 or more rows, and MKL's plain matmul (which served steps of over 128 rows) differs
+from oneDNN's at every row count; in bfloat16 the 3072-wide gate/up projection and the output head
+round some rows differently past 32 rows (oneDNN switches to AMX kernels). So a row's result
+depended on how many rows shared its step. Here every call has one shape: ``x`` is cut into tiles
+of exactly ``CpuWeight.rows`` rows, the last one padded with zeros, so oneDNN runs one kernel for
+every step, and within a tile a row's result depends neither on its position nor on the other rows
+(checked at every position, every shape). A token's projections are then the same bits in a decode
+step of 1 or 32 rows and in any prefill chunk.
 
-The reordered copy may be float32 or bfloat16 (``MatmulPrecision``). On a CPU with native
-bfloat16 dot products (AVX512-BF16, AMX) a bfloat16 weight halves the bytes a memory-bound decode
-step reads and doubles the products per instruction; elsewhere oneDNN emulates them and they are
-slower. Which one a float32 pod uses is measured at start-up (``choose_precision``, called by
-``data_plane.pod``), on its model's own weight shapes, not inferred from CPU flags. In bfloat16 the
-inputs and weights of these matmuls are rounded to bfloat16 (8 significant bits) and the products
-summed in float32, and each output is rounded to bfloat16 once: an output moves from its float32
-value by at most about 3·2⁻⁸ of the sum of its products' magnitudes (tests/tolerances.py,
-``rounded_operands_atol``). Once chosen, bfloat16 serves the projections at every row count
-(prefill too, in chunks), so a token rounds alike in any step. Everything else (norms, attention,
-the residual stream, LoRA, and the output head, whose logits and log-probabilities would otherwise
-come in steps of 2⁻⁸ of their size) stays float32.
+Speed. oneDNN takes a weight reordered ahead of time into its blocked layout ("prepacked"): for
+the few rows of a decode step it runs the demo model's projections 1.2–1.5× and its 49152-row
+output head 2× faster than a plain matmul, which re-lays the weight out on each call. Larger tiles
+cost little per row for prefill and more for small decode steps, whose padding rows are computed
+too; ``ROW_TILES`` holds the compromise measured per precision (benchmarks/RESULTS.md, "Batch
+invariance"). The reordered copy adds the memory of the weights it covers in their precision.
+
+Precision. The copy may take its operands in float32, bfloat16 or float16 (``pack``). In bfloat16
+for a float32 model (``Precision.BFLOAT16_MATMUL``) the inputs and weights are rounded to bfloat16
+(8 significant bits) and the products summed in float32, and each output is rounded to bfloat16
+once: it moves from its float32 value by at most about 3·2⁻⁸ of the sum of its products' magnitudes
+(tests/tolerances.py, ``rounded_operands_atol``). Whether a float32 pod on ``--dtype auto`` takes
+it is measured at start-up (``choose_precision``, called by ``data_plane.pod``), on its model's own
+weight shapes, not inferred from CPU flags: on a CPU with native bfloat16 dot products (AVX512-BF16,
+AMX) it halves the bytes a memory-bound decode step reads; elsewhere oneDNN emulates it, slower.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,85 +40,104 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-PACKED_MAX_ROWS = 128
-# oneDNN builds (and keeps) a kernel per input shape, about 0.5 MB each, and the differently sized
-# buffers fragment the heap: measured, calling every row count 1..128 on the demo model's five
-# weight shapes grew the process by 2 GB. Row counts are therefore padded up to one of these sizes.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+from data_plane.model.precision import Precision
+
+# The row tile of each operand dtype. float32 decode steps are compute-bound on the padding rows,
+# so its tile is smaller; bfloat16 kernels run a 32-row tile in about the time of one row.
+ROW_TILES = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 32}
 
 
-class MatmulPrecision(enum.Enum):
-    """The precision of a reordered weight copy (and of the rows multiplied by it)."""
+@dataclass(frozen=True)
+class CpuWeight:
+    """A weight prepared for fixed-tile CPU matmuls (``pack``)."""
 
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.value)
+    weight: torch.Tensor  # oneDNN's reordered copy (opaque) where ``reordered``, else the plain [out, in] in dtype
+    dtype: torch.dtype  # the precision of the operands; inputs are rounded to it
+    rows: int  # the row tile: every call multiplies exactly this many rows
+    reordered: bool
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's reordered layout serves float32 weights on CPU, where torch was built with it."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN reorders weights and runs matmuls in ``dtype`` on this CPU (natively or
+    emulated)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 def bfloat16_supported() -> bool:
     """Whether this torch's oneDNN runs bfloat16 matmuls on this CPU at all (natively or emulated)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return onednn_serves(torch.bfloat16)
 
 
-def prepack(weight: torch.Tensor, precision: MatmulPrecision = MatmulPrecision.FLOAT32) -> torch.Tensor:
-    """``weight`` [out, in] reordered for oneDNN in ``precision`` (an opaque tensor; ``weight``
-    itself is kept for float32 steps of many rows)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.to(precision.dtype), 32)
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> CpuWeight:
+    """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's):
+    reordered by oneDNN where it serves ``dtype``, else kept plain (then each tile runs a plain
+    matmul: still one shape per call, only slower)."""
+    dtype = dtype or weight.dtype
+    if onednn_serves(dtype):
+        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), ROW_TILES[dtype]), dtype,
+                         ROW_TILES[dtype], True)
+    return CpuWeight(weight.to(dtype).contiguous(), dtype, ROW_TILES[dtype], False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias``, through ``packed`` when there is one and either ``x`` has few rows or
-    ``packed`` is bfloat16 (then in chunks of few rows); in ``x``'s dtype whatever the precision of
-    ``packed``."""
-    rows = x.shape[0]
-    if packed is None or x.dim() != 2 or x.device.type != "cpu":
+           packed: CpuWeight | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``x``'s dtype. With ``packed`` (on CPU), in tiles of ``packed.rows``
+    rows with operands in ``packed.dtype``, so that each row's result depends on that row alone; without,
+    one plain matmul."""
+    if packed is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if rows > PACKED_MAX_ROWS:
-        if packed.dtype == x.dtype:
-            return F.linear(x, weight, bias)
-        # A bfloat16 copy serves every row count, in chunks of bucketed sizes, so that a token's
-        # projections round alike whether its step is a small decode or a long prefill.
-        return torch.cat([linear(chunk, weight, bias, packed) for chunk in x.split(PACKED_MAX_ROWS)])
-    bucket = next(b for b in ROW_BUCKETS if b >= rows)
-    if bucket != rows:
-        x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
-    if packed.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
-    out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "")[:rows].to(x.dtype)
-    return out if bias is None else out.add_(bias)
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    rows, tile = x.shape[0], packed.rows
+    xin = x.to(packed.dtype)
+    if rows % tile:
+        xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
+    fused_bias = bias if bias is not None and bias.dtype == packed.dtype else None
+    if xin.shape[0] == tile:
+        out = _tile(xin, packed, fused_bias)
+    else:
+        out = torch.cat([_tile(t, packed, fused_bias) for t in xin.split(tile)])
+    out = out[:rows].to(x.dtype)
+    if bias is not None and fused_bias is None:  # bfloat16 operands for float32 rows: the bias in float32
+        out = out.add_(bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _tile(x: torch.Tensor, packed: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.reordered:
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
+    return F.linear(x, packed.weight, bias)
 
 
 @dataclass(frozen=True)
 class PrecisionChoice:
     """What ``choose_precision`` chose, what it measured and why, for the pod's log."""
 
-    precision: MatmulPrecision
-    seconds: dict[MatmulPrecision, float]  # measured time of one round over the shapes (empty: not measured)
+    precision: Precision
+    seconds: dict[Precision, float]  # measured time of one round over the shapes (empty: not measured)
     reason: str
 
 
-# bfloat16 is taken only below this fraction of float32's time: it costs accuracy, so a tie keeps float32.
+# bfloat16 projections are taken only below this fraction of float32's time: they cost accuracy, so a
+# tie keeps float32.
 BFLOAT16_MIN_GAIN = 0.9
+_CANDIDATES = (Precision.FLOAT32, Precision.BFLOAT16_MATMUL)
 
 
 def choose_precision(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int],
                      timer: Callable[[], float] = time.thread_time, repeats: int = 3) -> PrecisionChoice:
-    """The faster precision for reordered copies of ``weights`` ((weight [out, in], how many
-    weights of that shape the model has)) in steps of ``rows`` rows, measured on this CPU: each
-    weight is packed in both precisions, run once to warm, then ``repeats`` times interleaved per
-    row count, timed with ``timer``; a precision's time is the sum over weights and row counts of
-    its best run times the weight's count. bfloat16 wins only below ``BFLOAT16_MIN_GAIN`` of
-    float32's time. Deterministic given the timings.
+    """The faster of float32 and bfloat16 projections (``Precision.FLOAT32``, ``BFLOAT16_MATMUL``) for
+    float32 ``weights`` ((weight [out, in], how many weights of that shape the model has)) in steps of
+    ``rows`` rows, measured on this CPU: each weight is packed for both, run once to warm, then
+    ``repeats`` times interleaved per row count, timed with ``timer``; a precision's time is the sum
+    over weights and row counts of its best run times the weight's count. bfloat16 wins only below
+    ``BFLOAT16_MIN_GAIN`` of float32's time. Deterministic given the timings.
 
     It runs on one torch thread, timed by default in that thread's CPU time: what each precision costs
     in instructions and memory traffic, which other jobs on the machine barely change. Wall time on
@@ -120,29 +145,29 @@ def choose_precision(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence
     one start-up to the next (one pod of a fleet choosing bfloat16 and its twin float32), this at
     0.61-0.63x."""
     if not bfloat16_supported():
-        return PrecisionChoice(MatmulPrecision.FLOAT32, {}, "oneDNN has no bfloat16 matmul on this CPU")
+        return PrecisionChoice(Precision.FLOAT32, {}, "oneDNN has no bfloat16 matmul on this CPU")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         total = _measure(weights, rows, timer, repeats)
     finally:
         torch.set_num_threads(threads)
-    f32, bf16 = total[MatmulPrecision.FLOAT32], total[MatmulPrecision.BFLOAT16]
+    f32, bf16 = total[Precision.FLOAT32], total[Precision.BFLOAT16_MATMUL]
     faster = bf16 < BFLOAT16_MIN_GAIN * f32
-    choice = MatmulPrecision.BFLOAT16 if faster else MatmulPrecision.FLOAT32
-    reason = (f"measured bfloat16 at {bf16 / f32:.2f}x float32's time" if f32 > 0
+    choice = Precision.BFLOAT16_MATMUL if faster else Precision.FLOAT32
+    reason = (f"measured bfloat16 projections at {bf16 / f32:.2f}x float32's time" if f32 > 0
               else "no time measured for float32")
     return PrecisionChoice(choice, total, reason)
 
 
 def _measure(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int], timer: Callable[[], float],
-             repeats: int) -> dict[MatmulPrecision, float]:
-    total = dict.fromkeys(MatmulPrecision, 0.0)
+             repeats: int) -> dict[Precision, float]:
+    total = dict.fromkeys(_CANDIDATES, 0.0)
     for weight, count in weights:
-        packs = {p: prepack(weight, p) for p in MatmulPrecision}
+        packs = {p: pack(weight, p.matmul_dtype) for p in _CANDIDATES}
         for n in rows:
             x = torch.randn(n, weight.shape[1], generator=torch.Generator().manual_seed(n))
-            best = dict.fromkeys(MatmulPrecision, math.inf)
+            best = dict.fromkeys(_CANDIDATES, math.inf)
             for pk in packs.values():
                 linear(x, weight, None, pk)
             for _ in range(repeats):  # interleaved, so that a burst of load falls on both
@@ -150,6 +175,6 @@ def _measure(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int], t
                     started = timer()
                     linear(x, weight, None, pk)
                     best[p] = min(best[p], timer() - started)
-            for p in MatmulPrecision:
+            for p in _CANDIDATES:
                 total[p] += best[p] * count
     return total

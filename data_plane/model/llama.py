@@ -16,6 +16,7 @@ from torch import nn
 from data_plane.model import cpu_linear
 from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCache, StepAttention, attention_backend
 from data_plane.model.config import ModelConfig
+from data_plane.model.precision import Precision
 from data_plane.model.rope import RotaryEmbedding
 
 
@@ -42,7 +43,7 @@ class Projection(nn.Module):
         self.out_features = sum(self.slices.values())
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN copy of weight on CPU (see cpu_linear)
+        self.packed: cpu_linear.CpuWeight | None = None  # fixed-tile copy of weight on CPU (see cpu_linear)
 
     def slice_offsets(self) -> dict[str, tuple[int, int]]:
         """Name -> (row offset, row count) of each packed slice."""
@@ -138,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_parameter("lm_head", None)
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self._packed_head: torch.Tensor | None = None
+        self._packed_head: cpu_linear.CpuWeight | None = None
         self.attention: AttentionBackend = attention_backend("cpu", self.windows)
 
     def use_device(self, device: torch.device | str) -> None:
@@ -165,17 +166,23 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
         return cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
 
-    def prepack_cpu_weights(self, precision: cpu_linear.MatmulPrecision = cpu_linear.MatmulPrecision.FLOAT32) -> None:
-        """Gives every projection a oneDNN copy of its weight in ``precision``, and the output head one
-        in float32 (its logits are the returned log-probabilities), where that applies (float32 on
-        CPU); call once the weights are final."""
-        if not cpu_linear.can_prepack(self.head_weight):
+    def prepack_cpu_weights(self, matmul_dtype: torch.dtype | None = None) -> None:
+        """On CPU, gives every projection a fixed-tile copy of its weight taking its operands in
+        ``matmul_dtype`` (default: the weights' dtype), and the output head one in the weights' dtype (its
+        logits are the returned log-probabilities); see ``cpu_linear``. Call once the weights are final."""
+        if self.head_weight.device.type != "cpu":
             return
         for module in self.modules():
             if isinstance(module, Projection):
-                module.packed = cpu_linear.prepack(module.weight, precision)
-        if self._packed_head is None:
-            self._packed_head = cpu_linear.prepack(self.head_weight)
+                module.packed = cpu_linear.pack(module.weight, matmul_dtype)
+        self._packed_head = cpu_linear.pack(self.head_weight)
+
+    @property
+    def precision(self) -> Precision:
+        """The precision the model computes in, read from its weights and its projections' packed copies."""
+        weights = self.embed_tokens.weight.dtype
+        first = next(m for m in self.modules() if isinstance(m, Projection))
+        return Precision.of(weights, first.packed.dtype if first.packed is not None else weights)
 
     def matmul_weights(self) -> list[tuple[torch.Tensor, int]]:
         """One weight of each projection shape, each with how many weights of its shape a forward

@@ -245,7 +245,7 @@ def test_one_pod_is_removed_only_if_no_heartbeat_arrived_after_the_one_its_remov
 
 def test_pod_record_round_trips_with_its_residents(redis_server):
     pod = PodRecord("p", "10.0.0.1:50051", "m", True, 5.0, 4, 2, 1, 8, 3, 1, 2, 0,
-                    (Residency("a", True, 8, SHA, True), Residency("b")))
+                    (Residency("a", True, 8, SHA, True), Residency("b")), precision="bfloat16-matmul")
 
     async def body(store):
         await store.put_pod(pod)

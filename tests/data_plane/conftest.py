@@ -1,12 +1,56 @@
-"""A real pod process on the demo model, with the demo adapters and random adapters of other shapes."""
+"""A real pod process on the demo model, with the demo adapters and random adapters of other shapes; a tiny
+Llama and fresh adapters of it for pods in this process."""
 
 from __future__ import annotations
+
+import copy
+import json
+import os
 
 import pytest
 import torch
 
 from benchmarks.processes import PodProcess
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+
+# A tiny Llama for in-process pods, and adapters of it that no other test draws (LORAFLEET_INVARIANCE_SEED
+# tries others).
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SEED = int(os.environ.get("LORAFLEET_INVARIANCE_SEED", "24024"))
+ADAPTERS = {
+    "fresh-r4": dict(r=4, lora_alpha=8, target_modules=ALL),
+    "fresh-r12": dict(r=12, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "fresh-r32": dict(r=32, lora_alpha=64, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj"]),
+    "fresh-r2": dict(r=2, lora_alpha=2, target_modules=["up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_pod_files(tmp_path_factory):
+    """(model directory with a word-level tokenizer, adapter root) of a tiny random Llama and PEFT adapters."""
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model_dir, root = tmp_path_factory.mktemp("tiny-pod"), tmp_path_factory.mktemp("fresh-adapters")
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    model.save_pretrained(model_dir)
+    Tokenizer(WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0")).save(
+        str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(SEED + 1 + i)
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                torch.nn.init.normal_(p, std=0.3)
+        peft_model.save_pretrained(root / name)
+    return model_dir, root, model
+
 
 # name -> LoraConfig kwargs of random adapters for the demo model, beside the demo adapters.
 RANDOM_ADAPTERS = {
@@ -36,11 +80,10 @@ def random_adapter_root(demo_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pod(demo_model_dir, random_adapter_root, tmp_path_factory):
-    """One pod: 4 adapter slots, 8 CPU entries, up to 16 sequences per step. Its matmuls stay float32
-    on every CPU: its tests compare steps of different sizes token for token, which bfloat16's 8-bit
-    outputs (``--cpu-matmul auto`` on a CPU with native bfloat16) would not promise."""
+    """One pod: 4 adapter slots, 8 CPU entries, up to 16 sequences per step, in float32 on every CPU
+    (named, as a user who compares it with transformers + peft in float32 would)."""
     workdir = tmp_path_factory.mktemp("pod")
-    process = PodProcess(workdir, "--cpu-matmul", "float32", "--max-loras", "4", "--max-cpu-loras", "8",
+    process = PodProcess(workdir, "--dtype", "float32", "--max-loras", "4", "--max-cpu-loras", "8",
                          "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "192",
                          "--max-lora-rank", "64",
                          "--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent),

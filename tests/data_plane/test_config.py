@@ -111,11 +111,27 @@ def test_a_base_model_weight_that_is_not_positive_is_refused():
         config("--base-model-weight", "0")
 
 
-def test_the_cpu_matmul_precision_is_measured_unless_named():
-    assert config().cpu_matmul == "auto"
-    assert config("--cpu-matmul", "bfloat16").cpu_matmul == "bfloat16"
+def test_the_precision_is_measured_unless_named():
+    assert config().dtype == "auto"
+    assert config("--dtype", "bfloat16-matmul").dtype == "bfloat16-matmul"
+    assert config("--device", "cuda", "--dtype", "float16").dtype == "float16"
 
 
-def test_an_unknown_cpu_matmul_precision_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="--cpu-matmul must be one of auto, float32, bfloat16, not 'fast'"):
-        DataPlaneConfig(model=None, cpu_matmul="fast")
+@pytest.mark.parametrize(("device", "dtype", "words"), [
+    ("cpu", "fast", "--dtype must be one of auto, float32, bfloat16, float16, bfloat16-matmul, not 'fast'"),
+    ("cuda", "bfloat16-matmul", "bfloat16-matmul is a CPU precision; on cuda name bfloat16"),
+    ("cpu", "float16", "float16 runs on cuda only; on cpu name float32, bfloat16 or bfloat16-matmul"),
+])
+def test_a_precision_the_device_does_not_run_is_refused_with_what_to_name(device, dtype, words):
+    with pytest.raises(ValueError, match=words):
+        DataPlaneConfig(model=None, device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize(("old", "new"), [("float32", "--dtype float32"), ("bfloat16", "--dtype bfloat16-matmul"),
+                                          ("auto", "--dtype auto")])
+def test_the_folded_cpu_matmul_flag_is_refused_with_the_dtype_that_says_the_same(old, new, capsys):
+    with pytest.raises(SystemExit) as exited:
+        config("--cpu-matmul", old)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cpu-matmul was folded into --dtype" in err and f"{new} " in err and f"was --cpu-matmul {old})" in err

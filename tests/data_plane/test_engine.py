@@ -18,9 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def engine_for(demo_model_dir, **limits):
-    # float32 matmuls on every CPU: the tests compare tokens across steps of different sizes
     config = DataPlaneConfig(model=demo_model_dir, adapter_roots=(demo_adapter_dir(DEMO_ADAPTERS[0]).parent,),
-                             max_lora_rank=16, cpu_matmul="float32", **limits)
+                             max_lora_rank=16, dtype="float32", **limits)
     engine = build_engine(config, PodMetrics())
     engine.start()
     return engine

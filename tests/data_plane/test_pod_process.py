@@ -12,18 +12,13 @@ from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import generation_pb2 as g
 
 from benchmarks.processes import wait_until
-from data_plane.model.config import ModelConfig
 from tests.grpc_helpers import collect, request
-from tests.tolerances import logits_atol, longest_sum
 
 pytestmark = pytest.mark.slow
 
 ADAPTERS = [None, "pirate", "shouty", "signoff", "rand16"]
 QUESTIONS = ["What is the capital of Italy?", "Name a colour of the sky.", "How many legs does a cat have?",
              "What do bees make?"]
-# A bound on the demo model's |logits|: at most ~45 on these questions and the parity prompts, with
-# and without adapters.
-DEMO_LOGITS = 64.0
 
 
 def idle(pod) -> bool:
@@ -31,27 +26,27 @@ def idle(pod) -> bool:
     return s.running_requests == 0 and s.waiting_requests == 0 and s.kv_cache_usage == 0.0
 
 
+def test_the_pod_reports_the_precision_it_was_told_in_get_state_and_its_metrics(pod):
+    assert pod.state().precision == "float32"
+    assert 'lorafleet_precision_info{precision="float32"} 1.0' in pod.metrics()
+
+
 def test_health_is_not_serving_until_the_model_is_warm(pod):
     assert pod.health_seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert pod.health_seen[-1] == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_sixteen_concurrent_streams_equal_the_same_requests_run_alone(pod, demo_model_dir):
+def test_sixteen_concurrent_streams_equal_the_same_requests_run_alone(pod):
     reqs = [request(QUESTIONS[i % len(QUESTIONS)], ADAPTERS[i % len(ADAPTERS)], max_tokens=10, logprobs=2,
                     ignore_eos=True) for i in range(16)]
-    # Steps of other sizes take other CPU paths, which round differently. A log-probability moves by
-    # at most twice the largest logit error; rank 64 is the pod's --max-lora-rank.
-    atol = 2 * logits_atol(longest_sum(ModelConfig.from_dir(demo_model_dir), rank=64), DEMO_LOGITS)
     alone = [collect(pod, r) for r in reqs]
     with ThreadPoolExecutor(len(reqs)) as pool:
         together = list(pool.map(lambda r: collect(pod, r), reqs))
     for req, (solo_text, solo_tokens, _), (text, tokens, last) in zip(reqs, alone, together, strict=True):
-        assert [t.id for t in tokens] == [t.id for t in solo_tokens], (req.adapter, solo_text, text)
+        # the same bits: a request's answer does not depend on what shares its steps
+        assert list(tokens) == list(solo_tokens), (req.adapter, solo_text, text)
         assert text == solo_text
-        for t, s in zip(tokens, solo_tokens, strict=True):
-            assert abs(t.logprob - s.logprob) < atol
-            assert len(t.top_logprobs) == 2
-            assert all(abs(a.logprob - b.logprob) < atol for a, b in zip(t.top_logprobs, s.top_logprobs, strict=True))
+        assert all(len(t.top_logprobs) == 2 for t in tokens)
         assert last.finish_reason == g.LENGTH
         assert (last.usage.completion_tokens, len(tokens)) == (10, 10)
     # the adapters really change the output: not every row equals the base row of its question

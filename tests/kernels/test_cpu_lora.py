@@ -1,5 +1,5 @@
-"""The dense, gathered and segmented CPU LoRA paths agree with the reference's shrink + expand, and
-the layers of one step share what they compute alike."""
+"""The CPU LoRA path agrees with the reference's shrink + expand, gives a row the same bits whatever
+shares its step, and follows slot changes one slot at a time."""
 
 from __future__ import annotations
 
@@ -11,18 +11,9 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu_lora import (
-    CpuStepCache,
-    DensePack,
-    lora_dense,
-    lora_gathered,
-    lora_segmented,
-    pack,
-    pack_gathered,
-    pack_segments,
-    update_gathered,
-)
-from kernels.cpu_tuner import CpuLoraPath, plan
+from kernels.cpu_lora import ROW_TILE, lora_segmented, pack_segments, update_slot
+from kernels.lora_backend import intra_op_threads
+from kernels.lora_meta import LoraMetaBuilder
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, Layer, _mix, _problem
 from tests.tolerances import magnitude, tolerances
 
@@ -32,26 +23,9 @@ GATE_UP = Layer(48, (40, 40), ((4, 0, 8, 16, 2), (4, 0, 8, 16, 0)))
 CPU_LAYERS = {**LAYERS, "gate_up": GATE_UP}
 
 
-def _pack(p) -> DensePack:
-    return pack(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
-
-
-def _dense(y, p, step: CpuStepCache):
-    packed = _pack(p)
-    lora_dense(y, p.x, packed, step.mask(packed, p.meta.token_slots))
-
-
-def _gathered(y, p, step: CpuStepCache):
-    packed = pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
-    lora_gathered(y, p.x, packed, step.gather_index(packed, p.meta.token_slots))
-
-
-def _segmented(y, p, step: CpuStepCache):
-    lora_segmented(y, p.x, pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets), p.meta)
-
-
-PATHS = {CpuLoraPath.DENSE: _dense, CpuLoraPath.GATHERED: _gathered, CpuLoraPath.SEGMENTED: _segmented}
-SHARING = (CpuLoraPath.DENSE, CpuLoraPath.GATHERED)  # the paths that compute a per-step value once
+def _segmented(y, p) -> None:
+    with intra_op_threads(1):
+        lora_segmented(y, p.x, pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets), p.meta)
 
 
 def _reference(p, y: torch.Tensor) -> torch.Tensor:
@@ -71,68 +45,71 @@ def _tolerances(p, y: torch.Tensor, rows=slice(None)) -> tuple[float, float]:
     return tolerances(p.x.dtype, depth=depth, scale=magnitude(abs_sums[rows]))
 
 
-@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layer", list(CPU_LAYERS))
 @pytest.mark.parametrize("mix", MIXES)
-def test_cpu_paths_match_the_reference_for_every_mix(mix, layer, dtype, path):
-    seed = zlib.crc32(f"dense-{mix}-{layer}".encode())
+def test_the_cpu_path_matches_the_reference_for_every_mix(mix, layer, dtype):
+    seed = zlib.crc32(f"segmented-{mix}-{layer}".encode())
     p = _problem(CPU_LAYERS[layer], _mix(mix, 21, random.Random(seed)), dtype, seed)
     y = torch.randn(len(p.token_slots), p.layer.offsets[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = _reference(p, y)
     rtol, atol = _tolerances(p, y)
 
-    PATHS[path](y, p, CpuStepCache())
+    _segmented(y, p)
 
     torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
     base_rows = [t for t, slot in enumerate(p.token_slots) if slot < 0]
     assert torch.equal(y[base_rows], expected[base_rows]), "rows without an adapter changed"
 
 
-def test_packed_columns_hold_only_real_ranks_and_their_slots():
-    p = _problem(QKV, [0, 1], torch.float32, seed=2)
-    packed = _pack(p)
-    real = sum(sum(ranks) for ranks in QKV.ranks)
-    assert packed.rank == real
-    assert packed.packed_a.shape == (QKV.in_features, real)
-    # columns grouped by slice, then by slot; each slice's B covers that slice's rows only
-    expected_slots = [slot for s in range(3) for slot in range(5) for _ in range(QKV.ranks[s][slot])]
-    assert packed.col_slots.tolist() == expected_slots
-    assert [(e.lo, e.hi, e.end - e.start) for e in packed.expands] == [
-        (QKV.offsets[s], QKV.offsets[s + 1], sum(QKV.ranks[s])) for s in range(3)]
-    assert all(e.b.shape == (e.end - e.start, e.hi - e.lo) for e in packed.expands)
-    assert not any(e.b.isnan().any() for e in packed.expands), "rank padding of B (NaN in this problem) was packed"
+def _delta_of_row(x: torch.Tensor, slots: list[int], row: int, packed, out_features: int) -> torch.Tensor:
+    meta = LoraMetaBuilder(256, 5, "cpu", max_rank=64).build(slots)
+    y = torch.zeros(len(slots), out_features)
+    with intra_op_threads(1):
+        lora_segmented(y, x, packed, meta)
+    return y[row]
 
 
-@pytest.mark.parametrize("path", SHARING, ids=lambda path: path.value)
-def test_layers_of_one_step_share_its_mask_or_gather_index(path):
-    p = _problem(QKV, [0, 3, -1, 1], torch.float32, seed=6)
-    step = CpuStepCache()
+@pytest.mark.parametrize("layer", list(CPU_LAYERS))
+def test_a_rows_delta_is_the_same_bits_whatever_shares_its_step(layer):
+    layer = CPU_LAYERS[layer]
+    p = _problem(layer, [3] * 8, torch.float32, seed=11)
+    packed = pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), layer.offsets)
+    gen = torch.Generator().manual_seed(12)
+    mine = torch.randn(layer.in_features, generator=gen)
+    alone = _delta_of_row(mine[None], [3], 0, packed, layer.offsets[-1])
+    assert alone.abs().max() > 0
+    rng = random.Random(13)
+    for others in (1, ROW_TILE - 1, ROW_TILE, 2 * ROW_TILE + 3, 150):
+        for mix in ("identical", "uniform", "distinct"):
+            slots = _mix(mix, others + 1, rng)
+            at = rng.randrange(others + 1)
+            slots[at] = 3
+            if mix != "identical":
+                slots.sort()  # the model runner's order: each adapter's rows one run
+                at = slots.index(3) + rng.randrange(slots.count(3))
+            x = torch.randn(others + 1, layer.in_features, generator=gen)
+            x[at] = mine
+            got = _delta_of_row(x, slots, at, packed, layer.offsets[-1])
+            assert torch.equal(got, alone), (others, mix)
 
-    def shared() -> list[torch.Tensor]:
-        return [*step.masks.values(), *step.gather_indices.values()]
 
-    y1, y2 = torch.zeros(4, QKV.offsets[-1]), torch.zeros(4, QKV.offsets[-1])
-    PATHS[path](y1, p, step)
-    (first,) = shared()
-    PATHS[path](y2, p, step)  # a second layer of the same layout, in the same step
-    (second,) = shared()
-    assert second is first, "the second layer computed the step's value again"
-    torch.testing.assert_close(y2, y1)
-    rtol, atol = _tolerances(p, torch.zeros_like(y1))
-    torch.testing.assert_close(y1, _reference(p, torch.zeros_like(y1)), rtol=rtol, atol=atol)
+def test_a_segment_gathered_from_scattered_rows_gives_the_bits_of_one_run():
+    p = _problem(QKV, [1] * 4, torch.float32, seed=14)
+    packed = pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), QKV.offsets)
+    x = torch.randn(5, QKV.in_features, generator=torch.Generator().manual_seed(15))
+    run = _delta_of_row(x, [1, 1, 1, 1, -1], 2, packed, QKV.offsets[-1])
+    scattered = _delta_of_row(x, [1, -1, 1, 1, 1], 2, packed, QKV.offsets[-1])  # not one run: indexed
+    assert torch.equal(run, scattered)
 
 
-@pytest.mark.parametrize("path", list(PATHS), ids=lambda path: path.value)
-def test_an_overflowing_adapter_does_not_reach_other_rows(path):
-    # Slot 3's A is so large that x @ A is inf for every token, including those of other slots:
-    # those products must be dropped, not multiplied by zero (inf * 0 = NaN).
+def test_an_overflowing_adapter_does_not_reach_other_rows():
     token_slots = [3, 0, -1, 1, 3]
     p = _problem(QKV, token_slots, torch.float32, seed=9)
     p.lora_a[:, 3] *= 1e38
     y = torch.zeros(len(token_slots), QKV.offsets[-1])
 
-    PATHS[path](y, p, CpuStepCache())
+    _segmented(y, p)
 
     assert torch.isfinite(y[[1, 2, 3]]).all()
     expected = _reference(p, torch.zeros_like(y))
@@ -140,45 +117,36 @@ def test_an_overflowing_adapter_does_not_reach_other_rows(path):
     torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=rtol, atol=atol)
 
 
-def test_plan_counts_the_real_ranks_of_the_resident_slots_and_equal_layouts_plan_alike():
-    cpu_plan = plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
-    assert cpu_plan.rank == sum(sum(r) for r in QKV.ranks)
-    assert cpu_plan == plan([list(r) for r in QKV.ranks], QKV.in_features, QKV.offsets[-1])
-    moved = [list(r) for r in QKV.ranks]
-    moved[0][0], moved[1][0] = moved[1][0] + 1, moved[0][0]  # another layout
-    assert plan(moved, QKV.in_features, QKV.offsets[-1]) != cpu_plan
-    assert plan([[0] * 5] * 3, QKV.in_features, QKV.offsets[-1]).rank == 0
-
-
-def test_gathered_pack_copies_real_ranks_only_and_ends_with_a_zero_slot():
+def test_the_pack_holds_real_ranks_only_and_each_slice_on_its_own_block():
     p = _problem(QKV, [0, 1], torch.float32, seed=2)
-    gathered = pack_gathered(p.lora_a, p.lora_b, p.ranks.tolist(), p.layer.offsets)
-    r = max(max(ranks) for ranks in QKV.ranks)
-    assert gathered.rank == r and gathered.a.shape == (6, 3 * r, QKV.in_features)
-    assert gathered.b.shape == (6, QKV.offsets[-1], r)
-    assert not gathered.b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
-    assert not gathered.a[5].any() and not gathered.b[5].any(), "the slot of tokens without an adapter is not zero"
-    a = gathered.a.view(6, 3, r, QKV.in_features)
-    for s in range(3):
-        for slot in range(5):
-            assert not a[slot, s, QKV.ranks[s][slot]:].any(), f"A's rank padding of slot {slot}, slice {s} is not zero"
-    assert gathered.row_slice.flatten().tolist() == [s for s in range(3) for _ in range(QKV.widths[s])]
+    ranks = p.ranks.tolist()
+    packed = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
+    assert sorted(packed.a) == [slot for slot in range(5) if any(ranks[s][slot] for s in range(3))]
+    for slot, a in packed.a.items():
+        total = sum(ranks[s][slot] for s in range(3))
+        assert a.shape == (QKV.in_features, total) and packed.b[slot].shape == (total, QKV.offsets[-1])
+        assert not packed.b[slot].isnan().any(), "rank padding of B (NaN in this problem) was packed"
+        c = 0
+        for s in range(3):
+            r, (lo, hi) = ranks[s][slot], (QKV.offsets[s], QKV.offsets[s + 1])
+            block = packed.b[slot][c : c + r]
+            assert not block[:, :lo].any() and not block[:, hi:].any(), f"slice {s} of slot {slot} leaks"
+            c += r
 
 
-def test_a_changed_slot_is_patched_into_the_gathered_pack_unless_it_outgrows_it():
+def test_a_changed_slot_is_repacked_alone_and_an_emptied_one_dropped():
     p = _problem(QKV, [0, 1], torch.float32, seed=4)
-    ranks = [list(r) for r in QKV.ranks]
-    packed = pack_gathered(p.lora_a, p.lora_b, ranks, p.layer.offsets)
+    ranks = p.ranks.tolist()
+    packed = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
+    untouched = packed.a[0]
     gen = torch.Generator().manual_seed(5)
-    # slot 1 gets another adapter of rank 2 on q only, within the pack's rank
-    ranks[0][1], ranks[1][1], ranks[2][1] = 2, 0, 0
+    ranks[0][1], ranks[1][1], ranks[2][1] = 2, 0, 0  # slot 1: another adapter, rank 2 on q only
     p.lora_a[0, 1, :2] = torch.randn(2, QKV.in_features, generator=gen)
     p.lora_b[1, :, :2] = torch.randn(QKV.offsets[-1], 2, generator=gen)
-    assert update_gathered(packed, p.lora_a, p.lora_b, ranks, p.layer.offsets, 1)
-    fresh = pack_gathered(p.lora_a, p.lora_b, ranks, p.layer.offsets)
-    assert torch.equal(packed.a, fresh.a) and torch.equal(packed.b, fresh.b)
-
-    small = pack_gathered(p.lora_a[:, :, :8], p.lora_b[:, :, :8], [[min(r, 8) for r in rs] for rs in ranks],
-                          p.layer.offsets)
-    assert small.rank == 8
-    assert not update_gathered(small, p.lora_a, p.lora_b, ranks, p.layer.offsets, 3), "slot 3 has rank 64"
+    update_slot(packed, p.lora_a, p.lora_b, ranks, QKV.offsets, 1)
+    fresh = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
+    assert torch.equal(packed.a[1], fresh.a[1]) and torch.equal(packed.b[1], fresh.b[1])
+    assert packed.a[0] is untouched, "an unchanged slot was repacked"
+    ranks[0][1] = 0
+    update_slot(packed, p.lora_a, p.lora_b, ranks, QKV.offsets, 1)
+    assert 1 not in packed.a and 1 not in packed.b

@@ -1,6 +1,5 @@
 """One LoRA layer code, two backends: the Triton kernels (what CUDA runs; here under the
-interpreter) and the CPU paths give the same layer output, and a CPU layer takes the path it is
-given and follows slot changes on it."""
+interpreter) and the CPU path give the same layer output, and a CPU layer follows slot changes."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import kernels.lora_shrink
 from data_plane.lora.layer import LoRAProjection
 from data_plane.lora.peft_adapter import SliceDelta
 from data_plane.model.llama import ForwardBatch, Projection
-from kernels import cpu_lora, cpu_tuner
-from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun
 from kernels.lora_backend import CpuBackend, TritonBackend
 from kernels.lora_meta import LoraMetaBuilder
 from tests.tolerances import magnitude, tolerances
@@ -72,15 +69,14 @@ def _counting(monkeypatch, module, name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypatch, dtype):
+def test_layer_output_is_the_same_on_the_triton_and_the_cpu_path(monkeypatch, dtype):
     layer = _qkv_layer(dtype)
     meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
     batch = ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
     x = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     base = layer.base(x)
-    assert isinstance(layer.backend, CpuBackend), "a layer on CPU runs the CPU paths"
-    monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(CpuLoraPath.LOOP, 1))
-    on_reference = layer(x, batch)
+    assert isinstance(layer.backend, CpuBackend), "a layer on CPU runs the CPU path"
+    on_cpu = layer(x, batch)
 
     # What a layer on CUDA runs, on CPU tensors: the kernels run under the interpreter.
     layer.backend = TritonBackend(layer.backend.slots)
@@ -90,7 +86,7 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
 
     assert (len(shrinks), len(expands)) == (1, 1)
     rtol, atol = _tolerances(layer, x)
-    torch.testing.assert_close(on_triton, on_reference, rtol=rtol, atol=atol)
+    torch.testing.assert_close(on_triton, on_cpu, rtol=rtol, atol=atol)
     base_rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot not in SLOT_RANKS]
     lora_rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot in SLOT_RANKS]
     assert torch.equal(on_triton[base_rows], base[base_rows]), "rows without an adapter changed"
@@ -98,7 +94,6 @@ def test_layer_output_is_the_same_on_the_triton_and_the_reference_path(monkeypat
 
 
 def _step() -> ForwardBatch:
-    """A fresh step over TOKEN_SLOTS: each step has its own metadata (and its own cached choices)."""
     meta = LoraMetaBuilder(32, MAX_LORAS, "cpu", max_rank=MAX_RANK).build(TOKEN_SLOTS)
     return ForwardBatch(input_ids=None, positions=None, attn=None, kv_cache=None, lora=meta)
 
@@ -106,51 +101,38 @@ def _step() -> ForwardBatch:
 X = torch.randn(len(TOKEN_SLOTS), 96, generator=torch.Generator().manual_seed(1))
 
 
-def test_a_layer_no_resident_adapter_adapts_returns_the_base_output(monkeypatch):
+def _loop(layer: LoRAProjection) -> torch.Tensor:
+    """The layer's output by ``kernels.reference``'s loop over segments and slices."""
+    from kernels import reference
+
+    batch, sl = _step(), layer.backend.slots
+    y = layer.base(X)
+    buf = batch.lora.buffer[: sl.lora_a.shape[0], : X.shape[0]]
+    reference.lora_shrink(X, sl.lora_a, sl.ranks, batch.lora, buf)
+    reference.lora_expand(y, buf, sl.lora_b, sl.ranks, sl.host_offsets, batch.lora)
+    return y
+
+
+def test_a_layer_no_resident_adapter_adapts_returns_the_base_output():
     layer = _qkv_layer(torch.float32)
     for slot in SLOT_RANKS:
         layer.clear_slot(slot)
-    choices = _counting(monkeypatch, cpu_tuner, "choose_path")
-    batch = _step()
-    assert layer.backend.path(layer.base(X), X, batch.lora) is None
-    assert torch.equal(layer(X, batch), layer.base(X))
-    assert not choices, "a layer without adapters has no path to choose"
+    assert torch.equal(layer(X, _step()), layer.base(X))
 
 
-def test_layers_with_equal_plans_choose_their_path_once_per_step(monkeypatch):
-    first, second = _qkv_layer(torch.float32), _qkv_layer(torch.float32)
-    choices = _counting(monkeypatch, cpu_tuner, "choose_path")
-    batch = _step()
-    first(X, batch)
-    second(X, batch)
-    assert len(choices) == 1
-    first(X, _step())
-    assert len(choices) == 2, "a new step chooses again"
-
-
-@pytest.mark.parametrize("path, kernel", [(CpuLoraPath.DENSE, "lora_dense"), (CpuLoraPath.GATHERED, "lora_gathered"),
-                                          (CpuLoraPath.SEGMENTED, "lora_segmented")],
-                         ids=["dense", "gathered", "segmented"])
-def test_cpu_layer_path_equals_the_loop_and_follows_slot_changes(monkeypatch, path, kernel):
+def test_the_cpu_layer_equals_the_loop_and_follows_slot_changes():
     layer = _qkv_layer(torch.float32)
-    calls = _counting(monkeypatch, cpu_lora, kernel)
-
-    def run(on: CpuLoraPath) -> torch.Tensor:
-        monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(on, 1))
-        before = len(calls)
-        out = layer(X, _step())
-        assert len(calls) - before == (on == path), f"{on} step took the wrong path"
-        return out
-
-    on_path = run(path)
+    before = layer(X, _step())
     rtol, atol = _tolerances(layer, X)
-    torch.testing.assert_close(on_path, run(CpuLoraPath.LOOP), rtol=rtol, atol=atol)
+    torch.testing.assert_close(before, _loop(layer), rtol=rtol, atol=atol)
 
-    # Replacing slot 1's adapter must show on the next step (the packed copy is rebuilt).
+    # Replacing slot 1's adapter must show on the next step (its packed copy is rebuilt).
     gen = torch.Generator().manual_seed(2)
     layer.set_slot(1, {"k": SliceDelta(a=torch.randn(4, 96, generator=gen), b=torch.randn(24, 4, generator=gen))})
-    after = run(path)
+    after = layer(X, _step())
     rtol, atol = _tolerances(layer, X)
-    torch.testing.assert_close(after, run(CpuLoraPath.LOOP), rtol=rtol, atol=atol)
+    torch.testing.assert_close(after, _loop(layer), rtol=rtol, atol=atol)
     rows = [t for t, slot in enumerate(TOKEN_SLOTS) if slot == 1]
-    assert not torch.allclose(after[rows], on_path[rows]), "slot 1 changed but its rows did not"
+    assert not torch.allclose(after[rows], before[rows]), "slot 1 changed but its rows did not"
+    others = [t for t, slot in enumerate(TOKEN_SLOTS) if slot != 1]
+    assert torch.equal(after[others], before[others]), "rows of unchanged slots changed"

@@ -7,8 +7,6 @@ import torch
 
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model import load_model
-from kernels import cpu_tuner
-from kernels.cpu_tuner import CpuLoraPath, CpuLoraRun
 from tests.lora.conftest import ADAPTERS, forward_rows, peft_row_logits, runtime_with_adapters
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
@@ -33,17 +31,13 @@ def _rows(adapters):
     return [(a, torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()) for i, a in enumerate(adapters)]
 
 
-@pytest.mark.parametrize("path", [None, *CpuLoraPath], ids=lambda path: path.value if path else "measured")
 @pytest.mark.parametrize("mix", [
     [None, "r8", "r16rs", "r8", "r1"],  # base + repeated adapter + distinct adapters
     ["r1", "r8", "r16rs", "r64pat"],  # ranks 1, 8, 16, 64 in one batch
     ["r64pat", "r64pat", "r64pat"],  # one adapter for every row
     [None, None],  # base only through the LoRA-wrapped layers
 ])
-def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix, path, monkeypatch):
-    """``path``: every CPU LoRA path in turn (None: the one measured fastest on this machine)."""
-    if path is not None:
-        monkeypatch.setattr(cpu_tuner, "choose_path", lambda *args: CpuLoraRun(path, 1))
+def test_mixed_batch_rows_equal_peft_with_that_adapter(ours, peft_reference, mix):
     model, runtime = ours
     rows = _rows(mix)
     got = forward_rows(model, runtime, rows)

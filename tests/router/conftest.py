@@ -18,7 +18,7 @@ def stack(demo_model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("router-fleet")
     # The tests compare the router's answers, from whichever pod it picks, with one pod's own answers to the
     # digit: both pods compute in float32 rather than in the precision each measures faster at start-up.
-    fleet = Fleet(workdir, copy_demo_adapters(tmp_path_factory.mktemp("router-adapters")), "--cpu-matmul", "float32")
+    fleet = Fleet(workdir, copy_demo_adapters(tmp_path_factory.mktemp("router-adapters")), "--dtype", "float32")
     router = None
     try:
         fleet.start()

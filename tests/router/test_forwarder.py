@@ -68,9 +68,10 @@ class Front:
 
 
 @contextlib.asynccontextmanager
-async def router(scripts: dict[str, str | None], adapters=("pirate",), residency=None, base_model=""):
+async def router(scripts: dict[str, str | None], adapters=("pirate",), residency=None, base_model="",
+                 precisions=None):
     """A forwarding server over scripted pods named by ``scripts`` (None: a pod whose port nothing
-    listens on); yields the Front."""
+    listens on), each computing in ``precisions[name]`` (default: float32); yields the Front."""
     pods, servers, views = {}, [], []
     for name, script in scripts.items():
         port = free_port()
@@ -81,7 +82,8 @@ async def router(scripts: dict[str, str | None], adapters=("pirate",), residency
             server.add_insecure_port(f"127.0.0.1:{port}")
             await server.start()
             servers.append(server)
-        views.append(PodView(name, f"127.0.0.1:{port}", slots_total=4, residency=(residency or {}).get(name, {})))
+        views.append(PodView(name, f"127.0.0.1:{port}", slots_total=4, residency=(residency or {}).get(name, {}),
+                             precision=(precisions or {}).get(name, "float32")))
     view = FleetView(frozenset(adapters), tuple(views), read_at=0.0, base_model=base_model)
     metrics, channels, picker = RouterMetrics(), PodChannels(), PodPicker(lambda: view)
     forwarder = Forwarder(picker, channels, metrics, retries=2)
@@ -144,6 +146,33 @@ def test_a_pod_refusing_before_the_first_message_sends_the_request_to_the_next(r
     text, ranked = asyncio.run(go())
     assert text == "one two three"
     assert ranked == (["b", "a"] if refusal == "exhausted" else ["b"])
+
+
+def test_a_refused_request_is_retried_only_on_a_pod_of_the_first_pods_precision():
+    async def go():
+        # b ranks second (a holds the adapter, b and c are cold alike; ties go by id) but computes in
+        # another precision, whose tokens would differ from a's: the retry goes to c
+        residency = {"a": {"pirate": Tier.DEVICE}}
+        precisions = {"a": "bfloat16-matmul", "b": "float32", "c": "bfloat16-matmul"}
+        async with router({"a": "unavailable", "b": "ok", "c": "ok"}, residency=residency,
+                          precisions=precisions) as f:
+            assert [c.pod.id for c in f.picker.choose("pirate")] == ["a", "b", "c"]
+            text = "".join(x.text for x in await collect(f.stub))
+            return text, len(f.pods["b"].calls), len(f.pods["c"].calls)
+
+    assert asyncio.run(go()) == ("one two three", 0, 1)
+
+
+def test_with_no_other_pod_of_its_precision_a_refusal_is_the_callers():
+    async def go():
+        residency = {"a": {"pirate": Tier.DEVICE}}
+        async with router({"a": "unavailable", "b": "ok"}, residency=residency,
+                          precisions={"a": "bfloat16", "b": "float32"}) as f:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(f.stub)
+            return e.value.code(), len(f.pods["b"].calls)
+
+    assert asyncio.run(go()) == (grpc.StatusCode.UNAVAILABLE, 0)
 
 
 def test_when_every_pod_refuses_the_caller_gets_the_last_refusal():

@@ -45,7 +45,8 @@ class ScriptedControlPlane(adapter_admin_pb2_grpc.AdapterAdminServicer):
 class ScriptedPodAdmin(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
     async def GetState(self, request, context):
         return pod_pb.PodState(slots=pod_pb.TierUsage(capacity=4, used=1), running_requests=2,
-                               adapters=[pod_pb.AdapterResidency(name="a", tier=pod_pb.CPU)])
+                               adapters=[pod_pb.AdapterResidency(name="a", tier=pod_pb.CPU)],
+                               precision="bfloat16-matmul")
 
 
 async def start(servicers, status=None) -> tuple[grpc.aio.Server, str]:
@@ -98,8 +99,8 @@ def test_the_view_holds_every_registered_adapter_and_only_ready_serving_pods(tmp
     assert first.adapters == {"a", "b"}  # both pages
     assert [p.id for p in first.pods] == ["serving"]
     pod = first.pods[0]
-    assert (pod.residency, pod.running, pod.slots_total, pod.slots_used) == (
-        {"a": Tier.CPU, "b": Tier.DEVICE}, 2, 4, 1)
+    assert (pod.residency, pod.running, pod.slots_total, pod.slots_used, pod.precision) == (
+        {"a": Tier.CPU, "b": Tier.DEVICE}, 2, 4, 1, "bfloat16-matmul")
     assert second.adapters == first.adapters and [p.id for p in second.pods] == ["serving"]
     assert second.read_at > first.read_at
     assert [c.pod.id for c in ranked] == ["serving"]

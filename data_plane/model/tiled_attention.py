@@ -1,0 +1,173 @@
+"""Attention over a paged KV cache whose result for a query depends on that query alone.
+
+Each query's output must be the same bits whatever else shares its step (other sequences, their
+lengths, a prefill chunk beside it) and however its own prompt was cut into chunks. A fused
+attention kernel does not promise that: PyTorch's CPU flash attention sizes its query and key
+blocks by the longest sequence of the call, and a padded batch changes how each row's sums are
+split. So attention is written here with plain matmuls, each of which keeps a row's sums in an
+order set by its own inputs (measured with torch 2.13 / MKL on a 2-core Xeon, every case below):
+
+- scores ``q @ kᵀ``: a matmul whose reduction is the head dimension; a row's result does not depend
+  on how many rows or keys share the call (at 2 or more rows: one row alone takes another kernel,
+  so a lone query row is computed twice over);
+- softmax over the keys, padded with -inf to the longest context of the group: PyTorch's row
+  softmax sums each key into the same lane whatever the row's length, and padding adds exact zeros;
+- ``p @ v``: a matmul whose reduction is over keys changes its blocking with the number of keys
+  (1500 and 1504 keys sum differently), so it runs in fixed tiles of ``KEY_TILE`` keys, one small
+  matmul each (at 64 to 256 keys a row's sums did not change with the rows or tiles beside it), and
+  the tiles' partial sums are added in tile order; tiles past a query's context add exact zeros.
+
+Sequences are grouped by their number of new tokens (rounded up to a power of two) and each group
+is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length; a
+long prefill's queries go ``QUERY_BLOCK`` at a time, each block over the keys its last query sees.
+Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
+switch kernels with the shape as the projections' do).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+KEY_TILE = 64
+# A long prefill's queries are taken this many at a time, each block over the keys its last query sees
+# (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
+QUERY_BLOCK = 128
+
+
+class SeqShare(Protocol):
+    """One sequence's share of a step: its block table, cached and new tokens."""
+
+    block_table: Sequence[int] | torch.Tensor
+    num_cached: int
+    num_new: int
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences of one step whose queries are computed together, padded to the group's longest."""
+
+    query_index: torch.Tensor  # [seqs, max_new] step token of each query (pad -> 0)
+    key_index: torch.Tensor  # [seqs, keys] cache slot of each key, keys a multiple of KEY_TILE (pad -> 0)
+    hidden: dict[int | None, torch.Tensor]  # window -> [seqs, max_new, keys] bool, True where a query may not see a key
+    rows: torch.Tensor  # [group tokens] row of each real query in the flattened [seqs * max_new] queries
+    tokens: torch.Tensor  # [group tokens] its step token
+    # keys that queries QUERY_BLOCK * i onwards (the next QUERY_BLOCK) may see, a multiple of KEY_TILE
+    block_keys: tuple[int, ...]
+
+
+def build_groups(seqs: Sequence[SeqShare], block_size: int, windows: set[int | None],
+                 device: torch.device | str = "cpu") -> tuple[AttentionGroup, ...]:
+    """The groups of a step over ``seqs``, whose new tokens lie one sequence after another in the step's
+    token dimension. Raises ValueError for a sequence whose block table is too short for its context."""
+    starts, token = [], 0
+    for s in seqs:
+        starts.append(token)
+        token += s.num_new
+    by_bucket: dict[int, list[int]] = {}
+    for b, s in enumerate(seqs):
+        by_bucket.setdefault(1 << max(0, s.num_new - 1).bit_length(), []).append(b)
+    return tuple(_group([seqs[b] for b in members], [starts[b] for b in members], block_size, windows, device)
+                 for _, members in sorted(by_bucket.items()))
+
+
+def _group(seqs: Sequence[SeqShare], starts: list[int], block_size: int, windows: set[int | None],
+           device: torch.device | str) -> AttentionGroup:
+    n = len(seqs)
+    max_new = max(s.num_new for s in seqs)
+    keys = _tiles(max(s.num_cached + s.num_new for s in seqs))
+    query_index = torch.zeros(n, max_new, dtype=torch.long)
+    key_index = torch.zeros(n, keys, dtype=torch.long)
+    query_pos = torch.full((n, max_new), -1, dtype=torch.long)  # -1 marks padding
+    ctx_lens = torch.zeros(n, dtype=torch.long)
+    rows, tokens = [], []
+    for b, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        ctx = s.num_cached + s.num_new
+        if len(s.block_table) * block_size < ctx:
+            raise ValueError(f"a sequence needs {ctx} slots but owns {len(s.block_table)} blocks")
+        pos = torch.arange(ctx)
+        blocks = torch.as_tensor(s.block_table).long()
+        key_index[b, :ctx] = blocks[pos // block_size] * block_size + pos % block_size
+        query_index[b, : s.num_new] = torch.arange(start, start + s.num_new)
+        query_pos[b, : s.num_new] = pos[s.num_cached:]
+        ctx_lens[b] = ctx
+        rows.append(torch.arange(s.num_new) + b * max_new)
+        tokens.append(torch.arange(start, start + s.num_new))
+    key_pos = torch.arange(keys)
+    base = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < ctx_lens[:, None, None])
+    hidden = {}
+    for window in windows:
+        mask = base if window is None else base & (key_pos[None, None, :] > query_pos[:, :, None] - window)
+        # Padded query rows see key 0 so that softmax never sees an empty row; their output is dropped.
+        hidden[window] = (~(mask | ((query_pos[:, :, None] < 0) & (key_pos[None, None, :] == 0)))).to(device)
+    block_keys = tuple(_tiles(max(s.num_cached + min(q0 + QUERY_BLOCK, s.num_new) for s in seqs))
+                       for q0 in range(0, max_new, QUERY_BLOCK))
+    return AttentionGroup(query_index.to(device), key_index.to(device), hidden, torch.cat(rows).to(device),
+                          torch.cat(tokens).to(device), block_keys)
+
+
+def _tiles(keys: int) -> int:
+    """``keys`` rounded up to whole key tiles."""
+    return -(-keys // KEY_TILE) * KEY_TILE
+
+
+def tiled_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [slots, num_kv_heads, head_dim] (one layer), holding this step's keys
+    v_cache: torch.Tensor,  # [slots, num_kv_heads, head_dim] (one layer), holding this step's values
+    groups: Sequence[AttentionGroup],
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
+    """``softmax(q·scale kᵀ, masked causally and to ``window``) v`` for every token over its own
+    sequence's keys, query head h reading key/value head h // (num_heads // num_kv_heads)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    per_kv = num_heads // num_kv
+    out = q.new_zeros(num_tokens, num_heads * head_dim)  # rows of no group (padding) stay zero
+    for g in groups:
+        n, max_new = g.query_index.shape
+        keys = g.key_index.shape[1]
+        hidden = g.hidden[window]  # [n, max_new, keys]
+        # rows of one key/value head: its (query, head) pairs, [kv_heads, n, max_new * per_kv, head_dim]
+        qg = q.index_select(0, g.query_index.reshape(-1)).float().mul_(scale)
+        qg = qg.view(n, max_new, num_kv, per_kv, head_dim).permute(2, 0, 1, 3, 4)
+        lone = max_new * per_kv == 1
+        if lone:  # one row alone takes another matmul kernel: compute it as the first of two equal rows
+            qg, hidden = qg.expand(num_kv, n, 2, 1, head_dim), hidden.expand(n, 2, keys)
+        rows = qg.shape[2] * per_kv
+        qg = qg.reshape(num_kv, n, rows, head_dim)
+        # keys and values as gathered, [n, keys, kv_heads, head_dim]: each head is a strided view, not a copy
+        k = k_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
+        v = v_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
+        attn = qg.new_empty(n, rows // per_kv, num_kv, per_kv, head_dim)
+        # A block over fewer keys than the group's reads them as a view only for one sequence at a time.
+        seqs = [slice(None)] if len(g.block_keys) == 1 else [slice(b, b + 1) for b in range(n)]
+        for h, s, (i, block_keys) in itertools.product(range(num_kv), seqs, enumerate(g.block_keys)):
+            q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, rows // per_kv)
+            attn[s, q0:q1, h] = _attend(qg[h][s, q0 * per_kv: q1 * per_kv], k[s, :block_keys, h],
+                                        v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv)
+        if lone:
+            attn = attn[:, :1]
+        attn = attn.reshape(n * max_new, num_heads * head_dim)
+        out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+            per_kv: int) -> torch.Tensor:  # [n, queries, per_kv, head_dim]
+    """One key/value head's attention for a block of queries: ``q`` [n, queries * per_kv, head_dim]
+    (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
+    n, rows, head_dim = q.shape
+    keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
+    scores = torch.bmm(q, k.transpose(1, 2))  # [n, rows, keys]
+    scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
+    probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]
+    # v's tiles as a view: every call reads values in one layout (rows kv_heads * head_dim apart)
+    parts = torch.bmm(probs, v.view(n * tiles, KEY_TILE, head_dim))  # [n * tiles, rows, head_dim]
+    return parts.view(n, tiles, rows // per_kv, per_kv, head_dim).sum(dim=1)  # tile by tile
