@@ -38,8 +38,8 @@ def pod_config(model_dir: Path, device: str, dtype: str, **fields) -> tuple[Data
     if unexpected:
         raise TypeError(f"DataPlaneConfig has no fields {unexpected}")
     given = {name: value for name, value in fields.items() if name in known}
-    # float32 projections on a CPU: "auto" may pick bfloat16, which would not match float32 transformers
-    return DataPlaneConfig(model=model_dir, device=device, dtype=dtype, cpu_matmul="float32", **given), absent
+    # The named dtype is the precision used (float32 on CPU is float32 everywhere): parity is against it.
+    return DataPlaneConfig(model=model_dir, device=device, dtype=dtype, **given), absent
 
 
 def free_device(device: str) -> int:

@@ -146,17 +146,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         raise ValueError(f"logits have {rows} rows but the sampling batch was built for {batch.num_rows}")
     if logits.dtype != torch.float32:
         raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
-    row_max, ids = logits.max(dim=-1, keepdim=True)  # [rows, 1] each: greedy's choice, ties to the lowest id
+    ids = logits.argmax(dim=-1, keepdim=True)  # [rows, 1]: greedy's choice, ties to the lowest id
     if 0 < batch.num_draws == rows:  # draw_rows is every row, in order
         ids = _draw(logits, batch, vocab)[:, None]
     elif batch.num_draws:
         drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
         ids = ids.index_copy_(0, batch.draw_rows, drawn)
-    # log_softmax's own formula, (logit - max) - log(sum(exp(logits - max))), for the few entries returned.
-    log_sum = (logits - row_max).exp_().sum(dim=-1, keepdim=True).log_()  # [rows, 1]
-    chosen = (logits.gather(1, ids) - row_max - log_sum)[:, 0]  # [rows]
-    top_logits, top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1)  # [rows, max_logprobs]
-    return Sampled(ids[:, 0], chosen, top_ids, top_logits - row_max - log_sum, batch.num_logprobs)
+    # The whole row's log_softmax: its kernel sums each row alone, the same way whatever the number of rows,
+    # where a plain sum over the vocabulary splits a lone row across threads (another order, other bits).
+    logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+    chosen = logprobs.gather(1, ids)[:, 0]  # [rows]
+    top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1).indices  # [rows, max_logprobs]
+    return Sampled(ids[:, 0], chosen, top_ids, logprobs.gather(1, top_ids), batch.num_logprobs)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def engine_for(demo_model_dir, **limits):
     config = DataPlaneConfig(model=demo_model_dir, adapter_roots=(demo_adapter_dir(DEMO_ADAPTERS[0]).parent,),
-                             max_lora_rank=16, dtype="float32", **limits)
+                             max_lora_rank=16, **({"dtype": "float32"} | limits))
     engine = build_engine(config, PodMetrics())
     engine.start()
     return engine
@@ -173,19 +173,22 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
     assert counts == (1, 1, 0)
 
 
-def test_a_cached_prefix_gives_the_tokens_a_cold_prefill_gives(demo_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cached_prefix_gives_the_tokens_and_logprobs_a_cold_prefill_gives(demo_model_dir, dtype):
     system = ("You are a careful assistant for a shipping company. Answer in two short sentences, name the "
               "port, and never invent tracking numbers. ") * 3
 
     async def run(prefix_caching: bool):
-        engine = engine_for(demo_model_dir, max_loras=2, max_cpu_loras=2, prefix_caching=prefix_caching)
+        engine = engine_for(demo_model_dir, max_loras=2, max_cpu_loras=2, prefix_caching=prefix_caching, dtype=dtype)
         try:
             out = {}
             for adapter in (None, DEMO_ADAPTERS[0]):
                 first = engine.tokenizer.encode(system + "Where is my parcel from Oslo?")
                 second = engine.tokenizer.encode(system + "When does the ferry to Bergen leave?")
-                out[adapter, "first"] = await tokens_of(engine, first, 12, adapter)
-                out[adapter, "second"] = await tokens_of(engine, second, 12, adapter)
+                for name, ids in (("first", first), ("second", second)):
+                    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+                    steps = [step async for step in engine.generate(ids, params, adapter)]
+                    out[adapter, name] = [(t.id, t.logprob, t.top) for step in steps for t in step.tokens]
             shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
             return out, engine.snapshot().prefix, shared
         finally:
@@ -194,7 +197,7 @@ def test_a_cached_prefix_gives_the_tokens_a_cold_prefill_gives(demo_model_dir):
     cold, no_cache, _ = asyncio.run(run(False))
     warm, prefix, shared = asyncio.run(run(True))
     assert no_cache is None
-    assert warm == cold
+    assert warm == cold  # tokens, log-probabilities and alternatives, bit for bit
     # each second prompt found the full blocks of the tokens it shares with the first (base model, adapter)
     assert shared >= 48 and prefix.hit_tokens == 2 * (shared // 16) * 16
     assert prefix.cached_blocks > 0 and prefix.queried_tokens > prefix.hit_tokens

@@ -194,6 +194,17 @@ def test_a_seeded_request_draws_the_same_tokens_and_logprobs_at_any_row_of_any_b
     assert together == solo
 
 
+def test_logprobs_of_a_row_are_the_same_bits_alone_and_in_a_batch_at_a_real_vocabulary_size():
+    # At a real vocabulary a lone row's sum over it is split across threads, where a batch's rows are
+    # summed one per thread: a plain sum would give the row other bits in a batch than alone.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 65536, generator=gen) * 4  # [rows, vocab]
+    seqs = [sequence(f"r{i}", logprobs=3, **({"temperature": 0.7, "seed": i} if i % 2 else {})) for i in range(8)]
+    together = sample(logits, SamplingBatch.build(seqs, "cpu")).to_host()
+    alone = [sample(logits[i : i + 1], SamplingBatch.build([seq], "cpu")).to_host()[0] for i, seq in enumerate(seqs)]
+    assert together == alone
+
+
 def test_logprobs_are_of_the_model_distribution_before_temperature_and_truncation():
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(4)) * 4  # [rows, vocab]
     seqs = [sequence("none"), sequence("one", logprobs=1),
