@@ -3,8 +3,8 @@
 The cache stores keys and values in fixed-size blocks; a sequence owns a list of blocks (its block
 table). Each step writes the new tokens' keys and values into their slots, then every new token
 attends to its sequence's context through the block table. How it attends is the backend's
-business, chosen once per model by device (``attention_backend``): gather + SDPA on CPU
-(``torch_attention``), the Triton paged kernels on CUDA (``triton_attention``). The model calls
+business, chosen once per model by device (``attention_backend``): gathered context in fixed key
+tiles on CPU (``torch_attention``), the Triton paged kernels on CUDA (``triton_attention``). The model calls
 ``backend.prepare(inputs)`` once per forward and the returned ``StepAttention`` in every layer, so
 no layer branches on the device.
 """
@@ -77,7 +77,7 @@ class AttentionBackend(Protocol):
 
 
 def attention_backend(device: torch.device | str, windows: set[int | None]) -> AttentionBackend:
-    """The backend for ``device``: the Triton paged kernels on CUDA, gather + SDPA elsewhere;
+    """The backend for ``device``: the Triton paged kernels on CUDA, tiled attention elsewhere;
     ``windows``: the sliding windows of the model's layers (None: full attention)."""
     if torch.device(device).type == "cuda":
         from data_plane.model.triton_attention import TritonAttention  # Triton: the `cuda` extra
