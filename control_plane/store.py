@@ -161,14 +161,23 @@ class Store:
 
     async def create_adapter(self, rec: AdapterRecord) -> AdapterRecord:
         """Stores a new adapter at version 1. Registering the same adapter again returns the
-        stored record; a different adapter under a taken name raises AdapterExists."""
+        stored record; the same weights (sha256) from another source move the adapter there (the next
+        version; pins and placements stay: the pods hold the same content); different weights or
+        another base model under a taken name raise AdapterExists."""
         def decide(old: AdapterRecord | None) -> tuple[AdapterRecord, _Writes | None]:
             if old is not None:
-                if (old.source, old.sha256, old.base_model) == (rec.source, rec.sha256, rec.base_model):
+                if (old.sha256, old.base_model) != (rec.sha256, rec.base_model):
+                    raise AdapterExists(
+                        f"adapter {rec.name!r} is already registered with other weights (sha256 {old.sha256}, "
+                        f"source {old.source}); unregister it first or choose another name")
+                if old.source == rec.source:
                     return old, None
-                raise AdapterExists(
-                    f"adapter {rec.name!r} is already registered with source {old.source} and sha256 "
-                    f"{old.sha256}; unregister it first or choose another name")
+                moved = dataclasses.replace(old, source=rec.source, version=old.version + 1)
+
+                def move(pipe: Pipeline) -> None:
+                    pipe.hset(self._k("adapter", rec.name), mapping=moved.to_fields())
+                    self._event(pipe, "source-changed", rec.name, moved.version)
+                return moved, move
             new = dataclasses.replace(rec, version=1)
 
             def write(pipe: Pipeline) -> None:

@@ -60,12 +60,26 @@ def test_registering_the_same_adapter_twice_is_idempotent_but_a_different_one_is
     async def body(store):
         first = await store.create_adapter(adapter("a"))
         again = await store.create_adapter(adapter("a"))
-        with pytest.raises(AdapterExists, match="unregister it first"):
+        with pytest.raises(AdapterExists, match="other weights.*unregister it first"):
             await store.create_adapter(adapter("a", sha="cd" * 32))
         return first, again, await store.get_adapter("a")
 
     first, again, stored = with_store(redis_server, body)
     assert first == again == stored
+
+
+def test_the_same_weights_from_another_source_move_the_adapter_and_keep_its_pin(redis_server):
+    async def body(store):
+        await store.create_adapter(adapter("a"))
+        await store.update_adapter("a", pin(2), "pinned")
+        moved = await store.create_adapter(dataclasses.replace(adapter("a"), source="file:///elsewhere/a"))
+        with pytest.raises(AdapterExists, match="other weights"):
+            await store.create_adapter(dataclasses.replace(adapter("a", sha="cd" * 32), source="file:///third/a"))
+        return moved, await store.get_adapter("a")
+
+    moved, stored = with_store(redis_server, body)
+    assert moved == stored
+    assert (stored.source, stored.version, stored.pinned, stored.pin_replicas) == ("file:///elsewhere/a", 3, True, 2)
 
 
 def test_update_with_a_stale_expected_version_is_refused_and_changes_nothing(redis_server):
