@@ -81,6 +81,8 @@ class LoraMetaBuilder:
         # A segment's tokens are one contiguous run when its last token is its first plus its length - 1.
         firsts, lasts = order[starts], order[(ends - 1).clamp(min=0)]
         runs = torch.where(lasts - firsts == ends - starts - 1, firsts, -1)
+        if self._owns_buffer:
+            self._step.wait_for_upload()
         host = {name: self._step.host_view(name) for name in SECTIONS}
         host["token_slots"][:n] = slots
         host["sorted_tokens"][:n] = order

@@ -26,6 +26,13 @@ class StepBuffer:
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=on_cuda)  # [total]
         separate = device.type != "cpu" if separate is None else separate
         self.device = torch.zeros(total, dtype=torch.int32, device=device) if separate else self.host
+        self._copied = torch.cuda.Event() if on_cuda else None  # the last upload's copy has run
+
+    def wait_for_upload(self) -> None:
+        """Blocks until the last upload's copy has run: call before rewriting the host sections (a step
+        that samples nothing never waits on the device, so its copy may still be queued)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def host_view(self, name: str) -> torch.Tensor:
         start, size = self._offsets[name]
@@ -37,6 +44,8 @@ class StepBuffer:
 
     def upload(self) -> None:
         """Copies every host section to the device (asynchronously on CUDA; the host buffer must not be
-        rewritten before the step that reads it has run, which the engine's one-step-at-a-time loop ensures)."""
+        rewritten before the copy has run: ``wait_for_upload``)."""
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()

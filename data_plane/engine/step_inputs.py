@@ -113,6 +113,7 @@ class StepInputBuilder:
         slot_mapping[real_tokens:] = self.kv_cache.pad_slot
         positions[real_tokens:] = 0
 
+        self.buffer.wait_for_upload()
         host = self.buffer.host_view
         if len(token_ids) != real_tokens:
             raise ValueError(f"the step's sequences have {real_tokens} new tokens but {len(token_ids)} token ids")
