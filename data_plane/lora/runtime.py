@@ -29,7 +29,10 @@ class LoraRuntime:
         self.layers = wrap_with_lora(model, max_loras, max_rank)
         self._shapes = projection_shapes(self.layers)
         self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=device.type == "cuda")
-        self._meta = LoraMetaBuilder(max_tokens, max_loras, device, max_rank=max_rank)
+        # Built on first use: the engine's steps take their LoRA metadata from the step builder
+        # (data_plane.engine.step_inputs); this one serves steps built by hand (tests, benchmarks).
+        self._meta: LoraMetaBuilder | None = None
+        self._meta_shape = (max_tokens, max_loras, device, max_rank)
 
     def read(self, name: str, source: str, sha256: str = "") -> LoraAdapter:
         """Reads and validates an adapter from a directory under the adapter roots, or from an
@@ -45,6 +48,10 @@ class LoraRuntime:
                                      self.dtype)
 
     def step_metadata(self, token_slots: list[int]) -> LoraMeta:
+        """LoRA metadata for a step built by hand; the engine's steps get theirs from its step builder."""
+        if self._meta is None:
+            max_tokens, max_loras, device, max_rank = self._meta_shape
+            self._meta = LoraMetaBuilder(max_tokens, max_loras, device, max_rank=max_rank)
         return self._meta.build(token_slots)
 
     def load(self, name: str, source: str, sha256: str = ""):
