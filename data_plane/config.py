@@ -10,6 +10,7 @@ from pathlib import Path
 
 from conventions import defaults
 from conventions.names import NAME_RULE, is_valid_name
+from data_plane.engine.step_cost import AUTO_ITL_GROWTH
 from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
 
 # A CPU pod's KV cache when --kv-cache-bytes is 0: ~17k tokens of the demo model in float32 (46 KB a token).
@@ -45,6 +46,9 @@ class DataPlaneConfig:
     # Longest estimated wait for a first token a new request is admitted with (0 = no limit); see
     # engine/admission.py. A caller's shorter gRPC deadline tightens it per request.
     max_queue_delay_s: float = 10.0
+    # The step time prefill work may fill a step up to, beside its decodes; 0 = automatic: a step with
+    # prefill lasts at most AUTO_ITL_GROWTH × its decodes alone (engine/step_cost.py).
+    target_itl_s: float = 0.0
     scheduling_policy: str = "fair"  # "fair" (fair shares across adapters) or "fcfs" (arrival order)
     adapter_weights: tuple[tuple[str, float], ...] = ()  # (adapter, fair-share weight); others weigh 1
     base_model_weight: float = 1.0  # the base model's fair-share weight
@@ -91,6 +95,8 @@ class DataPlaneConfig:
         if not 0 <= self.max_queue_delay_s < math.inf:
             raise ValueError(f"--max-queue-delay must be a number of seconds >= 0 (0 = no limit), "
                              f"got {self.max_queue_delay_s}")
+        if not 0 <= self.target_itl_s < math.inf:
+            raise ValueError(f"--target-itl must be a number of seconds >= 0 (0 = automatic), got {self.target_itl_s}")
         if not 0 < self.demand_window_s < math.inf:
             raise ValueError(f"--demand-window must be a positive number of seconds, got {self.demand_window_s}")
         if not 1 <= self.demand_report_top <= 1000:
@@ -152,7 +158,8 @@ class DataPlaneConfig:
             prefix_caching=not args.no_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
-            max_queue_delay_s=args.max_queue_delay, scheduling_policy=args.scheduling_policy,
+            max_queue_delay_s=args.max_queue_delay, target_itl_s=args.target_itl,
+            scheduling_policy=args.scheduling_policy,
             adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
             demand_window_s=args.demand_window, demand_report_top=args.demand_report_top,
         )
@@ -226,6 +233,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse a new request (RESOURCE_EXHAUSTED with a grpc-retry-pushback-ms hint) when its "
                         "estimated wait for a first token is longer, in seconds; a shorter gRPC deadline of the "
                         "request counts instead (0 = no limit)")
+    p.add_argument("--target-itl", type=float, default=d.target_itl_s, metavar="SECONDS",
+                   help="step time that prefill work may fill a step up to beside its running decodes, which always "
+                        f"get their token (default {d.target_itl_s:g}: automatic, a step that prefills lasts at most "
+                        f"{AUTO_ITL_GROWTH:g}x its decodes alone, from the step-time model the pod fits to its own "
+                        "steps; with nothing decoding a step prefills up to --max-num-batched-tokens)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],
                    help="admission order of waiting requests: fair shares across adapters (the least-served "
                         "adapter's oldest request next) or first come, first served")

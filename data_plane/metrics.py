@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the engine records into these metrics, so only the type is 
     from data_plane.engine.state import EngineState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class PodMetrics:
@@ -45,6 +46,13 @@ class PodMetrics:
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_estimate_error = Histogram(
+            "lorafleet_ttft_estimate_error_seconds",
+            "Admitted requests' time to first token minus the wait admission estimated for them (negative: "
+            "the first token came sooner than estimated).", buckets=_ERROR_BUCKETS, registry=r)
+        self.prefill_budget = Gauge("lorafleet_step_prefill_budget_tokens",
+                                    "Prefill tokens the last step could carry beside its decodes (the step budget).",
+                                    registry=r)
         self.precision = Gauge("lorafleet_precision_info",
                                "1 for the precision the pod computes in (its --dtype, auto resolved): float32, "
                                "bfloat16, float16 or bfloat16-matmul.", ["precision"], registry=r)

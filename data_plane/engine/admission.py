@@ -1,14 +1,17 @@
 """Admission by deadline: how long a new request would wait for its first token, and whether to take it.
 
-The wait has two parts, both estimated from what the engine measured recently:
+The wait has three parts, estimated from the step-time model the engine fits to its own steps
+(``step_cost.py``) and from what it measured recently:
 
+- the step in flight: what is left of its predicted time;
 - a seat: when the requests running plus those ahead of the new one fill ``max_num_seqs``, the new
   one waits for enough running requests to finish. Each seat turns over once per service time (admission
   to last token, an average over recent requests), so ``n`` extra seats take ``n × service / max_num_seqs``.
   Before any request has finished, a running request's service time is its remaining tokens (at most
-  its ``max_tokens``) times the recent step time;
-- its prefill and that of the requests ahead: their uncomputed tokens over the step's token budget
-  left after the running requests' decodes, times the recent step time.
+  its ``max_tokens``) times the predicted decode step;
+- its prefill and the prefill work ahead of it (prompts being chunked, waiting requests): their
+  uncomputed tokens in steps of the prefill budget beside the running decodes, each step of the
+  predicted time for its shape. Its first token comes with the step that ends its prompt.
 
 Which requests are ahead follows the scheduler's policy (``Scheduler.ahead_of``): under fair share a
 request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
@@ -22,10 +25,12 @@ estimate would fit.
 
 from __future__ import annotations
 
-import math
+import time
 from dataclasses import dataclass
 
-# Weight of the newest sample in the moving averages: about the last ten steps or requests count.
+from data_plane.engine.step_cost import StepCost, StepShape
+
+# Weight of the newest sample in the moving average of service time: about the last ten requests count.
 _EWMA = 0.2
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
@@ -48,17 +53,22 @@ class Load:
     running: int
     running_decodes: int  # running requests past their prefill: one token each per step
     running_remaining: tuple[int, ...]  # tokens each running request may still produce (its max_total)
+    adapters: int = 0  # distinct adapters among the running requests
 
 
 class DelayEstimator:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, costs: StepCost) -> None:
         self._max_num_seqs = max_num_seqs
-        self._budget = max_num_batched_tokens
-        self.step_s: float | None = None  # moving average of one step's duration
+        self.costs = costs
         self.service_s: float | None = None  # moving average of admission to last token
+        self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_s = _average(self.step_s, seconds)
+    def step_began(self, shape: StepShape) -> None:
+        self._step_ends = time.monotonic() + self.costs.predict(shape)
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        self._step_ends = 0.0
+        self.costs.observe(shape, seconds)
 
     def observe_service(self, seconds: float) -> None:
         """A request finished ``seconds`` after it was first scheduled."""
@@ -67,21 +77,29 @@ class DelayEstimator:
     def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load) -> float:
         """Seconds a new request with ``prompt_tokens`` would wait for its first token; 0.0 until a step
         has been timed (an idle pod with nothing measured has nothing to wait for)."""
-        if self.step_s is None:
+        if self.costs.coef is None:
             return 0.0
-        prefill_budget = max(1, self._budget - load.running_decodes)
-        prefill_s = math.ceil((ahead.tokens + prompt_tokens) / prefill_budget) * self.step_s
+        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(ahead.tokens + prompt_tokens, load)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short <= 0 or ahead.seat_now:
-            return prefill_s
-        return prefill_s + short * self._seat_turnover_s(load) / self._max_num_seqs
+            return wait
+        return wait + short * self._seat_turnover_s(load) / self._max_num_seqs
+
+    def _prefill_s(self, tokens: int, load: Load) -> float:
+        """Seconds of steps that compute ``tokens`` of prefill beside the running decodes."""
+        per_step = max(1, self.costs.prefill_budget(load.running_decodes, load.adapters))
+        full, rest = divmod(tokens, per_step)
+        shape = StepShape(load.running_decodes, per_step, 1, load.adapters)
+        last = self.costs.predict(StepShape(load.running_decodes, rest, 1, load.adapters)) if rest else 0.0
+        return full * self.costs.predict(shape) + last
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:
             return self.service_s
         # nothing finished yet: a running request holds its seat for its remaining tokens at most
         remaining = load.running_remaining or (1,)
-        return sum(remaining) / len(remaining) * self.step_s
+        decode_s = self.costs.predict(StepShape(load.running_decodes, adapters=load.adapters))
+        return sum(remaining) / len(remaining) * decode_s
 
 
 def retry_after(estimate_s: float, allowed_s: float) -> float:

@@ -24,6 +24,7 @@ from data_plane.engine.output import OutputText
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
+from data_plane.engine.step_cost import StepCost, StepShape
 from data_plane.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -53,6 +54,7 @@ class EngineLimits:
     num_kv_blocks: int
     max_model_len: int
     max_queue_delay_s: float  # longest estimated wait for a first token a new request is admitted with; 0 = any
+    target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = automatic (step_cost.py)
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:
@@ -100,10 +102,11 @@ class Engine:
                                   limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
+        self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
-                                   self._prefix_salt)
-        self.delays = DelayEstimator(limits.max_num_seqs, limits.max_num_batched_tokens)
+                                   self._prefix_salt, self.costs.prefill_budget)
+        self.delays = DelayEstimator(limits.max_num_seqs, self.costs)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
@@ -205,7 +208,8 @@ class Engine:
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline)
+        return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
+                        ttft_estimate=wait_s)
 
     def _refuse_if_late(self, wait_s: float, timeout_s: float | None) -> None:
         """Raises Overloaded when the estimated wait for a first token exceeds the caller's deadline or
@@ -253,6 +257,8 @@ class Engine:
                     pass
                 continue
             start = time.monotonic()
+            shape = step_shape(batch)
+            self.delays.step_began(shape)
             try:
                 async with self.model_lock:
                     # Requests may have ended while the lock was awaited; what is left is read into the
@@ -272,7 +278,7 @@ class Engine:
             self._postprocess(batch, tokens)
             took = time.monotonic() - start
             self.metrics.step_duration.observe(took)
-            self.delays.observe_step(took)
+            self.delays.observe_step(shape, took)
 
     def _end_expired(self, now: float) -> None:
         for seq in self.scheduler.expired(now):
@@ -313,6 +319,8 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
+            if seq.ttft_estimate is not None:
+                self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -334,13 +342,43 @@ class Engine:
         prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1, slot=0)
         self._warm_up_step([ScheduledSeq(prefill, chunk)])
         self._model_thread.submit(self.runner.capture_graphs).result()
+        self._time_steps(decodes, min(chunk, 256), chunk)
+        log.info("step-time model from start-up steps: %s; prefill budget beside 1 decode %d tokens, beside %d "
+                 "decodes %d tokens", self.costs.summary(), self.costs.prefill_budget(1, 1), n,
+                 self.costs.prefill_budget(n, min(n, cache.max_loras)))
         cache.clear_free_slots()
 
-    def _warm_up_step(self, batch: list[ScheduledSeq]) -> None:
-        for item in batch:
-            self.blocks.allocate(item.seq, item.num_new)
+    def _time_steps(self, decodes: list[Sequence], tokens: int, chunk: int) -> None:
+        """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
+        with and without adapters, prefill in one and two sequences, and decodes beside prefill (steps
+        of at most ``chunk`` tokens)."""
+        def prompt(name: str, length: int) -> Sequence:
+            return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
+
+        base = Sequence("warm-up-base", None, [0], SamplingParams(), 2)
+        half = max(1, tokens // 2)
+        beside = max(1, min(half, chunk - len(decodes) + 1))
+        for batch in ([ScheduledSeq(base, 1)], [ScheduledSeq(decodes[0], 1)],
+                      [ScheduledSeq(seq, 1) for seq in decodes],
+                      [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
+                      [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
+                      [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]),
+                       ScheduledSeq(prompt("warm-up-p", beside), beside)]):
+            if len(batch) > self.limits.max_num_seqs:
+                continue
+            start = time.monotonic()
+            if self._warm_up_step(batch):
+                self.costs.observe_prior(step_shape(batch), time.monotonic() - start)
+
+    def _warm_up_step(self, batch: list[ScheduledSeq]) -> bool:
+        """Runs ``batch`` on the model thread; False, running nothing, when its KV blocks do not fit."""
         try:
+            for item in batch:
+                if not self.blocks.can_allocate(item.seq, item.num_new):
+                    return False
+                self.blocks.allocate(item.seq, item.num_new)
             self._model_thread.submit(self.runner.run, batch).result()
+            return True
         finally:
             for item in batch:
                 self.blocks.free(item.seq)
@@ -364,3 +402,10 @@ class Engine:
             return None
         st = prefix.stats
         return PrefixState(prefix.num_cached, st.queried_tokens, st.hit_tokens, st.evictions)
+
+
+def step_shape(batch: list[ScheduledSeq]) -> StepShape:
+    """What a step computes, as the step-time model reads it: a one-token entry is a decode row."""
+    prefills = [item.num_new for item in batch if item.num_new > 1]
+    return StepShape(len(batch) - len(prefills), sum(prefills), len(prefills),
+                     len({item.seq.slot for item in batch if item.seq.slot >= 0}))

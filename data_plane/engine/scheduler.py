@@ -1,11 +1,15 @@
 """Decides which sequences run in the next step and how many of their tokens.
 
-Running sequences go first, in the order they were admitted. Waiting ones are then admitted by
-fair share while the token budget, KV blocks and sequence limit allow: each tenant (an adapter,
-or the base model) has a virtual token counter (``fair_share.py``), and the next request is the
-oldest one of the least-served tenant that can run now; within a tenant, arrival order. Under the
-``fcfs`` policy the next request is simply the oldest that can run now. When that request's KV
-blocks do not fit, nothing else is admitted this step, so it is not overtaken.
+Decodes first: every running sequence past its prompt gets its next token each step, in the order
+they were admitted. Prefill work fills the rest of the step, up to the prefill budget the step-time
+model allows (``step_cost.py``: the step stays near its target inter-token latency): prompts being
+chunked across steps and newly admitted requests, by fair share: each tenant (an adapter, or the
+base model) has a virtual token counter (``fair_share.py``), and the next prefill work is the oldest
+of the least-served tenant, whether its prompt is already being chunked or still waits (then while
+seats, KV blocks and its adapter allow); within a tenant, arrival order. So a new tenant's prompt
+is not stuck behind a flood's long prompts. Under the ``fcfs`` policy the oldest request goes first.
+When a waiting request's KV blocks do not fit, nothing else is admitted this step, so it is not
+overtaken.
 
 A tenant whose adapter is still loading, or cannot get a slot (every slot pinned or serving), is
 passed over for the step: requests of the base model and of adapters in slots go ahead of it.
@@ -32,7 +36,6 @@ has generated, first of its tenant.
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 import time
 from collections import Counter, deque
@@ -78,11 +81,15 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
-                 policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "") -> None:
+                 policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
+                 prefill_budget: Callable[[int, int], int] | None = None) -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
         under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
-        tokens (its adapter's content and the pod's precision)."""
+        tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters)``:
+        the prefill tokens a step with those decodes may carry (``StepCost.prefill_budget``; default: all
+        that ``max_num_batched_tokens`` leaves)."""
         self._salt = salt
+        self._prefill_budget = prefill_budget or (lambda decode_rows, adapters: limits.max_num_batched_tokens)
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -131,18 +138,23 @@ class Scheduler:
         return out
 
     def ahead_of(self, tenant: Tenant) -> Ahead:
-        """The waiting requests a new request of ``tenant`` would be admitted after, as the policy orders
-        them: under FCFS all of them; under fair share its own tenant's, and of each other tenant as many
-        as get their turns before it (one per turn of its own, scaled by the weights)."""
-        turns = len(self._queues.get(tenant, ())) + 1
+        """The prefill work a new request of ``tenant`` would come after, as the policy orders it: prompts
+        being chunked and waiting requests; under FCFS all of them, under fair share its own tenant's and
+        of each other tenant as many as get their turns before it (one per turn of its own, scaled by the
+        weights)."""
+        chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
+        for seq in self._prefilling():
+            chunking.setdefault(seq.adapter, []).append(seq)
+        turns = len(self._queues.get(tenant, ())) + len(chunking.get(tenant, ())) + 1
         requests = tokens = 0
-        for other, queue in self._queues.items():
+        for other in {*self._queues, *chunking}:
+            queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
             if self.policy is Policy.FCFS or other == tenant:
                 count = len(queue)
             else:
                 count = min(len(queue), math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant)))
-            requests += count
-            tokens += sum(seq.num_uncomputed for seq in itertools.islice(queue, count))
+            requests += max(0, count - len(chunking.get(other, ())))  # those that still need a seat
+            tokens += sum(seq.num_uncomputed for seq in queue[:count])
         return Ahead(requests, tokens, seat_now=self._would_take_a_seat(tenant))
 
     def _would_take_a_seat(self, tenant: Tenant) -> bool:
@@ -155,7 +167,8 @@ class Scheduler:
     def load(self) -> Load:
         """What is running now, for the admission estimate."""
         return Load(len(self.running), sum(seq.num_uncomputed <= 1 for seq in self.running),
-                    tuple(seq.max_total - seq.num_tokens for seq in self.running))
+                    tuple(seq.max_total - seq.num_tokens for seq in self.running),
+                    len({seq.slot for seq in self.running if seq.slot >= 0}))
 
     def expired(self, now: float) -> list[Sequence]:
         """Waiting requests whose deadline has passed; the caller ends them."""
@@ -165,50 +178,90 @@ class Scheduler:
         return bool(self.running) or any(self._admissible(s) for s in self.waiting)
 
     def schedule(self) -> list[ScheduledSeq]:
+        """The next step: every running decode's token first, then prefill work (running prompts being
+        chunked, and newly admitted requests) in fair order while the prefill budget lasts."""
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         seated = self._free_a_seat_for_a_tenant_without_one() if self.policy is Policy.FAIR else _NOBODY
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
-            num_new = min(seq.num_uncomputed, budget)
-            if num_new <= 0:
+            if budget <= 0:
                 break
-            while not self.blocks.can_allocate(seq, num_new):
-                if self._preempt_one(keep={seq, *(s.seq for s in batch)}) is None:
-                    break
-            if not self.blocks.can_allocate(seq, num_new):
-                self._preempt(seq)
-                continue
-            budget -= self._take(batch, seq, num_new)
+            if self._make_room(seq, 1, batch):
+                budget -= self._take(batch, seq, 1)
+        adapters = len({item.seq.slot for item in batch if item.seq.slot >= 0})
+        budget = min(budget, self._prefill_budget(len(batch), adapters))
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
-        while budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self._queues[seated][0] if seated in self._queues else self._next_in_fair_order(passed)
+        admitting = True
+        while budget > 0:
+            taken = {item.seq for item in batch}
+            ongoing = min((seq for seq in self._prefilling() if seq not in taken), key=self._order, default=None)
+            waiting = None
+            if admitting and len(self.running) < self.limits.max_num_seqs:
+                waiting = self._queues[seated][0] if seated in self._queues else self._next_in_fair_order(passed)
+            if ongoing is not None and (waiting is None or self._order(ongoing) <= self._order(waiting)):
+                num_new = min(ongoing.num_uncomputed, budget)
+                if self._make_room(ongoing, num_new, batch):
+                    budget -= self._take(batch, ongoing, num_new)
+                continue
             seated = _NOBODY  # the freed seat is offered once, first
-            if seq is None:
+            if waiting is None:
                 break
-            tenant = seq.adapter
+            tenant = waiting.adapter
             if not self._can_run(tenant):
                 passed.add(tenant)
                 continue
-            num_cached = self.blocks.match_prefix(seq, self._salt(tenant))
-            num_new = min(seq.num_uncomputed - num_cached, budget)
-            if not self.blocks.can_allocate(seq, num_cached + num_new):
-                self.blocks.free(seq)  # the matched blocks go back, still cached
-                break  # the next request in fair order keeps its turn for KV blocks
-            if self.blocks.prefix is not None:
-                self.blocks.prefix.record_lookup(seq.num_tokens, num_cached)
-            if tenant is not None:
-                seq.slot = self.cache.acquire(tenant)
-                self._reserved.pop(tenant, None)
-            self._dequeue(seq)
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled is None:
-                seq.first_scheduled = time.monotonic()
-            self.running.append(seq)
-            budget -= self._take(batch, seq, num_new, num_cached)
+            admitted = self._admit(waiting, budget)
+            if admitted is None:
+                admitting = False  # the next request in fair order keeps its turn for KV blocks
+                continue
+            budget -= self._take(batch, waiting, *admitted)
         return batch
+
+    def _prefilling(self) -> list[Sequence]:
+        """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""
+        return [seq for seq in self.running if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed > 1]
+
+    def _order(self, seq: Sequence) -> tuple:
+        """Who gets prefill work first: the least-served tenant, then the oldest request (under FCFS the
+        oldest request)."""
+        if self.policy is Policy.FCFS:
+            return (seq.arrival,)
+        return self.shares.served(seq.adapter), seq.arrival
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+        """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
+        step, cached tokens), or None, changing nothing, when its KV blocks do not fit."""
+        tenant = seq.adapter
+        num_cached = self.blocks.match_prefix(seq, self._salt(tenant))
+        num_new = min(seq.num_uncomputed - num_cached, budget)
+        if not self.blocks.can_allocate(seq, num_cached + num_new):
+            self.blocks.free(seq)  # the matched blocks go back, still cached
+            return None
+        if self.blocks.prefix is not None:
+            self.blocks.prefix.record_lookup(seq.num_tokens, num_cached)
+        if tenant is not None:
+            seq.slot = self.cache.acquire(tenant)
+            self._reserved.pop(tenant, None)
+        self._dequeue(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
+        self.running.append(seq)
+        return num_new, num_cached
+
+    def _make_room(self, seq: Sequence, num_new: int, batch: list[ScheduledSeq]) -> bool:
+        """Makes KV room for ``num_new`` more tokens of running ``seq``, preempting others not in ``batch``
+        if needed; when even that is not enough ``seq`` itself is preempted and False returned."""
+        while not self.blocks.can_allocate(seq, num_new):
+            if self._preempt_one(keep={seq, *(item.seq for item in batch)}) is None:
+                break
+        if self.blocks.can_allocate(seq, num_new):
+            return True
+        self._preempt(seq)
+        return False
 
     def finish(self, seq: Sequence) -> None:
         """Frees everything ``seq`` holds; safe to call in any state, once or more."""

@@ -83,6 +83,7 @@ class Sequence:
     # given, else a random one, so that a recomputation after preemption draws the same tokens again.
     sampling_seed: int = field(init=False)
     first_scheduled: float | None = None  # time.monotonic() of its first admission
+    ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
     first_token_time: float | None = None
     last_token_time: float | None = None
 

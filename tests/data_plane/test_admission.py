@@ -1,62 +1,82 @@
-"""The estimate of how long a new request waits for its first token, from measured step and service
-times: prefill of the work ahead, plus waiting for a seat when the running requests fill them."""
+"""The estimate of how long a new request waits for its first token: the step in flight, the prefill of
+the work ahead and its own in steps of the prefill budget (timed by the step-time model), and waiting
+for a seat when the running requests fill them."""
 
 from __future__ import annotations
 
 import pytest
 
 from data_plane.engine.admission import Ahead, DelayEstimator, Load, retry_after
+from data_plane.engine.step_cost import StepCost, StepShape
 
 IDLE = Load(running=0, running_decodes=0, running_remaining=())
 
 
-def estimator(step_s: float | None = 0.1, service_s: float | None = None) -> DelayEstimator:
-    e = DelayEstimator(max_num_seqs=4, max_num_batched_tokens=100)
-    if step_s is not None:
-        e.observe_step(step_s)
+def device_costs() -> StepCost:
+    """A device where every step costs 100 ms plus 1 ms per prefill token, and nothing else costs; a step
+    holds at most 100 tokens. Beside decodes a step may then prefill 40 tokens (1.4 × 100 ms)."""
+    costs = StepCost(max_batched_tokens=100)
+    for shape, s in ((StepShape(1), 0.1), (StepShape(2), 0.1), (StepShape(1, adapters=1), 0.1),
+                     (StepShape(0, 100, 1), 0.2), (StepShape(0, 50, 1), 0.15), (StepShape(0, 100, 2), 0.2)):
+        costs.observe_prior(shape, s)
+    return costs
+
+
+def estimator(service_s: float | None = None, costs: StepCost | None = None) -> DelayEstimator:
+    e = DelayEstimator(max_num_seqs=4, costs=costs or device_costs())
     if service_s is not None:
         e.observe_service(service_s)
     return e
 
 
 def test_nothing_measured_yet_estimates_no_wait():
-    assert estimator(step_s=None).estimate(Ahead(50, 5000), 10, IDLE) == 0.0
+    assert estimator(costs=StepCost()).estimate(Ahead(50, 5000), 10, IDLE) == 0.0
 
 
 def test_with_free_seats_the_wait_is_the_prefill_of_the_work_ahead_and_its_own():
     e = estimator()
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.1)  # one step
-    assert e.estimate(Ahead(2, 250), 30, IDLE) == pytest.approx(0.3)  # 280 tokens: three steps of 100
-    # two running decodes take two tokens of each step's budget: 280 tokens over 98 a step still take three
-    assert e.estimate(Ahead(1, 250), 30, Load(2, 2, (5, 5))) == pytest.approx(0.3)
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.13)  # one step of 30 tokens
+    # nothing decodes: 280 tokens in steps of 100 (0.2 s), then one of 80 (0.18 s)
+    assert e.estimate(Ahead(2, 250), 30, IDLE) == pytest.approx(2 * 0.2 + 0.18)
+    # two running decodes: each step prefills 40 tokens beside them, in 0.14 s; 280 tokens take seven
+    assert e.estimate(Ahead(1, 250), 30, Load(2, 2, (5, 5))) == pytest.approx(7 * 0.14)
 
 
 def test_when_seats_are_full_each_missing_seat_waits_a_share_of_the_service_time():
     e = estimator(service_s=8.0)
     full = Load(running=4, running_decodes=4, running_remaining=(50, 50, 50, 50))
     # four seats turn over once per 8 s of service: one seat frees every 2 s
-    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.1 + 2.0)
-    assert e.estimate(Ahead(3, 30), 4, full) == pytest.approx(0.1 + 4 * 2.0)
+    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.104 + 2.0)
+    assert e.estimate(Ahead(3, 30), 4, full) == pytest.approx(0.134 + 4 * 2.0)
 
 
 def test_a_request_that_takes_a_seat_at_the_next_step_waits_only_for_prefill():
     e = estimator(service_s=8.0)
     full = Load(running=4, running_decodes=4, running_remaining=(50, 50, 50, 50))
-    assert e.estimate(Ahead(0, 0, seat_now=True), 4, full) == pytest.approx(0.1)
+    assert e.estimate(Ahead(0, 0, seat_now=True), 4, full) == pytest.approx(0.104)
 
 
 def test_before_any_request_finished_a_seat_turns_over_in_the_running_requests_remaining_tokens():
     e = estimator()
     full = Load(running=4, running_decodes=4, running_remaining=(10, 20, 30, 40))
-    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.1 + 25 * 0.1 / 4)
+    # a decode step of four rows takes 0.1 s: the average remaining 25 tokens take 2.5 s per seat
+    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.104 + 25 * 0.1 / 4)
 
 
-def test_the_averages_follow_recent_samples():
-    e = estimator(step_s=1.0, service_s=10.0)
+def test_the_step_in_flight_adds_what_is_left_of_it():
+    e = estimator()
+    before = e.estimate(Ahead(0, 0), 30, IDLE)
+    e.step_began(StepShape(0, 9900, 1))  # predicted 10 s
+    assert 9.0 < e.estimate(Ahead(0, 0), 30, IDLE) - before <= 10.0
+    e.observe_step(StepShape(0, 9900, 1), 10.0)  # it ended
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(before, rel=0.01)
+
+
+def test_the_service_average_follows_recent_samples():
+    e = estimator(service_s=10.0)
     for _ in range(40):
-        e.observe_step(0.2)
         e.observe_service(4.0)
-    assert e.step_s == pytest.approx(0.2, rel=1e-3) and e.service_s == pytest.approx(4.0, rel=1e-3)
+    assert e.service_s == pytest.approx(4.0, rel=1e-3)
 
 
 def test_the_retry_hint_is_the_excess_over_the_time_allowed_within_bounds():

@@ -1,5 +1,6 @@
-"""Which requests run in each step and how many of their tokens: running ones first, then waiting
-ones by fair share across adapters (arrival order within one) within the token budget, the sequence
+"""Which requests run in each step and how many of their tokens: running decodes first, then prefill
+work (prompts being chunked and waiting requests) by fair share across adapters (arrival order within
+one) within the step's prefill budget and token budget, the sequence
 limit, the free KV blocks and the adapter slots; preemption when blocks run out; the bound on
 waiting for an adapter slot, and the refusal of a request no slot can ever serve; the FCFS
 policy; what a new request would wait behind (for admission by deadline), and expired requests."""
@@ -19,13 +20,13 @@ from data_plane.lora.peft_adapter import LoraAdapter
 
 def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, block_size: int = 4,
               max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None,
-              policy: Policy = Policy.FAIR) -> Scheduler:
+              policy: Policy = Policy.FAIR, prefill_budget=None) -> Scheduler:
     """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``."""
     cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
     for name in adapters:
         cache.insert(LoraAdapter(name, name * 64, 8, {}, 0))
     return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
-                     weights, policy)
+                     weights, policy, prefill_budget=prefill_budget)
 
 
 def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100,
@@ -94,6 +95,52 @@ def test_running_requests_go_first_and_new_ones_get_what_is_left_of_the_budget()
     request(s, "b", 6)
     assert step(s) == [("a", 1), ("b", 3)]
     assert step(s) == [("a", 1), ("b", 3)]
+
+
+def test_every_running_decode_gets_its_token_and_prefill_gets_only_the_step_budget():
+    # the step-time model allows 2 prefill tokens a step beside decodes (and 64 with nothing decoding)
+    s = scheduler(budget=64, prefill_budget=lambda decodes, adapters: 2 if decodes else 64)
+    for name in "ab":
+        request(s, name, 3)
+    assert step(s) == [("a", 3), ("b", 3)]  # nothing decodes yet: both prompts whole
+    request(s, "c", 5)
+    assert step(s) == [("a", 1), ("b", 1), ("c", 2)]  # a and b decode; c's prompt in chunks of two
+    assert step(s) == [("a", 1), ("b", 1), ("c", 2)]
+    assert step(s) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
+    asked = []
+    s = scheduler(prefill_budget=lambda decodes, adapters: asked.append((decodes, adapters)) or 64)
+    request(s, "a", 3, adapter="x")
+    request(s, "b", 3, adapter="y")
+    request(s, "c", 3)
+    step(s)
+    step(s)
+    assert asked == [(0, 0), (3, 2)]
+
+
+def test_a_new_tenant_s_prompt_is_not_stuck_behind_a_flood_s_chunked_prompts():
+    s = scheduler(prefill_budget=lambda decodes, adapters: 4)
+    for i in range(3):
+        request(s, f"flood{i}", 12, adapter="x")
+    step(s)  # the flood's first prompt starts: 4 of its 12 tokens
+    request(s, "quiet", 4, adapter="y")
+    # the quiet adapter joins level with the flood (no credit for idling), so the flood's older prompt
+    # takes this step; then the quiet one has had less and goes before the flood's next chunk
+    assert step(s) == [("flood0", 4)]
+    assert step(s) == [("quiet", 4)]
+    assert step(s) == [("quiet", 1), ("flood0", 4)]
+
+
+def test_under_fcfs_prompts_being_chunked_keep_going_before_newer_ones():
+    s = scheduler(policy=Policy.FCFS, prefill_budget=lambda decodes, adapters: 4)
+    request(s, "old", 12, adapter="x")
+    step(s)
+    request(s, "new", 4, adapter="y")
+    assert step(s) == [("old", 4)]
+    assert step(s) == [("old", 4)]
+    assert step(s) == [("old", 1), ("new", 4)]
 
 
 def test_no_more_than_max_num_seqs_requests_run_at_once():
@@ -391,6 +438,16 @@ def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
     step(s)  # long's last 4, short's 4
     load = s.load()
     assert (load.running, load.running_decodes, sorted(load.running_remaining)) == (2, 2, [2, 9])
+
+
+def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
+    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters: 4)
+    request(s, "flood", 12, adapter="x")
+    step(s)  # 8 of its tokens still to compute; it holds one of the two seats
+    assert s.ahead_of("x") == Ahead(0, 8)
+    assert s.ahead_of(None) == Ahead(0, 8)  # one turn of the flood's: its chunked prompt
+    request(s, "flood2", 6, adapter="x")
+    assert s.ahead_of("x") == Ahead(1, 14)
 
 
 def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_not():

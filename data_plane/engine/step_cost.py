@@ -1,0 +1,137 @@
+"""How long a step takes, from what it holds, fitted online; and how much prefill a step may carry.
+
+A step's time is modelled as linear in what it computes::
+
+    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters
+
+(``adapters``: distinct adapters in the step, each a LoRA segment). On a GPU decode rows are almost
+free next to the fixed cost (weights are read once per step) and prefill tokens cost compute; on a CPU
+both cost compute. The coefficients are not guessed: ``Engine.warm_up`` times a few steps of known
+shapes at start-up (the prior, kept for good so every coefficient stays identified), and every served
+step adds its measured time; the fit is a least-squares solve over the prior and the most recent
+steps, redone every few steps, with coefficients kept non-negative.
+
+The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
+step, and prefill work fills what is left of a target step time. ``--target-itl`` gives that target in
+seconds; by default (0) the target is relative, ``AUTO_ITL_GROWTH`` × the time of the step's decodes
+alone, so a burst of new prompts slows running streams by at most that factor on any device, and a
+pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+# The default target: a step carrying prefill lasts at most this many times its decodes alone.
+AUTO_ITL_GROWTH = 1.4
+# Prefill tokens a step may always carry when prefill is waiting, whatever the target: prefill always
+# progresses, even when the decodes alone already exceed an explicit --target-itl.
+MIN_PREFILL_TOKENS = 8
+_WINDOW = 512  # recent steps the fit uses
+_REFIT_EVERY = 16  # steps between solves
+_PRIOR_WEIGHT = 4.0  # a warm-up step counts as this many served ones
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes."""
+
+    decode_rows: int
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    adapters: int = 0
+
+    def features(self) -> tuple[float, ...]:
+        return 1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs), float(self.adapters)
+
+
+class StepCost:
+    """The fitted step-time model, and the prefill budget it implies under a target."""
+
+    def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30) -> None:
+        """``target_itl_s``: the step time prefill may fill up to (0: ``AUTO_ITL_GROWTH`` × the decodes
+        alone); ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together)."""
+        if not 0 <= target_itl_s < math.inf:
+            raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = automatic), got {target_itl_s}")
+        self.target_itl_s = target_itl_s
+        self._max_tokens = max_batched_tokens
+        self._prior: list[tuple[tuple[float, ...], float]] = []
+        self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
+        self._since_fit = 0
+        self.coef: np.ndarray | None = None  # [5] seconds per feature; None until something was timed
+
+    # ---- fitting -----------------------------------------------------------------------------
+    def observe_prior(self, shape: StepShape, seconds: float) -> None:
+        """A step timed at start-up; kept for good, and the model is solved again at once."""
+        self._prior.append((shape.features(), seconds))
+        self._fit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A served step took ``seconds``."""
+        self._recent.append((shape.features(), seconds))
+        self._since_fit += 1
+        if self.coef is None or self._since_fit >= _REFIT_EVERY:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        rows = [*self._prior, *self._recent]
+        if not rows:
+            return
+        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 5]
+        y = np.array([s for _, s in rows], dtype=np.float64)  # [n]
+        w = np.sqrt(np.array([_PRIOR_WEIGHT] * len(self._prior) + [1.0] * len(self._recent)))
+        self.coef = _nonnegative_least_squares(x * w[:, None], y * w)
+
+    # ---- prediction --------------------------------------------------------------------------
+    def predict(self, shape: StepShape) -> float:
+        """Seconds a step of ``shape`` is expected to take (0.0 before anything was timed)."""
+        if self.coef is None:
+            return 0.0
+        return float(np.dot(self.coef, shape.features()))
+
+    def step_target(self, decode_rows: int, adapters: int) -> float:
+        """The time a step with these decodes may take once prefill fills it."""
+        decodes = self.predict(StepShape(decode_rows, adapters=adapters))
+        if self.target_itl_s:
+            return max(self.target_itl_s, decodes)
+        return AUTO_ITL_GROWTH * decodes
+
+    def prefill_budget(self, decode_rows: int, adapters: int) -> int:
+        """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry
+        (one prefilling sequence assumed): all the step has room for when nothing decodes, else as many as
+        fit the target, and never fewer than MIN_PREFILL_TOKENS."""
+        room = max(0, self._max_tokens - decode_rows)
+        if decode_rows == 0 or self.coef is None:
+            return room
+        per_token = float(self.coef[2])
+        spare = self.step_target(decode_rows, adapters) - self.predict(
+            StepShape(decode_rows, 0, 1, adapters))
+        fits = room if per_token <= 0 else int(spare / per_token)
+        return min(room, max(MIN_PREFILL_TOKENS, fits))
+
+    def summary(self) -> str:
+        """The fitted coefficients in milliseconds, for the start-up log."""
+        if self.coef is None:
+            return "not measured"
+        names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter")
+        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True))
+
+
+def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: solve, drop the features whose coefficient came out
+    negative (they are set to 0), solve again on the rest; a handful of features, so a few passes."""
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(x.shape[1]):
+        coef[:] = 0.0
+        coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = active & (coef < 0)
+        if not negative.any():
+            break
+        active &= ~negative
+    return np.maximum(coef, 0.0)

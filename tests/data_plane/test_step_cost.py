@@ -1,0 +1,90 @@
+"""The step-time model and the step budget it implies: fitted from timed steps, never negative, and a
+step that prefills stays within its target beside the decodes it carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from data_plane.engine.step_cost import AUTO_ITL_GROWTH, MIN_PREFILL_TOKENS, StepCost, StepShape
+
+# A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
+# sequence and 4 ms per adapter.
+TRUE = (0.020, 0.002, 0.001, 0.003, 0.004)
+SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
+          StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4)]
+
+
+def seconds(shape: StepShape, coef=TRUE) -> float:
+    return sum(c * f for c, f in zip(coef, shape.features(), strict=True))
+
+
+def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024) -> StepCost:
+    costs = StepCost(target_itl_s, max_batched_tokens)
+    for shape in SHAPES:
+        costs.observe_prior(shape, seconds(shape))
+    return costs
+
+
+def test_timed_steps_of_known_shapes_recover_the_device_costs():
+    costs = fitted()
+    assert costs.coef == pytest.approx(TRUE, rel=1e-6, abs=1e-9)
+    assert costs.predict(StepShape(7, 40, 2, 3)) == pytest.approx(seconds(StepShape(7, 40, 2, 3)))
+
+
+def test_nothing_timed_predicts_nothing_and_lets_a_step_take_all_its_tokens():
+    costs = StepCost(0.0, 512)
+    assert costs.predict(StepShape(8, 100, 1, 1)) == 0.0
+    assert costs.prefill_budget(8, 1) == 512 - 8
+
+
+def test_coefficients_are_never_negative():
+    # steps that got faster with more decode rows (noise): the fit keeps that cost at zero, not below
+    costs = StepCost()
+    for rows, s in ((1, 0.030), (8, 0.029), (16, 0.028), (32, 0.027)):
+        costs.observe_prior(StepShape(rows), s)
+    costs.observe_prior(StepShape(0, 100, 1), 0.130)
+    assert (costs.coef >= 0).all()
+    assert costs.predict(StepShape(64)) > 0
+
+
+def test_auto_budget_keeps_a_step_within_its_growth_over_the_decodes_alone():
+    costs = fitted()
+    for rows, adapters in ((8, 2), (16, 3), (32, 4)):
+        budget = costs.prefill_budget(rows, adapters)
+        assert budget > MIN_PREFILL_TOKENS
+        decodes = costs.predict(StepShape(rows, adapters=adapters))
+        assert costs.predict(StepShape(rows, budget, 1, adapters)) <= AUTO_ITL_GROWTH * decodes + 1e-12
+        # one more token would pass the target: the budget is the most that fits
+        assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > AUTO_ITL_GROWTH * decodes
+
+
+def test_an_explicit_target_sets_the_step_time():
+    costs = fitted(target_itl_s=0.2)
+    budget = costs.prefill_budget(8, 2)
+    assert costs.predict(StepShape(8, budget, 1, 2)) <= 0.2 < costs.predict(StepShape(8, budget + 1, 1, 2))
+
+
+def test_prefill_always_progresses_even_when_the_target_leaves_no_room():
+    assert fitted(target_itl_s=0.001).prefill_budget(32, 4) == MIN_PREFILL_TOKENS
+    # one decode of 26 ms leaves 0.4 × 26 - 3 = 7.4 ms, seven tokens: the floor still gives eight
+    assert fitted().prefill_budget(1, 1) == MIN_PREFILL_TOKENS
+
+
+def test_with_nothing_decoding_a_step_prefills_up_to_its_token_limit():
+    assert fitted(max_batched_tokens=700).prefill_budget(0, 0) == 700
+    assert fitted(max_batched_tokens=700).prefill_budget(8, 1) <= 700 - 8
+
+
+def test_served_steps_move_the_model_to_the_device_as_it_is_now():
+    costs = fitted()
+    slower = tuple(2 * c for c in TRUE)  # the device is now twice as slow (another process took a core)
+    for i in range(600):
+        shape = SHAPES[i % len(SHAPES)]
+        costs.observe(shape, seconds(shape, slower))
+    assert costs.predict(StepShape(16, 64, 1, 2)) == pytest.approx(seconds(StepShape(16, 64, 1, 2), slower), rel=0.05)
+
+
+def test_a_negative_or_infinite_target_is_refused():
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="target_itl_s"):
+            StepCost(bad)
