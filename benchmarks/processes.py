@@ -142,7 +142,10 @@ class RedisServer:
 class PodProcess:
     """One ``lorafleet data-plane`` child process; its stderr (JSON logs) goes to ``log_path``."""
 
-    def __init__(self, workdir: Path, *extra_args: str, name: str = "pod", token: str = POD_TOKEN) -> None:
+    def __init__(self, workdir: Path, *extra_args: str, name: str = "pod", token: str = POD_TOKEN,
+                 repo: Path = REPO) -> None:
+        """``repo``: the checkout whose pod runs (another one's, to compare versions of the pod)."""
+        self.repo = repo
         self.port = free_port()
         self.metrics_port = free_port()
         self.token = token
@@ -167,8 +170,11 @@ class PodProcess:
 
     def launch(self) -> PodProcess:
         """Starts the process without waiting for it to serve."""
-        self.proc = spawn([sys.executable, "-m", "data_plane.server", *self.args], self.log_path, cwd=REPO,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.repo != REPO:
+            env["PYTHONPATH"] = os.pathsep.join([str(self.repo), str(self.repo / "protos"), env.get("PYTHONPATH", "")])
+        self.proc = spawn([sys.executable, "-m", "data_plane.server", *self.args], self.log_path, cwd=self.repo,
+                          env=env)
         self.channel = grpc.insecure_channel(self.address)
         return self
 

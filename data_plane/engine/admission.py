@@ -10,8 +10,9 @@ The wait has three parts, estimated from the step-time model the engine fits to 
   Before any request has finished, a running request's service time is its remaining tokens (at most
   its ``max_tokens``) times the predicted decode step;
 - its prefill and the prefill work ahead of it (prompts being chunked, waiting requests): their
-  uncomputed tokens in steps of the prefill budget beside the running decodes, each step of the
-  predicted time for its shape. Its first token comes with the step that ends its prompt.
+  uncomputed tokens in steps of the prefill budget beside the decodes of the requests running and
+  ahead of it (by then all decoding, up to ``max_num_seqs``), each step of the predicted time for its
+  shape. Its first token comes with the step that ends its prompt.
 
 Which requests are ahead follows the scheduler's policy (``Scheduler.ahead_of``): under fair share a
 request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
@@ -79,19 +80,21 @@ class DelayEstimator:
         has been timed (an idle pod with nothing measured has nothing to wait for)."""
         if self.costs.coef is None:
             return 0.0
-        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(ahead.tokens + prompt_tokens, load)
+        # while its prefill runs, the requests running now and those admitted before it decode beside it
+        decodes = min(self._max_num_seqs, load.running + ahead.requests)
+        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(ahead.tokens + prompt_tokens, decodes,
+                                                                              load.adapters)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short <= 0 or ahead.seat_now:
             return wait
         return wait + short * self._seat_turnover_s(load) / self._max_num_seqs
 
-    def _prefill_s(self, tokens: int, load: Load) -> float:
-        """Seconds of steps that compute ``tokens`` of prefill beside the running decodes."""
-        per_step = max(1, self.costs.prefill_budget(load.running_decodes, load.adapters))
+    def _prefill_s(self, tokens: int, decodes: int, adapters: int) -> float:
+        """Seconds of steps that compute ``tokens`` of prefill beside ``decodes`` decoding requests."""
+        per_step = max(1, self.costs.prefill_budget(decodes, adapters))
         full, rest = divmod(tokens, per_step)
-        shape = StepShape(load.running_decodes, per_step, 1, load.adapters)
-        last = self.costs.predict(StepShape(load.running_decodes, rest, 1, load.adapters)) if rest else 0.0
-        return full * self.costs.predict(shape) + last
+        last = self.costs.predict(StepShape(decodes, rest, 1, adapters)) if rest else 0.0
+        return full * self.costs.predict(StepShape(decodes, per_step, 1, adapters)) + last
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:

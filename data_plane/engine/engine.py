@@ -279,6 +279,7 @@ class Engine:
             took = time.monotonic() - start
             self.metrics.step_duration.observe(took)
             self.delays.observe_step(shape, took)
+            self.metrics.prefill_budget.set(self.costs.prefill_budget(shape.decode_rows, shape.adapters))
 
     def _end_expired(self, now: float) -> None:
         for seq in self.scheduler.expired(now):

@@ -125,3 +125,42 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once_with
     assert hint is not None and 0.05 <= hint <= 60
     assert waiting == 2 and refused_after == refused_before + 1
 
+
+
+class Counted(Flood):
+    """Flood streams that count the tokens each has received."""
+
+    def __init__(self, pod, n: int, max_tokens: int) -> None:
+        self.tokens = [0] * n
+        super().__init__(pod, None, n, max_tokens)
+
+    def _drain(self, call) -> None:  # type: ignore[override]
+        i = self.calls.index(call)
+        try:
+            for _ in call:
+                self.tokens[i] += 1
+        except grpc.RpcError:
+            pass
+
+
+def test_a_long_prompt_arriving_mid_stream_is_chunked_while_running_streams_get_a_token_every_step(pod):
+    streams = Counted(pod, n=2, max_tokens=2000)
+    try:
+        wait_until(lambda: min(streams.tokens) >= 2, 60, "both streams decoding")
+        steps_before, tokens_before = pod.metric(STEPS), list(streams.tokens)
+        # ~700 tokens: one step could hold them (--max-num-batched-tokens 1024), but beside two decodes a
+        # step may prefill far fewer on a CPU (the step-time model keeps it within 1.4x of the decodes alone)
+        long_prompt = " ".join(["tomorrow the lighthouse keeper counts gulls"] * 100)
+        call = pod.generation().Generate(request(long_prompt, max_tokens=1), timeout=300)
+        next(call)
+        steps = pod.metric(STEPS) - steps_before
+        got = [after - before for after, before in zip(streams.tokens, tokens_before, strict=True)]
+        budget = pod.metric("lorafleet_step_prefill_budget_tokens")
+        call.cancel()
+    finally:
+        streams.stop()
+    wait_until(lambda: idle(pod), 60, "pod idle after the streams")
+    # the prompt was prefilled in chunks over several steps, not in one step that stalls the streams
+    assert steps >= 6 and 0 < budget < 300, (steps, budget)
+    # and every step of it gave each stream its token (the counts are read a step or two apart)
+    assert min(got) >= steps - 3, (steps, got)
