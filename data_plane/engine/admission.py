@@ -1,7 +1,10 @@
 """Admission by deadline: how long a new request would wait for its first token, and whether to take it.
 
 The wait has three parts, estimated from the step-time model the engine fits to its own steps
-(``step_cost.py``) and from what it measured recently:
+(``step_cost.py``) and from what it measured recently; their sum is then scaled by how late (or early)
+recent admitted requests' first tokens came against their estimates, so what the model misses (steps
+waiting on the event loop, a busy machine, work the scheduler orders differently) is corrected from
+the pod's own outcomes:
 
 - the step in flight: what is left of its predicted time;
 - a seat: when the requests running plus those ahead of the new one fill ``max_num_seqs``, the new
@@ -33,6 +36,9 @@ from data_plane.engine.step_cost import StepCost, StepShape
 
 # Weight of the newest sample in the moving average of service time: about the last ten requests count.
 _EWMA = 0.2
+# The estimate corrects itself by how late or early recent first tokens came: within these factors, and
+# from estimates of at least this long (shorter ones are mostly noise of one step).
+_MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 
@@ -62,6 +68,7 @@ class DelayEstimator:
         self._max_num_seqs = max_num_seqs
         self.costs = costs
         self.service_s: float | None = None  # moving average of admission to last token
+        self.bias = 1.0  # moving average of first-token time over estimate, applied to every estimate
         self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
 
     def step_began(self, shape: StepShape) -> None:
@@ -70,6 +77,11 @@ class DelayEstimator:
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         self._step_ends = 0.0
         self.costs.observe(shape, seconds)
+
+    def observe_first_token(self, estimated_s: float, seconds: float) -> None:
+        """A request admitted with the estimate ``estimated_s`` got its first token after ``seconds``."""
+        if estimated_s >= _MIN_CALIBRATED_S:  # the estimate was made with the bias then: correct it by the miss
+            self.bias = min(_MAX_BIAS, max(_MIN_BIAS, self.bias * (1 + _EWMA * (seconds / estimated_s - 1))))
 
     def observe_service(self, seconds: float) -> None:
         """A request finished ``seconds`` after it was first scheduled."""
@@ -85,9 +97,9 @@ class DelayEstimator:
         wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(ahead.tokens + prompt_tokens, decodes,
                                                                               load.adapters)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
-        if short <= 0 or ahead.seat_now:
-            return wait
-        return wait + short * self._seat_turnover_s(load) / self._max_num_seqs
+        if short > 0 and not ahead.seat_now:
+            wait += short * self._seat_turnover_s(load) / self._max_num_seqs
+        return wait * self.bias
 
     def _prefill_s(self, tokens: int, decodes: int, adapters: int) -> float:
         """Seconds of steps that compute ``tokens`` of prefill beside ``decodes`` decoding requests."""

@@ -322,6 +322,7 @@ class Engine:
             self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
             if seq.ttft_estimate is not None:
                 self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
+                self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now

@@ -86,3 +86,24 @@ def test_the_retry_hint_is_the_excess_over_the_time_allowed_within_bounds():
     assert retry_after(3.5, 1.0) == pytest.approx(2.5)
     assert retry_after(1.01, 1.0) == 0.05
     assert retry_after(500.0, 1.0) == 60.0
+
+
+def test_first_tokens_later_than_estimated_make_later_estimates_longer_within_bounds():
+    e = estimator()
+    plain = e.estimate(Ahead(0, 0), 30, IDLE)
+    for _ in range(40):  # every first token came twice as late as estimated
+        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 2 * e.estimate(Ahead(0, 0), 30, IDLE))
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(4.0 * plain)  # capped at 4x
+    for _ in range(200):  # then they come as estimated by the model alone
+        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), plain)
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(plain, rel=0.01)
+
+
+def test_first_tokens_earlier_than_estimated_make_estimates_shorter_and_tiny_estimates_teach_nothing():
+    e = estimator()
+    plain = e.estimate(Ahead(0, 0), 30, IDLE)
+    e.observe_first_token(0.01, 1.0)  # under 50 ms: one step's noise, not a trend
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(plain)
+    for _ in range(100):
+        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 0.7 * plain)
+    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.7 * plain, rel=0.01)
