@@ -21,10 +21,11 @@ from data_plane.engine.admission import DelayEstimator, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
-from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits
+from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
-from data_plane.engine.step_cost import StepCost, StepShape
+from data_plane.engine.step_cost import StepCost
+from data_plane.engine.warm_up import warm_up
 from data_plane.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -328,58 +329,23 @@ class Engine:
         seq.last_token_time = now
 
     def warm_up(self, rank: int = 8) -> None:
-        """Fills every adapter slot with a zero adapter and runs, on the model thread, a one-sequence
-        decode step, a full decode batch and a full prefill chunk through every slot, so that no
-        oneDNN kernel or buffer is first built while requests wait (CPU projections run in one row
-        tile, ``cpu_linear``: one kernel per weight shape); then captures the decode CUDA graphs, where
-        the engine uses them. Call before ``start``, off the event loop."""
-        cache = self.lora.cache
-        cache.fill_with_dummies(min(rank, self.lora.limits.max_rank))
-        n = min(self.limits.max_num_seqs, self.limits.num_kv_blocks)
-        decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
-        for size in sorted({1, n}):
-            self._warm_up_step([ScheduledSeq(seq, 1) for seq in decodes[:size]])
-        chunk = min(self.limits.max_num_batched_tokens, self.limits.num_kv_blocks * self.limits.block_size,
-                    self.limits.max_model_len)
-        prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1, slot=0)
-        self._warm_up_step([ScheduledSeq(prefill, chunk)])
-        self._model_thread.submit(self.runner.capture_graphs).result()
-        self._time_steps(decodes, min(chunk, 256), chunk)
-        log.info("step-time model from start-up steps: %s; prefill budget beside 1 decode %d tokens, beside %d "
-                 "decodes %d tokens", self.costs.summary(), self.costs.prefill_budget(1, 1), n,
-                 self.costs.prefill_budget(n, min(n, cache.max_loras)))
-        cache.clear_free_slots()
+        """Builds every kernel and buffer a step needs and times the step-time model's prior; see
+        ``warm_up.warm_up``. Call before ``start``, off the event loop."""
+        warm_up(self, rank)
 
-    def _time_steps(self, decodes: list[Sequence], tokens: int, chunk: int) -> None:
-        """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
-        with and without adapters, prefill in one and two sequences, and decodes beside prefill (steps
-        of at most ``chunk`` tokens)."""
-        def prompt(name: str, length: int) -> Sequence:
-            return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
+    def on_model_thread(self, fn, *args):
+        """``fn(*args)`` run on the model thread, its result returned (start-up work, before ``start``)."""
+        return self._model_thread.submit(fn, *args).result()
 
-        base = Sequence("warm-up-base", None, [0], SamplingParams(), 2)
-        half = max(1, tokens // 2)
-        beside = max(1, min(half, chunk - len(decodes) + 1))
-        for batch in ([ScheduledSeq(base, 1)], [ScheduledSeq(decodes[0], 1)],
-                      [ScheduledSeq(seq, 1) for seq in decodes],
-                      [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
-                      [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
-                      [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]),
-                       ScheduledSeq(prompt("warm-up-p", beside), beside)]):
-            if len(batch) > self.limits.max_num_seqs:
-                continue
-            start = time.monotonic()
-            if self._warm_up_step(batch):
-                self.costs.observe_prior(step_shape(batch), time.monotonic() - start)
-
-    def _warm_up_step(self, batch: list[ScheduledSeq]) -> bool:
-        """Runs ``batch`` on the model thread; False, running nothing, when its KV blocks do not fit."""
+    def run_alone(self, batch: list[ScheduledSeq]) -> bool:
+        """Runs a hand-built ``batch`` with KV blocks it holds only for the step; False, running nothing,
+        when they do not fit. For start-up work, before ``start``."""
         try:
             for item in batch:
                 if not self.blocks.can_allocate(item.seq, item.num_new):
                     return False
                 self.blocks.allocate(item.seq, item.num_new)
-            self._model_thread.submit(self.runner.run, batch).result()
+            self.on_model_thread(self.runner.run, batch)
             return True
         finally:
             for item in batch:
@@ -405,9 +371,3 @@ class Engine:
         st = prefix.stats
         return PrefixState(prefix.num_cached, st.queried_tokens, st.hit_tokens, st.evictions)
 
-
-def step_shape(batch: list[ScheduledSeq]) -> StepShape:
-    """What a step computes, as the step-time model reads it: a one-token entry is a decode row."""
-    prefills = [item.num_new for item in batch if item.num_new > 1]
-    return StepShape(len(batch) - len(prefills), sum(prefills), len(prefills),
-                     len({item.seq.slot for item in batch if item.seq.slot >= 0}))

@@ -46,6 +46,7 @@ from data_plane.engine.admission import Ahead, Load
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_share import FairShare, Tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
+from data_plane.engine.step_cost import StepShape
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
 
@@ -60,6 +61,13 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """True when this step completes the sequence's known tokens, so it gets a next token."""
         return self.seq.num_computed + self.num_cached + self.num_new == self.seq.num_tokens
+
+
+def step_shape(batch: list[ScheduledSeq]) -> StepShape:
+    """What a step computes, as the step-time model reads it: a one-token entry is a decode row."""
+    prefills = [item.num_new for item in batch if item.num_new > 1]
+    return StepShape(len(batch) - len(prefills), sum(prefills), len(prefills),
+                     len({item.seq.slot for item in batch if item.seq.slot >= 0}))
 
 
 _NOBODY = object()  # no tenant (None is the base model's name)

@@ -1,0 +1,62 @@
+"""Start-up work of an engine: every kernel and buffer a step needs built before requests wait, the
+decode CUDA graphs captured, and steps of a few shapes timed as the step-time model's prior."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from data_plane.engine.scheduler import ScheduledSeq, step_shape
+from data_plane.engine.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:  # the engine calls in here: only its type is named
+    from data_plane.engine.engine import Engine
+
+log = logging.getLogger("lorafleet.engine")
+
+
+def warm_up(engine: Engine, rank: int = 8) -> None:
+    """Fills every adapter slot with a zero adapter and runs, on the model thread, a one-sequence
+    decode step, a full decode batch and a full prefill chunk through every slot, so that no
+    oneDNN kernel or buffer is first built while requests wait (CPU projections run in one row
+    tile, ``cpu_linear``: one kernel per weight shape); then captures the decode CUDA graphs, where
+    the engine uses them, and times the step-time model's prior (``time_steps``)."""
+    cache = engine.lora.cache
+    limits = engine.limits
+    cache.fill_with_dummies(min(rank, engine.lora.limits.max_rank))
+    n = min(limits.max_num_seqs, limits.num_kv_blocks)
+    decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
+    for size in sorted({1, n}):
+        engine.run_alone([ScheduledSeq(seq, 1) for seq in decodes[:size]])
+    chunk = min(limits.max_num_batched_tokens, limits.num_kv_blocks * limits.block_size, limits.max_model_len)
+    prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1, slot=0)
+    engine.run_alone([ScheduledSeq(prefill, chunk)])
+    engine.on_model_thread(engine.runner.capture_graphs)
+    time_steps(engine, decodes, min(chunk, 256), chunk)
+    log.info("step-time model from start-up steps: %s; prefill budget beside 1 decode %d tokens, beside %d "
+             "decodes %d tokens", engine.costs.summary(), engine.costs.prefill_budget(1, 1), n,
+             engine.costs.prefill_budget(n, min(n, cache.max_loras)))
+    cache.clear_free_slots()
+
+
+def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int) -> None:
+    """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
+    with and without adapters, prefill in one and two sequences, and decodes beside prefill (steps
+    of at most ``chunk`` tokens, of at most ``max_num_seqs`` sequences)."""
+    def prompt(name: str, length: int) -> Sequence:
+        return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
+
+    base = Sequence("warm-up-base", None, [0], SamplingParams(), 2)
+    half = max(1, tokens // 2)
+    beside = max(1, min(half, chunk - len(decodes) + 1))
+    for batch in ([ScheduledSeq(base, 1)], [ScheduledSeq(decodes[0], 1)],
+                  [ScheduledSeq(seq, 1) for seq in decodes],
+                  [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
+                  [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
+                  [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-p", beside), beside)]):
+        if len(batch) > engine.limits.max_num_seqs:
+            continue
+        start = time.monotonic()
+        if engine.run_alone(batch):
+            engine.costs.observe_prior(step_shape(batch), time.monotonic() - start)
