@@ -145,9 +145,10 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
             ids = engine.tokenizer.encode("Tell me a very long story about the sea.")
             params = SamplingParams(max_tokens=600, ignore_eos=True)
             long = engine.generate(ids, params, None, "long")
-            # Admitted before any step is timed, so nothing is estimated yet: it queues behind "long"
-            # (one seat) and its deadline passes while it waits.
-            short = engine.generate(ids, SamplingParams(max_tokens=4), None, "short", timeout_s=0.3)
+            # Admitted before "long" runs, so the estimate knows nothing of how long it will hold the one
+            # seat (a waiting request's remaining tokens do not count yet): "short" queues behind it and its
+            # deadline passes while it waits (long decodes 600 tokens, far past 3 s on any CPU).
+            short = engine.generate(ids, SamplingParams(max_tokens=4), None, "short", timeout_s=3.0)
             first, expired = await asyncio.gather(anext(long), anext(short), return_exceptions=True)
             waiting_after_expiry = engine.scheduler.num_waiting
             for _ in range(5):
