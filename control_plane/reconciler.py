@@ -175,6 +175,7 @@ class Reconciler:
             self._probe_logged.clear()
             return set()
         outcomes = await asyncio.gather(*(self._pods.probe(p.endpoint) for p in silent))
+        now = self._store.now()  # a pod that gave no answer was silent while it was probed too
         gone = set()
         for pod, outcome in zip(silent, outcomes, strict=True):
             self._metrics.pod_probes.labels(outcome.value).inc()

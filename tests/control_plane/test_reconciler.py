@@ -256,7 +256,7 @@ def test_a_pod_lost_past_its_lease_and_grace_is_removed_and_its_pins_move(config
 
 
 def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing: bool = False, silent_s=4.0,
-                       **change):
+                       probe_takes_s=0.0, **change):
     """p0 pins "a" (one replica) and falls silent for ``silent_s``, past --pod-probe-after (3 s) but within its
     lease (10 s), while p1 keeps beating; one pass probes p0, which finds ``p0_probe``. Returns (the commands
     that pass sent, the pods then listed, the endpoints probed, the placement records' pods)."""
@@ -279,6 +279,10 @@ def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing
                 h.clock.t += 0.5
                 await h.pod("p0", Residency("a", pinned=True, sha256=SHA))
             h.pods.while_probing = beat
+        elif probe_takes_s:
+            async def wait():
+                h.clock.t += probe_takes_s
+            h.pods.while_probing = wait
         sent = await h.sent()
         return (sent, [v.pod.id for v in await h.fleet.pods()], h.pods.probed,
                 [r.pod for r in (await h.store.placements(["a"]))["a"]])
@@ -300,6 +304,12 @@ def test_a_pod_silent_past_lost_after_that_does_not_answer_a_probe_is_removed_an
     assert pods == ["p1"]  # removed 4 s after its last heartbeat, with 6 s of its lease left
     assert sent == [("p1", Command.LOAD_AND_PIN, "a")]  # in the same pass
     assert placed == ["p1"]
+
+
+def test_the_silence_of_a_pod_that_gives_no_answer_counts_to_the_end_of_its_probe(config, redis_server):
+    # silent 3.5 s when the pass probes it, and 4.5 s when the probe gives up: lost in this pass, not the next
+    sent, pods, _, placed = silent_pods_probed(config, redis_server, Probe.SILENT, silent_s=3.5, probe_takes_s=1.0)
+    assert (sent, pods, placed) == ([("p1", Command.LOAD_AND_PIN, "a")], ["p1"], ["p1"])
 
 
 @pytest.mark.parametrize(("outcome", "silent_s", "change"), [
