@@ -12,6 +12,7 @@ from pathlib import Path
 from control_plane.errors import ConfigError
 from control_plane.replication import Policy
 from conventions import defaults
+from conventions.flag_help import DefaultsShown
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
 
@@ -117,7 +118,7 @@ class ControlPlaneConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     d = ControlPlaneConfig
-    p = argparse.ArgumentParser(prog="lorafleet control-plane",
+    p = argparse.ArgumentParser(prog="lorafleet control-plane", formatter_class=DefaultsShown,
                                 description="Adapter registry, placement and reconciliation for a lorafleet fleet.")
     p.add_argument("--redis-url", required=True, help="Redis holding the registry, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--host", default=d.host, help=f"address to serve gRPC on (default {d.host})")
