@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from conventions import defaults
+from conventions.flag_help import DefaultsShown
 
 
 def _cmd_model_demo(args: argparse.Namespace) -> int:
@@ -88,7 +89,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line that points at --help."""
+    """Usage errors as one line that points at --help; every flag's default shown in --help (subcommands'
+    parsers are of this class too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -115,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", help="adapter name (server) or PEFT directory (--local); default: base model")
     gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", defaults.ROUTER_ENDPOINT),
                      help="router or data-plane pod host:port (env LORAFLEET_ENDPOINT; "
-                          f"default: the router of lorafleet up, {defaults.ROUTER_ENDPOINT})")
+                          "default: the router of lorafleet up, %(default)s)")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")
@@ -129,8 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     form = gen.add_mutually_exclusive_group()
     form.add_argument("--chat", dest="chat", action="store_true", default=True,
-                      help="send the prompt as a user message, rendered with the chat template (the default)")
-    form.add_argument("--raw", dest="chat", action="store_false", help="send the prompt as is, without the template")
+                      help="send the prompt as a user message, rendered with the chat template")
+    # --chat sets the default; --raw's own would be shown as "True", the opposite of what --raw does
+    form.add_argument("--raw", dest="chat", action="store_false", default=argparse.SUPPRESS,
+                      help="send the prompt as is, without the template")
     gen.set_defaults(func=_cmd_generate)
 
     from cli import admin_commands

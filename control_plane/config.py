@@ -12,6 +12,7 @@ from pathlib import Path
 from control_plane.errors import ConfigError
 from control_plane.replication import Policy
 from conventions import defaults
+from conventions.flag_help import DefaultsShown
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
 
@@ -33,9 +34,14 @@ class ControlPlaneConfig:
     pod_lease_ttl_s: float = 10.0
     pod_grace_s: float = 20.0
     # A pod silent this long is probed (a gRPC health check): a refused connection removes it at
-    # once, any answer or none within pod_probe_timeout_s leaves it to its lease. 0 disables probes.
+    # once; no answer within pod_probe_timeout_s removes it once it has been silent pod_lost_after_s;
+    # any answer leaves it to its lease and grace. 0 disables probes. A pod's heartbeats and health
+    # service run on its event loop, which its engine's steps never block (they run on the model
+    # thread), so a pod that is only slow keeps beating every second and answers at once: only one
+    # that does not run (stopped, its node lost) or cannot be reached is silent to both.
     pod_probe_after_s: float = 3.0
     pod_probe_timeout_s: float = 1.0
+    pod_lost_after_s: float = 4.0  # 0: a silent pod that does not answer is left to its lease and grace
     leader_lease_ttl_s: float = 10.0
     reconcile_interval_s: float = 2.0
     command_timeout_s: float = 30.0
@@ -77,6 +83,12 @@ class ControlPlaneConfig:
             raise ConfigError(f"pod_probe_after_s must be 0 (no probes) or positive, got {self.pod_probe_after_s}")
         if not self.pod_probe_timeout_s > 0:
             raise ConfigError(f"pod_probe_timeout_s must be positive, got {self.pod_probe_timeout_s}")
+        if not self.pod_lost_after_s >= 0:
+            raise ConfigError(f"--pod-lost-after must be 0 (silent pods wait for lease and grace) or positive, "
+                              f"got {self.pod_lost_after_s}")
+        if self.pod_lost_after_s and self.pod_probe_after_s and self.pod_lost_after_s < self.pod_probe_after_s:
+            raise ConfigError(f"--pod-lost-after ({self.pod_lost_after_s}) must be at least --pod-probe-after "
+                              f"({self.pod_probe_after_s}): a pod is judged lost only by a probe")
         if self.max_load_attempts < 1:
             raise ConfigError(f"max_load_attempts must be at least 1, got {self.max_load_attempts}")
         if self.reserved_unpinned_slots < 0:
@@ -106,7 +118,7 @@ class ControlPlaneConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     d = ControlPlaneConfig
-    p = argparse.ArgumentParser(prog="lorafleet control-plane",
+    p = argparse.ArgumentParser(prog="lorafleet control-plane", formatter_class=DefaultsShown,
                                 description="Adapter registry, placement and reconciliation for a lorafleet fleet.")
     p.add_argument("--redis-url", required=True, help="Redis holding the registry, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--host", default=d.host, help=f"address to serve gRPC on (default {d.host})")
@@ -127,10 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds past its lease before a silent pod is removed (default {d.pod_grace_s})")
     p.add_argument("--pod-probe-after", type=float, default=d.pod_probe_after_s,
                    help="seconds of heartbeat silence after which the leader health-checks a pod; a pod whose "
-                        "port refuses the connection is removed at once, one that answers or stays silent "
-                        f"keeps its lease; 0 disables (default {d.pod_probe_after_s})")
+                        "port refuses the connection is removed at once, one that does not answer once it has "
+                        "been silent --pod-lost-after, and one that answers keeps its lease; 0 disables "
+                        f"(default {d.pod_probe_after_s})")
     p.add_argument("--pod-probe-timeout", type=float, default=d.pod_probe_timeout_s,
                    help=f"seconds a probe waits for an answer (default {d.pod_probe_timeout_s})")
+    p.add_argument("--pod-lost-after", type=float, default=d.pod_lost_after_s,
+                   help="seconds of heartbeat silence after which a pod that does not answer a probe is lost "
+                        "(stopped, partitioned, its node gone): removed with its placements, its pins placed "
+                        "elsewhere in the same pass; at least --pod-probe-after; 0 leaves such pods to their "
+                        f"lease and grace (default {d.pod_lost_after_s})")
     p.add_argument("--leader-lease-ttl", type=float, default=d.leader_lease_ttl_s,
                    help=f"seconds the reconciler leader lease lasts without renewal (default {d.leader_lease_ttl_s})")
     p.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_s,
@@ -160,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
         pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace,
         pod_probe_after_s=args.pod_probe_after, pod_probe_timeout_s=args.pod_probe_timeout,
+        pod_lost_after_s=args.pod_lost_after,
         leader_lease_ttl_s=args.leader_lease_ttl, reconcile_interval_s=args.reconcile_interval,
         max_load_attempts=args.max_load_attempts, reserved_unpinned_slots=args.reserved_unpinned_slots,
         replica_high_rate=args.replica_high_rate, replica_low_rate=args.replica_low_rate,

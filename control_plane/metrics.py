@@ -28,8 +28,11 @@ class ControlPlaneMetrics:
         self.pods = Gauge("lorafleet_control_plane_pods", "pods within lease plus grace, by readiness",
                           ["ready"], registry=r)
         self.pods_removed = Counter("lorafleet_control_plane_pods_removed",
-                                    "pods removed from the fleet, by why: lease (silent past lease and grace) or "
-                                    "refused (silent, and its port refused a health check)", ["reason"], registry=r)
+                                    "pods removed from the fleet, by why: lease (silent past lease and grace), "
+                                    "refused (silent, and its port refused a health check) or silent (silent past "
+                                    "--pod-lost-after, and no answer to a health check)", ["reason"], registry=r)
+        for reason in ("lease", "refused", "silent"):
+            self.pods_removed.labels(reason)
         self.pod_probes = Counter("lorafleet_control_plane_pod_probes",
                                   "health checks of pods silent past --pod-probe-after, by outcome "
                                   "(answered, silent, refused)", ["outcome"], registry=r)

@@ -28,12 +28,13 @@ _REPLICA_CHANGE = {Command.LOAD: "added", Command.RELEASE: "released"}
 
 
 class Reconciler:
-    """Each pass: remove lost pods (silent past lease and grace, or silent with a port that refuses
-    a health check), place pins, record unsatisfiable ones, send the commands
-    that make the pods agree. Passes run every ``reconcile_interval_s`` and at once after a
-    registry change; they do nothing unless this replica holds the leader lease. Every write a
-    pass makes to Redis carries the lease's fencing token, and a write Redis refuses (NotLeader:
-    another replica leads now) ends the pass and steps this replica down."""
+    """Each pass: remove lost pods (silent past lease and grace; silent with a port that refuses a
+    health check; or silent past --pod-lost-after and silent to a health check too), place pins,
+    record unsatisfiable ones, send the commands that make the pods agree. Passes run every
+    ``reconcile_interval_s`` and at once after a registry change; they do nothing unless this
+    replica holds the leader lease. Every write a pass makes to Redis carries the lease's fencing
+    token, and a write Redis refuses (NotLeader: another replica leads now) ends the pass and steps
+    this replica down."""
 
     def __init__(self, config: ControlPlaneConfig, store: Store, fleet: Fleet, lease: LeaderLease,
                  pods: PodClients, metrics: ControlPlaneMetrics) -> None:
@@ -100,7 +101,7 @@ class Reconciler:
             self._metrics.pods_removed.labels("lease").inc(len(removed))
             log.warning("pods removed after lease and grace", extra={"pods": removed})
         views = await self._fleet.pods()
-        gone = await self._remove_refusing(views, token)
+        gone = await self._remove_lost(views, token)
         views = [v for v in views if v.pod.id not in gone]
         if token != self._indexed_token:  # once per lease: the index may predate this version's writers
             await self._store.index_pins()
@@ -160,30 +161,37 @@ class Reconciler:
         self._metrics.adapters_replicated.set(len(self._replicator.last.targets))
         return actions
 
-    async def _remove_refusing(self, views: list[PodView], token: int) -> set[str]:
-        """Probes every pod silent for more than ``pod_probe_after_s`` and removes, with its
-        placements, each whose port refuses the connection: its process is gone, so its pins are
-        placed elsewhere in this pass instead of after its lease and grace. A pod that answers, or
-        stays silent (paused, overloaded, cut off), keeps its lease. Returns the removed pods' ids."""
-        after = self._config.pod_probe_after_s
+    async def _remove_lost(self, views: list[PodView], token: int) -> set[str]:
+        """Probes every pod silent for more than ``pod_probe_after_s`` and removes, with its placements,
+        each that is gone or lost: its port refuses the connection (its process exited), or it has been
+        silent for ``pod_lost_after_s`` and does not answer either (stopped, partitioned, its node lost).
+        Its pins are placed elsewhere in this pass instead of after its lease and grace. A pod that
+        answers keeps its lease: it runs, and only its heartbeats do not arrive. Returns the removed
+        pods' ids."""
+        after, lost_after = self._config.pod_probe_after_s, self._config.pod_lost_after_s
         now = self._store.now()
         silent = [v.pod for v in views if after and now - v.pod.last_heartbeat > after]
         if not silent:
             self._probe_logged.clear()
             return set()
         outcomes = await asyncio.gather(*(self._pods.probe(p.endpoint) for p in silent))
+        now = self._store.now()  # a pod that gave no answer was silent while it was probed too
         gone = set()
         for pod, outcome in zip(silent, outcomes, strict=True):
             self._metrics.pod_probes.labels(outcome.value).inc()
+            silent_s = now - pod.last_heartbeat
             if self._probe_logged.get(pod.id) is not outcome:  # once per change, not once per pass
                 log.warning("silent pod probed", extra={"pod": pod.id, "endpoint": pod.endpoint,
-                                                        "outcome": outcome.value,
-                                                        "silent_s": round(now - pod.last_heartbeat, 1)})
+                                                        "outcome": outcome.value, "silent_s": round(silent_s, 1)})
+            lost = outcome is Probe.SILENT and lost_after and silent_s >= lost_after
+            if outcome is not Probe.REFUSED and not lost:
+                continue
             # fenced, and refused by Redis if a heartbeat arrived since the one this pass saw
-            if outcome is Probe.REFUSED and await self._fleet.remove(pod.id, pod.last_heartbeat, token):
+            if await self._fleet.remove(pod.id, pod.last_heartbeat, token):
                 gone.add(pod.id)
-                log.warning("pod removed: silent and its port refuses connections", extra={"pod": pod.id})
-        self._metrics.pods_removed.labels("refused").inc(len(gone))
+                self._metrics.pods_removed.labels(outcome.value).inc()
+                log.warning("pod removed", extra={"pod": pod.id, "silent_s": round(silent_s, 1), "why": (
+                    "its port refuses connections" if outcome is Probe.REFUSED else "it does not answer a probe")})
         self._probe_logged = {p.id: o for p, o in zip(silent, outcomes, strict=True) if p.id not in gone}
         return gone
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conventions import defaults
+from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
 from data_plane.engine.step_cost import AUTO_ITL_GROWTH
 from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
@@ -275,3 +276,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demand-report-top", type=int, default=d.demand_report_top,
                    help="how many of the busiest adapters each heartbeat lists by rate; the rest are summed "
                         f"(default {d.demand_report_top})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lorafleet data-plane`` command line."""
+    p = argparse.ArgumentParser(prog="lorafleet data-plane", description="Run a data-plane pod.",
+                                formatter_class=DefaultsShown)
+    add_arguments(p)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -19,7 +18,7 @@ from prometheus_client import start_http_server
 from conventions import logs
 from conventions.auth import BearerAuthInterceptor, read_token
 from conventions.status import ErrorStatusInterceptor
-from data_plane.config import DataPlaneConfig, add_arguments
+from data_plane.config import DataPlaneConfig, build_parser
 from data_plane.demand import DemandMeter
 from data_plane.health import PodHealth
 from data_plane.membership import FencingGuard, MembershipClient
@@ -107,9 +106,7 @@ async def serve(config: DataPlaneConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lorafleet data-plane", description="Run a data-plane pod.")
-    add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = DataPlaneConfig.from_args(args)

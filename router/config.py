@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conventions import defaults
 from conventions.errors import ConfigError
+from conventions.flag_help import DefaultsShown
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -87,7 +88,7 @@ class RouterConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig
-    p = argparse.ArgumentParser(prog="lorafleet router",
+    p = argparse.ArgumentParser(prog="lorafleet router", formatter_class=DefaultsShown,
                                 description="Route Generate requests to the pods where their adapters live.")
     p.add_argument("--host", default=d.host, help=f"address to serve gRPC, HTTP and metrics on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")

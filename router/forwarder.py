@@ -30,10 +30,12 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class PodError(LorafleetError):
-    """A pod ended the call with an error; the caller gets the pod's status and message unchanged."""
+    """A pod ended the call with an error; the caller gets the pod's status, its retry hint, and its message
+    (or ``message``, which says more)."""
 
-    def __init__(self, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(error.details() or "", retry_after_s=retry_after_s(error.trailing_metadata()))
+    def __init__(self, error: grpc.aio.AioRpcError, message: str | None = None) -> None:
+        super().__init__(error.details() or "" if message is None else message,
+                         retry_after_s=retry_after_s(error.trailing_metadata()))
         self.status = error.code().name
 
 
@@ -54,11 +56,13 @@ def adapter_of(request: bytes) -> str:
 class Forwarder:
     """Serves Generate by forwarding it. Before a pod's first message, a refusal that leaves the request
     untouched (UNAVAILABLE, RESOURCE_EXHAUSTED) sends it to the next pod of the first pod's precision, up
-    to ``retries`` more (a pod of another precision would give other tokens than the pod chosen); after
-    it, the pod's error is the caller's, with the pod's retry hint (grpc-retry-pushback-ms) when it
-    sent one. A pod that answered RESOURCE_EXHAUSTED goes last in the ranking for as long as its
-    hint says. The caller's deadline goes to the pod with the call, and a caller
-    that goes away cancels the pod's call, which frees the request there."""
+    to ``retries`` more (a pod of another precision would give other tokens than the pod chosen). When
+    every pod tried refuses, the caller gets RESOURCE_EXHAUSTED with the shortest retry hint
+    (grpc-retry-pushback-ms) if any pod said it is full (``every_pod_refused``). After the first message
+    the pod's error is the caller's, with the pod's retry hint when it sent one. A pod that answered
+    RESOURCE_EXHAUSTED goes last in the ranking for as long as its hint says. The caller's deadline goes
+    to the pod with the call, and a caller that goes away cancels the pod's call, which frees the request
+    there."""
 
     def __init__(self, picker: PodPicker, channels: PodChannels, metrics: RouterMetrics, retries: int) -> None:
         self._picker, self._channels, self._metrics, self._retries = picker, channels, metrics, retries
@@ -105,6 +109,7 @@ class Forwarder:
     async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:
         candidates = same_precision(self._picker.choose(adapter))[: self._retries + 1]
+        refusals: list[grpc.aio.AioRpcError] = []
         for attempt, choice in enumerate(candidates):
             pod = choice.pod
             call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=timeout)
@@ -114,10 +119,14 @@ class Forwarder:
                 try:
                     message = await call.read()
                 except grpc.aio.AioRpcError as e:
-                    if e.code() in RETRYABLE and attempt + 1 < len(candidates):
-                        self._retry(pod.id, e)
+                    if e.code() not in RETRYABLE:
+                        raise PodError(e) from None
+                    self._refused(pod.id, e)
+                    refusals.append(e)
+                    if attempt + 1 < len(candidates):
+                        self._metrics.retries.labels(e.code().name).inc()
                         continue
-                    raise PodError(e) from None
+                    raise every_pod_refused(refusals) from None
                 self._metrics.ttft.labels(adapter_class).observe(time.perf_counter() - arrived)
                 while message is not grpc.aio.EOF:
                     yield message
@@ -129,11 +138,24 @@ class Forwarder:
                 call.cancel()  # a no-op once the call ended; otherwise the caller went away
                 self._picker.finished(pod.id)
 
-    def _retry(self, pod: str, error: grpc.aio.AioRpcError) -> None:
-        self._metrics.retries.labels(error.code().name).inc()
+    def _refused(self, pod: str, error: grpc.aio.AioRpcError) -> None:
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self._picker.refused(pod)
         else:  # RESOURCE_EXHAUSTED: full; its retry hint says for how long
             self._picker.pushed_back(pod, retry_after_s(error.trailing_metadata()))
-        log.info("pod refused a request; trying the next", extra={"pod": pod, "code": error.code().name,
-                                                                   "error": error.details()})
+        log.info("pod refused a request", extra={"pod": pod, "code": error.code().name, "error": error.details()})
+
+
+def every_pod_refused(refusals: list[grpc.aio.AioRpcError]) -> PodError:
+    """What the caller gets when every pod tried refused before its first message: when any said it is
+    full, RESOURCE_EXHAUSTED with the shortest retry hint among them (the soonest any pod expects room)
+    and that pod's message; else the last refusal."""
+    full = [e for e in refusals if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    if not full:
+        return PodError(refusals[-1])
+    hinted = [(hint, e) for e in full if (hint := retry_after_s(e.trailing_metadata())) is not None]
+    soonest = min(hinted, key=lambda pair: pair[0])[1] if hinted else full[-1]
+    if len(refusals) == 1:
+        return PodError(soonest)
+    return PodError(soonest, f"every pod tried ({len(refusals)}) refused the request, {len(full)} as full; the "
+                             f"soonest to have room says: {soonest.details()}")

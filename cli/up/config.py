@@ -106,8 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=defaults.DTYPES,
                    help="the pod's precision (see lorafleet data-plane --help)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
-    p.add_argument("--adapter-root", type=Path, action="append", default=[],
-                   help="another directory the pod may load adapters from (repeatable)")
+    p.add_argument("--adapter-root", type=Path, action="append",
+                   help="another directory the pod may load adapters from (repeatable; default: only the demo "
+                        "adapters' directory and DATA_DIR/adapters)")
     p.add_argument("--token-file", type=Path,
                    help="admin token file to use (default: DATA_DIR/admin-token, generated when missing)")
     p.add_argument("--redis-server", help="redis-server binary (default: the one beside Python, then PATH)")
@@ -122,6 +123,6 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         data_dir=(args.data_dir or up_dir()).resolve(), host=args.host,
         **{name: getattr(args, name) for name in PORTS},
         model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
-        max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root),
+        max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root or ()),
         token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,
         start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)

@@ -28,6 +28,9 @@ def valid(token_file) -> ControlPlaneConfig:
     ({"pod_probe_after_s": -1.0}, "pod_probe_after_s must be 0"),
     ({"pod_probe_after_s": float("nan")}, "pod_probe_after_s must be 0"),
     ({"pod_probe_timeout_s": 0.0}, "pod_probe_timeout_s must be positive"),
+    ({"pod_lost_after_s": -1.0}, "--pod-lost-after must be 0"),
+    ({"pod_lost_after_s": float("nan")}, "--pod-lost-after must be 0"),
+    ({"pod_lost_after_s": 2.0}, r"--pod-lost-after \(2.0\) must be at least --pod-probe-after \(3.0\)"),
     ({"replica_high_rate": -1.0}, "--replica-high-rate must be >= 0"),
     ({"replica_high_rate": float("nan")}, "--replica-high-rate"),
     ({"replica_low_rate": 5.0}, "--replica-low-rate must be >= 0 and below the high rate"),
@@ -44,11 +47,11 @@ def test_flags_build_the_config(token_file):
     args = build_parser().parse_args(["--redis-url", "redis://r:1/2", "--host", "127.0.0.1", "--port", "5",
                                       "--metrics-port", "6", "--admin-token-file", str(token_file),
                                       "--key-prefix", "fleet", "--base-model", "m", "--pod-probe-after", "2.5",
-                                      "--pod-probe-timeout", "0.5"])
+                                      "--pod-probe-timeout", "0.5", "--pod-lost-after", "6"])
     config = config_from_args(args)
     assert (config.redis_url, config.host, config.port, config.metrics_port, config.key_prefix, config.base_model) \
         == ("redis://r:1/2", "127.0.0.1", 5, 6, "fleet", "m")
-    assert (config.pod_probe_after_s, config.pod_probe_timeout_s) == (2.5, 0.5)
+    assert (config.pod_probe_after_s, config.pod_probe_timeout_s, config.pod_lost_after_s) == (2.5, 0.5, 6.0)
     assert config.replica  # defaults to hostname-pid
     assert config.replica_policy() is not None  # replication is on by default
 

@@ -255,12 +255,13 @@ def test_a_pod_lost_past_its_lease_and_grace_is_removed_and_its_pins_move(config
     assert pods == ["p1"]
 
 
-def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing: bool = False, **change):
-    """p0 pins "a" (one replica) and falls silent past --pod-probe-after but within its lease while
-    p1 keeps beating; one pass probes p0, which finds ``p0_probe``. Returns (the commands that pass
-    sent, the pods then listed, the endpoints probed, the placement records' pods)."""
+def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing: bool = False, silent_s=4.0,
+                       probe_takes_s=0.0, **change):
+    """p0 pins "a" (one replica) and falls silent for ``silent_s``, past --pod-probe-after (3 s) but within its
+    lease (10 s), while p1 keeps beating; one pass probes p0, which finds ``p0_probe``. Returns (the commands
+    that pass sent, the pods then listed, the endpoints probed, the placement records' pods)."""
     config = dataclasses.replace(config, **{"pod_lease_ttl_s": 10.0, "pod_grace_s": 20.0, "pod_probe_after_s": 3.0,
-                                            **change})
+                                            "pod_lost_after_s": 4.0, **change})
 
     async def body(h):
         await h.adapter("a", replicas=1)
@@ -270,7 +271,7 @@ def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing
         assert await h.sent() == [] and h.pods.probed == []  # nobody silent yet
         await h.store.put_placement(PlacementRecord("a", "p0", PlacementState.READY, "", 0, h.clock.t),
                                     h.lease.token)
-        h.clock.t += 4.0
+        h.clock.t += silent_s
         await h.pod("p1")
         h.pods.probes[endpoint("p0")] = p0_probe
         if beat_while_probing:
@@ -278,6 +279,10 @@ def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing
                 h.clock.t += 0.5
                 await h.pod("p0", Residency("a", pinned=True, sha256=SHA))
             h.pods.while_probing = beat
+        elif probe_takes_s:
+            async def wait():
+                h.clock.t += probe_takes_s
+            h.pods.while_probing = wait
         sent = await h.sent()
         return (sent, [v.pod.id for v in await h.fleet.pods()], h.pods.probed,
                 [r.pod for r in (await h.store.placements(["a"]))["a"]])
@@ -293,10 +298,35 @@ def test_a_silent_pod_whose_port_refuses_is_removed_at_once_and_its_pins_move(co
     assert placed == ["p1"]  # p0's placement went with it
 
 
-@pytest.mark.parametrize("outcome", [Probe.SILENT, Probe.ANSWERED])
-def test_a_silent_pod_that_answers_or_does_not_answer_keeps_its_lease_and_pins(config, redis_server, outcome):
-    sent, pods, probed, placed = silent_pods_probed(config, redis_server, outcome)
+def test_a_pod_silent_past_lost_after_that_does_not_answer_a_probe_is_removed_and_its_pins_move(config, redis_server):
+    sent, pods, probed, placed = silent_pods_probed(config, redis_server, Probe.SILENT)
     assert probed == [endpoint("p0")]
+    assert pods == ["p1"]  # removed 4 s after its last heartbeat, with 6 s of its lease left
+    assert sent == [("p1", Command.LOAD_AND_PIN, "a")]  # in the same pass
+    assert placed == ["p1"]
+
+
+def test_the_silence_of_a_pod_that_gives_no_answer_counts_to_the_end_of_its_probe(config, redis_server):
+    # silent 3.5 s when the pass probes it, and 4.5 s when the probe gives up: lost in this pass, not the next
+    sent, pods, _, placed = silent_pods_probed(config, redis_server, Probe.SILENT, silent_s=3.5, probe_takes_s=1.0)
+    assert (sent, pods, placed) == ([("p1", Command.LOAD_AND_PIN, "a")], ["p1"], ["p1"])
+
+
+@pytest.mark.parametrize(("outcome", "silent_s", "change"), [
+    (Probe.ANSWERED, 4.0, {}),  # it runs; only its heartbeats do not arrive: its lease decides
+    (Probe.ANSWERED, 9.5, {}),
+    (Probe.SILENT, 3.5, {}),  # not silent for --pod-lost-after yet: probed again next pass
+    (Probe.SILENT, 4.0, {"pod_lost_after_s": 0.0}),  # turned off: left to its lease and grace
+])
+def test_a_silent_pod_that_answers_or_is_not_yet_lost_keeps_its_lease_and_pins(config, redis_server, outcome,
+                                                                                silent_s, change):
+    sent, pods, probed, placed = silent_pods_probed(config, redis_server, outcome, silent_s=silent_s, **change)
+    assert probed == [endpoint("p0")]
+    assert (sent, pods, placed) == ([], ["p0", "p1"], ["p0"])
+
+
+def test_a_lost_pod_that_beats_while_it_is_probed_is_not_removed(config, redis_server):
+    sent, pods, _, placed = silent_pods_probed(config, redis_server, Probe.SILENT, beat_while_probing=True)
     assert (sent, pods, placed) == ([], ["p0", "p1"], ["p0"])
 
 

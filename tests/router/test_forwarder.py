@@ -24,7 +24,8 @@ from router.view import FleetView, PodView, Tier
 
 class ScriptedPod(generation_pb2_grpc.GenerationServicer):
     """Answers Generate by ``script``: "ok" streams three messages; "unavailable" and "exhausted" refuse
-    before the first; "fail-after-first" streams one then fails; "endless" streams until cancelled."""
+    before the first ("exhausted:MS" with a retry hint of MS milliseconds, "exhausted-no-hint" without
+    one); "fail-after-first" streams one then fails; "endless" streams until cancelled."""
 
     def __init__(self, script: str) -> None:
         self.script = script
@@ -37,9 +38,11 @@ class ScriptedPod(generation_pb2_grpc.GenerationServicer):
         self.time_remaining = context.time_remaining()
         if self.script == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is shutting down")
-        if self.script == "exhausted":  # with a retry hint, as a full pod sends it
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "request queue is full",
-                                trailing_metadata=(("grpc-retry-pushback-ms", "1500"),))
+        if self.script.startswith("exhausted"):  # with a retry hint, as a full pod sends it
+            hint = () if self.script == "exhausted-no-hint" else \
+                (("grpc-retry-pushback-ms", self.script.partition(":")[2] or "1500"),)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request queue is full ({self.script})",
+                                trailing_metadata=hint)
         yield g.GenerateResponse(text="one ", tokens=[g.Token(id=1, logprob=-0.5)], request_id=request.request_id)
         if self.script == "fail-after-first":
             await context.abort(grpc.StatusCode.INTERNAL, "step failed on the pod")
@@ -175,20 +178,44 @@ def test_with_no_other_pod_of_its_precision_a_refusal_is_the_callers():
     assert asyncio.run(go()) == (grpc.StatusCode.UNAVAILABLE, 0)
 
 
-def test_when_every_pod_refuses_the_caller_gets_the_last_refusal():
+def test_when_every_pod_refuses_as_full_the_caller_gets_resource_exhausted_with_the_shortest_hint():
     async def go():
-        async with router({"a": "exhausted", "b": "exhausted"}) as f:
+        async with router({"a": "exhausted:2500", "b": "exhausted:700", "c": "exhausted-no-hint"}) as f:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await collect(f.stub)
-            assert len(f.pods["a"].calls) == len(f.pods["b"].calls) == 1
+            assert [len(p.calls) for p in f.pods.values()] == [1, 1, 1]
             assert sample(f.metrics, "lorafleet_router_requests_total", adapter_class="adapter",
                           outcome="RESOURCE_EXHAUSTED") == 1
             return e.value
 
     error = asyncio.run(go())
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details() == "request queue is full"
-    assert ("grpc-retry-pushback-ms", "1500") in tuple(error.trailing_metadata())  # the pod's hint, passed on
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "every pod tried (3) refused the request, 3 as full" in error.details()
+    assert "request queue is full (exhausted:700)" in error.details()  # the message of the pod with room soonest
+    assert ("grpc-retry-pushback-ms", "700") in tuple(error.trailing_metadata())
 
+
+def test_a_full_pod_beside_an_unreachable_one_is_resource_exhausted_with_its_hint_whatever_the_order():
+    async def go(scripts):
+        async with router(scripts) as f:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(f.stub)
+            return e.value.code(), tuple(e.value.trailing_metadata())
+
+    for scripts in ({"a": "unavailable", "b": "exhausted:900"}, {"a": "exhausted:900", "b": "unavailable"}):
+        code, trailers = asyncio.run(go(scripts))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and ("grpc-retry-pushback-ms", "900") in trailers
+
+
+def test_pods_that_all_refuse_as_unavailable_leave_the_caller_unavailable_without_a_hint():
+    async def go():
+        async with router({"a": "unavailable", "b": "unavailable"}) as f:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(f.stub)
+            return e.value.code(), dict(e.value.trailing_metadata())
+
+    code, trailers = asyncio.run(go())
+    assert code == grpc.StatusCode.UNAVAILABLE and "grpc-retry-pushback-ms" not in trailers
 
 
 def test_an_error_after_the_first_message_is_passed_through_and_not_retried():

@@ -57,17 +57,17 @@ def test_the_base_model_id_sends_no_adapter():
 
 
 def test_pods_that_all_refuse_are_429_when_full_and_503_when_unreachable():
-    async def go(script):
-        async with api({"a": script, "b": script, "c": script}) as (f, client):
+    async def go(scripts):
+        async with api(dict(zip("abc", scripts, strict=True))) as (f, client):
             r = await client.post("/v1/completions", json=BODY)
             return (r.status, r.headers.get("Retry-After"), (await r.json())["error"],
                     sum(len(p.calls) for p in f.pods.values()))
 
-    status, retry_after, error, calls = asyncio.run(go("exhausted"))
+    status, retry_after, error, calls = asyncio.run(go(("exhausted:3500", "exhausted:1200", "exhausted:2500")))
     assert (status, error["type"], calls) == (429, "rate_limit_error", 3)
     assert "queue is full" in error["message"]
-    assert retry_after == "2"  # the pods' 1.5 s hint, in whole seconds rounded up
-    status, retry_after, error, calls = asyncio.run(go(None))
+    assert retry_after == "2"  # the shortest hint, 1.2 s, in whole seconds rounded up
+    status, retry_after, error, calls = asyncio.run(go((None, None, None)))
     assert (status, error["type"], calls, retry_after) == (503, "service_unavailable_error", 0, None)
 
 
