@@ -236,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request counts instead (0 = no limit)")
     p.add_argument("--target-itl", type=float, default=d.target_itl_s, metavar="SECONDS",
                    help="step time that prefill work may fill a step up to beside its running decodes, which always "
-                        f"get their token (default {d.target_itl_s:g}: automatic, a step that prefills lasts at most "
+                        f"get their token (default {d.target_itl_s}: automatic, a step that prefills lasts at most "
                         f"{AUTO_ITL_GROWTH:g}x its decodes alone, from the step-time model the pod fits to its own "
                         "steps; with nothing decoding a step prefills up to --max-num-batched-tokens)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],
