@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from data_plane.errors import ModelLoadError
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", *GEMMA)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Layers per sliding/global cycle of Gemma configs written before `layer_types` existed (the last
 # layer of each cycle attends globally).
@@ -27,6 +28,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors within the original context, and the factor
+    # cos and sin are scaled by. The long factors are not used: see ModelConfig.from_dict.
+    short_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,9 @@ class ModelConfig:
         if rotary % 2 or not 0 < rotary <= self.head_dim:
             raise ModelLoadError(f"partial_rotary_factor gives {rotary} rotary dimensions of a head of "
                                  f"{self.head_dim}; it must give an even number from 2 to head_dim")
+        if self.rope.short_factor is not None and len(self.rope.short_factor) != rotary // 2:
+            raise ModelLoadError(f"longrope short_factor has {len(self.rope.short_factor)} entries, but the "
+                                 f"{rotary} rotary dimensions need {rotary // 2}")
 
     @property
     def attn_scale(self) -> float:
@@ -130,7 +138,7 @@ class ModelConfig:
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_max_positions(raw, rope),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
@@ -175,6 +183,16 @@ def _as_tuple(value) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _max_positions(raw: dict, rope: RopeConfig) -> int:
+    """The context served. With longrope, transformers turns every position to the long factors once a
+    sequence passes the original context, those already cached included; a paged cache cannot follow
+    that, so the context stops at the original one, where the short factors hold for every token."""
+    positions = int(raw.get("max_position_embeddings", 2048))
+    if rope.rope_type == "longrope":
+        return min(positions, rope.original_max_position_embeddings)
+    return positions
+
+
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
 
@@ -203,13 +221,23 @@ def _rope_from_dict(raw: dict, params: dict | None = None, default_theta: float 
     params = dict(params or raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    original = int(params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192)))
+    short_factor, attention_factor = None, 1.0
+    if rope_type == "longrope":
+        short_factor = tuple(float(f) for f in params["short_factor"])
+        # As transformers: sqrt(1 + ln(factor) / ln(original context)), factor the context's growth.
+        factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+        attention_factor = float(params.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))))
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        short_factor=short_factor,
+        attention_factor=attention_factor,
     )
 
 

@@ -13,6 +13,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [he
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.rope_type == "linear":
         return (inv_freq / rope.factor).float()
+    if rope.rope_type == "longrope":  # Phi: each frequency slowed by its own short factor
+        return (inv_freq / torch.tensor(rope.short_factor, dtype=torch.float64)).float()
     if rope.rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
         # between them interpolated smoothly.
@@ -48,6 +50,8 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
         # sin with the first half negated: rotate_half(x) * sin == x.roll(rotary_dim // 2) * signed_sin
         self.cos, self.sin = emb.cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        if self.rope.attention_factor != 1.0:  # longrope scales both, as transformers does
+            self.cos, self.sin = self.cos * self.rope.attention_factor, self.sin * self.rope.attention_factor
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at ``positions``: [tokens, 1, rotary_dim] each, once per step for every layer."""

@@ -88,6 +88,20 @@ def test_phi3_fused_checkpoint_with_partial_rotary_and_window_matches_transforme
     _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
 
 
+def test_phi4_mini_longrope_and_partial_rotary_match_transformers_within_the_original_context(tmp_path):
+    from transformers import Phi3Config
+
+    # Phi-4-mini's shape of config: longrope, 3/4 of each head rotated, a context 8x the original one.
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.3 * i for i in range(6)], "long_factor": [5.0 + i for i in range(6)]}
+    config = Phi3Config(**COMMON | {"max_position_embeddings": 512}, original_max_position_embeddings=64,
+                        rope_parameters=rope, pad_token_id=0, eos_token_id=2)
+    hf = _save(tmp_path, config)
+    _check(tmp_path, hf, length=40, chunks=[20, 1, 19])
+    # transformers switches every position to the long factors past the original context; served: that context
+    assert load_model(tmp_path).config.max_position_embeddings == 64
+
+
 GEMMA = dict(COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
              layer_types=["sliding_attention", "full_attention"])
 
