@@ -5,13 +5,11 @@ Phi-3 carry (peft cannot put those on transformers' Phi-3, so their reference is
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from data_plane.model import load_model
-from tests.lora.conftest import ALL, forward_rows, peft_row_logits, runtime_with_adapters
+from tests.lora.conftest import ALL, forward_rows, peft_row_logits, runtime_with_adapters, save_random_adapters
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -71,18 +69,6 @@ def _llama_layout(phi3):
     return llama
 
 
-def _adapters(model, specs: dict, root):
-    from peft import LoraConfig, get_peft_model
-
-    for i, (name, kwargs) in enumerate(specs.items()):
-        torch.manual_seed(100 + i)
-        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                torch.nn.init.normal_(p, std=0.3)
-        peft_model.save_pretrained(root / name)
-
-
 @pytest.mark.parametrize(("family", "layout"), [("qwen3", "split"), ("gemma2", "split"), ("gemma3", "split"),
                                                 ("phi3", "packed"), ("phi3", "split")])
 def test_family_adapters_in_one_batch_match_peft(tmp_path, family, layout):
@@ -90,7 +76,7 @@ def test_family_adapters_in_one_batch_match_peft(tmp_path, family, layout):
     hf.save_pretrained(tmp_path / "base")
     reference_base = _llama_layout(hf) if (family, layout) == ("phi3", "split") else hf
     specs = SPLIT if layout == "split" else PACKED
-    _adapters(reference_base, specs, tmp_path)
+    save_random_adapters(reference_base, specs, tmp_path)
     peft_logits = peft_row_logits(reference_base, tmp_path, specs)
     model = load_model(tmp_path / "base", "float32")
     runtime = runtime_with_adapters(model, tmp_path, specs, max_loras=2, max_rank=8)
