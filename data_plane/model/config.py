@@ -248,6 +248,9 @@ def _sliding_windows(raw: dict, arch: str, layers: int) -> tuple[int | None, ...
     if window is None:
         return (None,) * layers
     layer_types = raw.get("layer_types")
+    if layer_types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # as transformers derives them
+        first = int(raw.get("max_window_layers", 0))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if layer_types is None and arch in _GEMMA_PATTERN:
         pattern = int(raw.get("sliding_window_pattern", _GEMMA_PATTERN[arch]))
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
