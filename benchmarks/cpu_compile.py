@@ -93,7 +93,7 @@ def split_forward(model: LlamaForCausalLM, decode_attention: bool, compile_fn: C
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.tables(batch.positions, x.dtype)
         step_attention = model.attention.prepare(batch.attn)
-        batch = replace(batch, rope=(cos, sin), attention=step_attention)
+        batch = replace(batch, rope=((cos, sin),), attention=step_attention)
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp

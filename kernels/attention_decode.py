@@ -12,14 +12,12 @@ at once, so the grid can be sized by the largest length a CUDA graph allows.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import attention_launch
-from kernels.attention_launch import DecodeTiles
+from kernels.attention_launch import DecodeTiles, scaled_scores
 
 # Key positions per split. A constant, never derived from the batch (as flash-decoding heuristics
 # that fill the GPU do): the splits a sequence's context is cut into, and so the order its sums
@@ -48,7 +46,8 @@ def _decode_split_kernel(
     stride_qt,
     stride_qh,
     stride_bt,
-    qk_scale,  # scale * log2(e): scores in the log2 domain, for exp2
+    qk_scale,  # scale * log2(e), or scale / cap when soft-capping (attention_launch.score_scales)
+    cap,  # softcap * log2(e) when soft-capping
     window,
     num_splits,
     NUM_KV_HEADS: tl.constexpr,
@@ -59,6 +58,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,  # a multiple of BLOCK_N
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in float32 (the interpreter misreads fp16/bf16 operands)
 ):
     kv_head = tl.program_id(0)
@@ -103,7 +103,7 @@ def _decode_split_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # tensor cores in the input dtype, float32 accumulator
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [GROUP_ROWS, BLOCK_N]
+        s = tl.where(n_mask[None, :], scaled_scores(s, qk_scale, cap, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -205,6 +205,7 @@ def decode_attention(
     window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float | None = None,
     tiles: DecodeTiles | None = None,
 ) -> None:
     """``kernels.paged_attention.paged_attention`` for the sequences with exactly one query; the
@@ -215,7 +216,7 @@ def decode_attention(
     # Check.
     shape = attention_launch.check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out, block_size=block_size, window=window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, softcap=softcap,
     )  # fmt: skip
     tiles = tiles or default_tiles(shape.head_dim, q.dtype)
     if shape.num_tokens == 0 or shape.num_seqs == 0 or max_query_len == 0:
@@ -236,10 +237,11 @@ def decode_attention(
     # Launch. The interpreter's tl.dot misreads fp16/bf16, so off-GPU every dot runs in float32.
     _decode_split_kernel[split_grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, part_max, part_sum, part_acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * math.log2(math.e), window or 0, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), *attention_launch.score_scales(scale, softcap),
+        window or 0, num_splits,
         NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, GROUP_ROWS=attention_launch.group_rows(shape.group),
         HEAD_DIM=shape.head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT_SIZE=tiles.split,
-        WINDOWED=window is not None, UPCAST=not q.is_cuda,
+        WINDOWED=window is not None, SOFTCAP=softcap is not None, UPCAST=not q.is_cuda,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[merge_grid](

@@ -12,10 +12,12 @@ the semantics)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -84,6 +86,7 @@ def check_inputs(
     window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float | None = None,
 ) -> AttentionShape:
     """Raises ValueError, saying what to fix, unless the arguments follow the layout above; returns
     their sizes. Reads nothing on the device (the values of the int32 tensors are not checked)."""
@@ -136,6 +139,8 @@ def check_inputs(
             )
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
     for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a host int >= 0 bounding every sequence's value, got {value!r}")
@@ -145,3 +150,22 @@ def check_inputs(
 def group_rows(group: int) -> int:
     """Rows a decode program gives one kv head's query heads: tl.dot needs at least 16."""
     return max(16, triton.next_power_of_2(group))
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' ``(qk_scale, cap)`` for ``scores``: they compute ``cap * tanh(qk_scale * q·k)``
+    when soft-capping and ``qk_scale * q·k`` otherwise, in the log2 domain (for exp2): log2(e) is
+    folded into the factor applied last."""
+    if softcap is None:
+        return scale * math.log2(math.e), 0.0
+    return scale / softcap, softcap * math.log2(math.e)
+
+
+@triton.jit
+def scaled_scores(s, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """``s`` scaled into the log2 domain, soft-capped when ``SOFTCAP`` (see ``score_scales``)."""
+    if SOFTCAP:
+        # tanh(x) = 2·sigmoid(2x) - 1: tl has sigmoid on every Triton this runs on, and it saturates
+        # to ±1 for large |x| without overflow.
+        return cap * (2.0 * tl.sigmoid(2.0 * (s * qk_scale)) - 1.0)
+    return s * qk_scale

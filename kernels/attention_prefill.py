@@ -14,14 +14,12 @@ gets the same result whether its step is all decodes or mixed with prefill chunk
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import attention_launch, segments
-from kernels.attention_launch import PrefillTiles
+from kernels.attention_launch import PrefillTiles, scaled_scores
 from kernels.segments import segment_walk
 
 
@@ -39,7 +37,8 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
-    qk_scale,  # scale * log2(e): scores in the log2 domain, for exp2
+    qk_scale,  # scale * log2(e), or scale / cap when soft-capping (attention_launch.score_scales)
+    cap,  # softcap * log2(e) when soft-capping
     window,
     num_seqs,
     SEQ_BLOCK: tl.constexpr,  # a power of two >= num_seqs
@@ -51,6 +50,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # tokens per program
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in float32 (the interpreter misreads fp16/bf16 operands)
 ):
     kv_head = tl.program_id(1)
@@ -101,7 +101,7 @@ def _prefill_kernel(
         attend = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N] causal
         if WINDOWED:
             attend &= pos[None, :] > q_pos[:, None] - window
-        s = tl.where(attend, s * qk_scale, float("-inf"))
+        s = tl.where(attend, scaled_scores(s, qk_scale, cap, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -152,6 +152,7 @@ def prefill_attention(
     window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float | None = None,
     tiles: PrefillTiles | None = None,
 ) -> None:
     """``kernels.paged_attention.paged_attention`` for the sequences with more than one query; the
@@ -162,7 +163,7 @@ def prefill_attention(
     # Check.
     shape = attention_launch.check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out, block_size=block_size, window=window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, softcap=softcap,
     )  # fmt: skip
     tiles = tiles or default_tiles(shape.head_dim, q.dtype)
     if shape.num_tokens == 0 or shape.num_seqs == 0 or max_query_len < 2:
@@ -178,9 +179,9 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale * math.log2(math.e), window or 0, shape.num_seqs,
+        *attention_launch.score_scales(scale, softcap), window or 0, shape.num_seqs,
         SEQ_BLOCK=triton.next_power_of_2(shape.num_seqs), NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group,
         HEAD_DIM=shape.head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
-        WINDOWED=window is not None, UPCAST=not q.is_cuda,
+        WINDOWED=window is not None, SOFTCAP=softcap is not None, UPCAST=not q.is_cuda,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

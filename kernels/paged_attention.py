@@ -27,6 +27,7 @@ def paged_attention(
     window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its paged context, in PyTorch terms::
 
@@ -39,7 +40,10 @@ def paged_attention(
                 for h in range(num_heads):
                     kv = h // (num_heads // num_kv_heads)
                     k, v = k_cache[slots, kv].float(), v_cache[slots, kv].float()   # [len(js), head_dim]
-                    w = torch.softmax(scale * k @ q[t, h].float(), dim=0)
+                    s = scale * k @ q[t, h].float()
+                    if softcap is not None:
+                        s = softcap * torch.tanh(s / softcap)            # Gemma 2's soft-capping
+                    w = torch.softmax(s, dim=0)
                     out[t, h] = (w @ v).to(out.dtype)                   # zeros when L == 0
 
     The new tokens' keys and values are already in the cache. Dots run on tensor cores in the
@@ -57,7 +61,7 @@ def paged_attention(
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, out)
     kwargs = dict(block_size=block_size, scale=scale, window=window, max_query_len=max_query_len,
-                  max_seq_len=max_seq_len)  # fmt: skip
+                  max_seq_len=max_seq_len, softcap=softcap)  # fmt: skip
     decode_attention(*args, **kwargs)
     if max_query_len > 1:
         prefill_attention(*args, **kwargs)

@@ -90,12 +90,14 @@ def paged_attention(
     window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float | None = None,
 ) -> None:
     """For sequence b with ``qlen = query_start[b+1] - query_start[b]`` and ``L = seq_lens[b]``,
     its query i sits at position ``p = L - qlen + i`` and attends the key positions j with
     ``max(0, p - window + 1) <= j <= p`` (no lower bound when window is None), reading key/value j
     at cache slot ``block_tables[b, j // block_size] * block_size + j % block_size`` (the new
-    tokens' keys/values are already in the cache). ``out = softmax(scale * q k^T) v`` with
+    tokens' keys/values are already in the cache). ``out = softmax(s) v`` with ``s = scale * q k^T``,
+    soft-capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is set, with
     grouped-query heads (query head h uses kv head ``h // (num_heads // num_kv_heads)``), float32
     math, rounded once to q's dtype. A sequence with L == 0 writes zeros to its query rows; rows
     of q past ``query_start[num_seqs]`` are neither read nor written, and neither are cache slots
@@ -121,6 +123,8 @@ def paged_attention(
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         scores = scale * torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k)  # [num_heads, qlen, n]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         attend = keys[None, :] <= pos[:, None]  # [qlen, n]
         if window is not None:
             attend &= keys[None, :] > pos[:, None] - window

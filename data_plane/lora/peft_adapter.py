@@ -97,6 +97,12 @@ def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_
         r = a.shape[0]
         _check_rank(name, config, layer, block, module, r, limits)
         slices = MODULE_SLICES[module][1]
+        twice = sorted(set(slices) & set(deltas.get(path_prefix, {})))
+        if twice:
+            raise InvalidAdapter(
+                f"adapter {name!r}: layers.{layer} adapts the {'/'.join(twice)} projection twice, through its packed "
+                f"name and its own (e.g. qkv_proj and q_proj); keep one of them"
+            )
         shapes = projections[path_prefix]
         in_features = shapes[slices[0]][0]
         out_features = sum(shapes[s][1] for s in slices)

@@ -66,9 +66,11 @@ class StepAttention(Protocol):
         v_cache: torch.Tensor,  # [slots, num_kv_heads, head_dim] (one layer)
         window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Writes ``k``, ``v`` to their slots, then returns each token's attention over its context
-        (positions ``p - window + 1 ..= p`` with a window)."""
+        (positions ``p - window + 1 ..= p`` with a window), scores ``scale·q·k`` soft-capped to
+        ``softcap·tanh(scores / softcap)`` when ``softcap`` is set."""
 
 
 class AttentionBackend(Protocol):

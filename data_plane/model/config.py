@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_plane.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", *GEMMA)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Layers per sliding/global cycle of Gemma configs written before `layer_types` existed (the last
+# layer of each cycle attends globally).
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors within the original context, and the factor
+    # cos and sin are scaled by. The long factors are not used: see ModelConfig.from_dict.
+    short_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,17 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # What sets the families apart, read by the one forward (defaults: Llama).
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's query and key before RoPE
+    norm_offset: float = 0.0  # Gemma: norms scale by (offset + weight), in float32
+    sandwich_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
+    hidden_act: str = "silu"
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power (else head_dim's)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
+    rotary_dim: int | None = None  # Phi: RoPE on the first rotary_dim of each head (None: all of it)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -62,6 +84,25 @@ class ModelConfig:
             )
         if len(self.sliding_windows) != self.num_layers:
             raise ModelLoadError("layer_types must name one attention type per layer")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(
+                f"unsupported activation {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.local_rope is not None and self.local_rope.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"unsupported rope scaling {self.local_rope.rope_type!r} for the sliding layers; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        rotary = self.rotary_dim if self.rotary_dim is not None else self.head_dim
+        if rotary % 2 or not 0 < rotary <= self.head_dim:
+            raise ModelLoadError(f"partial_rotary_factor gives {rotary} rotary dimensions of a head of "
+                                 f"{self.head_dim}; it must give an even number from 2 to head_dim")
+        if self.rope.short_factor is not None and len(self.rope.short_factor) != rotary // 2:
+            raise ModelLoadError(f"longrope short_factor has {len(self.rope.short_factor)} entries, but the "
+                                 f"{rotary} rotary dimensions need {rotary // 2}")
+
+    @property
+    def attn_scale(self) -> float:
+        """What query·key products are multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -84,6 +125,9 @@ class ModelConfig:
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
             kv_heads = int(raw.get("num_key_value_heads") or heads)
+            head_dim = int(raw.get("head_dim") or hidden // heads)
+            gemma = arch in GEMMA
+            rope, local_rope = _ropes_from_dict(raw, arch)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -92,17 +136,27 @@ class ModelConfig:
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=kv_heads,
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_max_positions(raw, rope),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                rope=_rope_from_dict(raw),
+                rope=rope,
                 sliding_windows=_sliding_windows(raw, arch, layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                norm_offset=1.0 if gemma else 0.0,
+                sandwich_norms=gemma,
+                hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
+                embed_scale=hidden**0.5 if gemma else None,
+                query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")) if gemma else None,
+                attn_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+                final_softcap=_optional_float(raw.get("final_logit_softcapping")),
+                local_rope=local_rope,
+                rotary_dim=_rotary_dim(raw, head_dim),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from None
@@ -129,29 +183,77 @@ def _as_tuple(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-def _rope_from_dict(raw: dict) -> RopeConfig:
+def _max_positions(raw: dict, rope: RopeConfig) -> int:
+    """The context served. With longrope, transformers turns every position to the long factors once a
+    sequence passes the original context, those already cached included; a paged cache cannot follow
+    that, so the context stops at the original one, where the short factors hold for every token."""
+    positions = int(raw.get("max_position_embeddings", 2048))
+    if rope.rope_type == "longrope":
+        return min(positions, rope.original_max_position_embeddings)
+    return positions
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rotary_dim(raw: dict, head_dim: int) -> int | None:
+    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    return None if factor is None or float(factor) == 1.0 else int(head_dim * float(factor))
+
+
+def _ropes_from_dict(raw: dict, arch: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """The global RoPE and, for Gemma 3, the sliding layers' own. transformers >= 5 writes Gemma 3's
+    `rope_parameters` per layer type; older configs write `rope_local_base_freq` beside `rope_theta`."""
+    if arch != "Gemma3ForCausalLM":
+        return _rope_from_dict(raw), None
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return (_rope_from_dict(raw, params["full_attention"]),
+                _rope_from_dict(raw, params.get("sliding_attention") or {"rope_theta": 10000.0}))
+    return _rope_from_dict(raw, default_theta=1_000_000.0), RopeConfig(theta=float(raw.get("rope_local_base_freq",
+                                                                                            10000.0)))
+
+
+def _rope_from_dict(raw: dict, params: dict | None = None, default_theta: float = 10000.0) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta included); older configs write
     # `rope_theta` and an optional `rope_scaling`.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    params = dict(params or raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    original = int(params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192)))
+    short_factor, attention_factor = None, 1.0
+    if rope_type == "longrope":
+        short_factor = tuple(float(f) for f in params["short_factor"])
+        # As transformers: sqrt(1 + ln(factor) / ln(original context)), factor the context's growth.
+        factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+        attention_factor = float(params.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))))
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        short_factor=short_factor,
+        attention_factor=attention_factor,
     )
 
 
 def _sliding_windows(raw: dict, arch: str, layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return (None,) * layers
     layer_types = raw.get("layer_types")
+    if layer_types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # as transformers derives them
+        first = int(raw.get("max_window_layers", 0))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if layer_types is None and arch in _GEMMA_PATTERN:
+        pattern = int(raw.get("sliding_window_pattern", _GEMMA_PATTERN[arch]))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if layer_types is None:
         return (int(window),) * layers
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -1,4 +1,6 @@
-"""A Llama-family decoder: Llama (1-3.x), Mistral and Qwen2 share this one module.
+"""A Llama-family decoder: Llama (1-3.x), Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 share this
+one module. What sets a family apart (q/k norms, Gemma's norms, scaled embeddings and soft-capping,
+a second RoPE for sliding layers, partial rotary) is a field of ``ModelConfig`` that the forward reads.
 
 q/k/v and gate/up are packed into one projection each: fewer, larger matmuls, and the LoRA
 layers see them as one layer with several output slices.
@@ -7,6 +9,7 @@ layers see them as one layer with several output slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +32,8 @@ class ForwardBatch:
     attn: AttentionInputs
     kv_cache: KVCache
     lora: Any = None  # per-step LoRA metadata read by LoRA-wrapped projections; None = base only
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary tables at positions; the model fills it
+    # (cos, sin) at positions for each of the model's RoPEs (global, then Gemma 3's local); the model fills it
+    rope: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     attention: StepAttention | None = None  # the backend's prepared step; the model fills it
 
 
@@ -58,40 +62,61 @@ class Projection(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm over the last dimension, scaled by ``weight`` (Llama) or by ``offset + weight`` in float32
+    (Gemma's ``1 + weight``)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the weights' dtype, as the checkpoints were trained.
+        if self.offset:  # Gemma scales in float32 and rounds once: (x * (1 + w)).to(dtype)
+            return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (self.weight.float() + self.offset)
+                    ).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotaries: list[RotaryEmbedding]) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = config.sliding_windows[layer]
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale
+        self.softcap = config.attn_softcap
         self.qkv_proj = Projection(
             config.hidden_size, {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}, config.qkv_bias
         )
         self.o_proj = Projection(config.q_size, {"o": config.hidden_size}, config.o_bias)
-        self.rotary = rotary
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+        self.qk_norm = config.qk_norm
+        # Gemma 3's sliding layers turn queries and keys by their own RoPE (the model's second).
+        self.rope_index = len(rotaries) - 1 if self.window is not None else 0
+        self.rotary = rotaries[self.rope_index]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch)
         qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim],
                           dim=-1)
-        qk = self.rotary(batch.rope, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = self.rotary(batch.rope[self.rope_index], qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = batch.kv_cache
-        out = batch.attention(q, k, v, cache.k[self.layer], cache.v[self.layer], self.window, self.scale)
+        out = batch.attention(q, k, v, cache.k[self.layer], cache.v[self.layer], self.window, self.scale,
+                              self.softcap)
         return self.o_proj(out, batch)
 
 
@@ -99,6 +124,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = Projection(
             config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, config.mlp_bias
         )
@@ -106,18 +132,32 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, batch).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch)
+        return self.down_proj(self.act(gate) * up, batch)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    """Norms named as the checkpoints name them: Llama's ``post_attention_layernorm`` is the MLP's input
+    norm; Gemma's (``sandwich_norms``) normalises the attention's output, ``pre_feedforward_layernorm`` the
+    MLP's input and ``post_feedforward_layernorm`` its output."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotaries: list[RotaryEmbedding]) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, layer, rotaries)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch))
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
@@ -130,22 +170,33 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        ropes = [config.rope] + ([config.local_rope] if config.local_rope is not None else [])
+        self.rotaries = nn.ModuleList(RotaryEmbedding(rope, config.head_dim, config.max_position_embeddings,
+                                                      config.rotary_dim) for rope in ropes)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, list(self.rotaries)) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         if config.tie_word_embeddings:
             self.register_parameter("lm_head", None)
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self._packed_head: cpu_linear.CpuWeight | None = None
         self.attention: AttentionBackend = attention_backend("cpu", self.windows)
+        self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
 
     def use_device(self, device: torch.device | str) -> None:
         """Builds what depends on the device the weights now live on: rotary tables, attention backend."""
-        self.rotary.build(device)
+        for rotary in self.rotaries:
+            rotary.build(device)
         self.attention = attention_backend(device, self.windows)
+        scale = self.config.embed_scale  # rounded to the weights' dtype first, as Gemma does
+        self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The RoPE of the global-attention layers (every layer's but Gemma 3's sliding ones)."""
+        return self.rotaries[0]
 
     @property
     def windows(self) -> set[int | None]:
@@ -153,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
-        batch = replace(batch, rope=self.rotary.tables(batch.positions, x.dtype) if batch.rope is None else batch.rope,
-                        attention=self.attention.prepare(batch.attn))
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = batch.rope or tuple(r.tables(batch.positions, x.dtype) for r in self.rotaries)
+        batch = replace(batch, rope=rope, attention=self.attention.prepare(batch.attn))
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)
@@ -164,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
-        return cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
+        logits = cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prepack_cpu_weights(self, matmul_dtype: torch.dtype | None = None) -> None:
         """On CPU, gives every projection a fixed-tile copy of its weight taking its operands in

@@ -15,7 +15,8 @@ from data_plane.model.llama import LlamaForCausalLM, Projection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# HF tensor name (after the leading "model.") -> (our parameter, packed slice or None).
+# HF tensor name (after the leading "model.") -> (our parameter, packed slice or None). Checkpoints that
+# store the packed projections themselves (Phi-3's qkv_proj and gate_up_proj) fill every slice at once.
 _PACKED = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)")
 _PACKED_TARGET = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -69,8 +70,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
                 for hf_name in f.keys():
                     if _IGNORED.match(hf_name):
                         continue
-                    key = _copy_tensor(model, params, hf_name, f.get_tensor(hf_name), path)
-                    pending.discard(key)
+                    pending -= _copy_tensor(model, params, hf_name, f.get_tensor(hf_name), path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
     if pending:
@@ -81,12 +81,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     return model.eval()
 
 
-def _copy_tensor(model, params, hf_name: str, tensor: torch.Tensor, path: Path):
+def _copy_tensor(model, params, hf_name: str, tensor: torch.Tensor, path: Path) -> set:
+    """Copies one checkpoint tensor into the model; returns the (parameter, slice) keys it filled."""
     name = hf_name.removeprefix("model.")
     if name == "lm_head.weight":
         name = "lm_head"
     if name == "lm_head" and model.lm_head is None:
-        return None  # tied checkpoints may still carry a copy of the embedding
+        return set()  # tied checkpoints may still carry a copy of the embedding
     packed = _PACKED.fullmatch(name)
     if packed:
         layer, block, part, kind = packed.groups()
@@ -94,18 +95,21 @@ def _copy_tensor(model, params, hf_name: str, tensor: torch.Tensor, path: Path):
         module = model.get_submodule(target)
         start, size = module.slice_offsets()[part]
         dest = getattr(module, kind)
-        key = (f"{target}.{kind}", part)
+        keys = {(f"{target}.{kind}", part)}
         if dest is None:
             raise ModelLoadError(f"{path.name}: unexpected tensor {hf_name} (the config says this layer has no {kind})")
         dest = dest[start : start + size]
     else:
         if name not in params:
             raise ModelLoadError(f"{path.name}: unexpected tensor {hf_name}; is this a {model.config.architecture}?")
-        dest, key = params[name], (name, None)
+        dest, keys = params[name], {(name, None)}
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
+        if isinstance(module, Projection) and len(module.slices) > 1:  # a packed projection stored packed
+            keys = {(name, s) for s in module.slices}
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ModelLoadError(
             f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)} but config.json implies "
             f"{tuple(dest.shape)}; the weights do not match the config"
         )
     dest.copy_(tensor)
-    return key
+    return keys

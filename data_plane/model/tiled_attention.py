@@ -122,9 +122,11 @@ def tiled_attention(
     groups: Sequence[AttentionGroup],
     window: int | None,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     """``softmax(q·scale kᵀ, masked causally and to ``window``) v`` for every token over its own
-    sequence's keys, query head h reading key/value head h // (num_heads // num_kv_heads)."""
+    sequence's keys, query head h reading key/value head h // (num_heads // num_kv_heads); with
+    ``softcap``, the scores are ``softcap·tanh(scores / softcap)`` before the mask."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     per_kv = num_heads // num_kv
@@ -150,7 +152,7 @@ def tiled_attention(
         for h, s, (i, block_keys) in itertools.product(range(num_kv), seqs, enumerate(g.block_keys)):
             q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, rows // per_kv)
             attn[s, q0:q1, h] = _attend(qg[h][s, q0 * per_kv: q1 * per_kv], k[s, :block_keys, h],
-                                        v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv)
+                                        v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv, softcap)
         if lone:
             attn = attn[:, :1]
         attn = attn.reshape(n * max_new, num_heads * head_dim)
@@ -159,12 +161,14 @@ def tiled_attention(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-            per_kv: int) -> torch.Tensor:  # [n, queries, per_kv, head_dim]
+            per_kv: int, softcap: float | None) -> torch.Tensor:  # [n, queries, per_kv, head_dim]
     """One key/value head's attention for a block of queries: ``q`` [n, queries * per_kv, head_dim]
     (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
     n, rows, head_dim = q.shape
     keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
     scores = torch.bmm(q, k.transpose(1, 2))  # [n, rows, keys]
+    if softcap is not None:  # elementwise: a score's value still depends on its own row alone
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
     probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]

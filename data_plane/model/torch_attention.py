@@ -31,10 +31,10 @@ class TiledAttention:
     groups: tuple[AttentionGroup, ...]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
-        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale)
+        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale, softcap)
 
 
 class TorchAttention:

@@ -27,23 +27,57 @@ ADAPTERS = {
 }
 
 
+# The other families at TINY's sizes: what each adds (q/k norms, soft-capping, sliding and global layers,
+# a second RoPE) and, for Phi-3, packed projections, which its adapters name packed.
+GEMMA = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=20, layer_types=["sliding_attention",
+                                                                                   "full_attention"])
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    "gemma3": ("Gemma3TextConfig", dict(GEMMA, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+           "up_proj": "gate_up_proj"}
+
+
 @pytest.fixture(scope="session")
 def tiny_pod_files(tmp_path_factory):
     """(model directory with a word-level tokenizer, adapter root) of a tiny random Llama and PEFT adapters."""
+    from transformers import LlamaConfig
+
+    return _pod_files(tmp_path_factory, LlamaConfig(**TINY), packed=False)
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def family_pod_files(tmp_path_factory, request):
+    """``tiny_pod_files`` for each family of FAMILIES."""
+    import transformers
+
+    config_class, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**TINY | extra)
+    return _pod_files(tmp_path_factory, config, packed=request.param == "phi3")
+
+
+def _pod_files(tmp_path_factory, config, packed: bool):
     from peft import LoraConfig, get_peft_model
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     model_dir, root = tmp_path_factory.mktemp("tiny-pod"), tmp_path_factory.mktemp("fresh-adapters")
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(model_dir)
     Tokenizer(WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0")).save(
         str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
     for i, (name, kwargs) in enumerate(ADAPTERS.items()):
         torch.manual_seed(SEED + 1 + i)
+        if packed:
+            kwargs = kwargs | {"target_modules": sorted({_PACKED.get(m, m) for m in kwargs["target_modules"]})}
         peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
         for n, p in peft_model.named_parameters():
             if "lora_" in n:

@@ -81,11 +81,28 @@ def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dty
 
 
 def test_float32_named_equals_transformers_and_peft_in_float32(tiny_pod_files):
-    from peft import PeftModel
-
     model_dir, root, hf_model = tiny_pod_files
     precision, alone, _, _ = alone_and_together(model_dir, root, "float32")
     assert precision is Precision.FLOAT32
+    _assert_matches_peft(model_dir, root, hf_model, alone)
+
+
+def test_each_family_is_batch_invariant_and_float32_matches_peft(family_pod_files):
+    # Qwen3, Phi-3 (adapters on its packed projections), Gemma 2, Gemma 3 (see conftest.FAMILIES).
+    model_dir, root, hf_model = family_pod_files
+    for dtype in ("float32", "bfloat16-matmul", "bfloat16"):
+        precision, alone, together, shared = alone_and_together(model_dir, root, dtype)
+        assert precision is Precision(dtype) and shared > 0
+        same = sum(a == t for a, t in zip(alone, together, strict=True))
+        assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {dtype} (seed {SEED})"
+        if dtype == "float32":
+            _assert_matches_peft(model_dir, root, hf_model, alone)
+
+
+def _assert_matches_peft(model_dir, root, hf_model, alone) -> None:
+    """Each request's greedy tokens are peft's, its log-probabilities within float32's rounding of them."""
+    from peft import PeftModel
+
     names = list(ADAPTERS)
     peft_model = PeftModel.from_pretrained(copy.deepcopy(hf_model), root / names[0], adapter_name=names[0])
     for name in names[1:]:

@@ -113,17 +113,20 @@ def _lora_kernels(arch: int) -> list[Compiled]:
     return rows
 
 
-def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool) -> list[Compiled]:
+def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool, softcap: bool = False) -> list[Compiled]:
     """The decode (split and merge) and prefill kernels with the launchers' default tiles, for a
-    Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads) and KV block size 16."""
+    Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads) and KV block size 16; ``softcap``:
+    Gemma 2's soft-capped scores."""
     data = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")}
     parts = {n: "*fp32" for n in ("part_max_ptr", "part_sum_ptr", "part_acc_ptr")}
-    types = data | ints | parts | {"qk_scale": "fp32"}
+    types = data | ints | parts | {"qk_scale": "fp32", "cap": "fp32"}
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
-    common = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP, "BLOCK_SIZE": 16, "WINDOWED": windowed, "UPCAST": False}
+    common = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP, "BLOCK_SIZE": 16, "WINDOWED": windowed,
+              "SOFTCAP": softcap, "UPCAST": False}
     shape = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
     shape += ", window" if windowed else ""
+    shape += ", soft-capped" if softcap else ""
 
     tiles = attention_decode.default_tiles(head_dim, TORCH_DTYPES[dtype])
     config = f"{shape}; {tiles.block_n}-key tiles, {tiles.split}-key splits, {tiles.num_warps} warps"
@@ -155,6 +158,9 @@ def compiled_kernels() -> list[Compiled]:
         rows += _lora_kernels(arch)
         for dtype, head_dim, windowed in itertools.product(("bf16", "fp16", "fp32"), (128, 64), (False, True)):
             rows += _attention_kernels(arch, dtype, head_dim, windowed)
+        # Gemma 2 and 3: head_dim 256, sliding layers beside global ones, Gemma 2's scores soft-capped.
+        for dtype, windowed in itertools.product(("bf16", "fp32"), (False, True)):
+            rows += _attention_kernels(arch, dtype, 256, windowed, softcap=True)
     return rows
 
 
@@ -164,7 +170,7 @@ def table(rows: list[Compiled]) -> str:
     window variants are left out (the test checks them too)."""
     figures: dict[tuple[str, str, str], dict[int, tuple[int, int, int]]] = {}
     for r in rows:
-        if "window" in r.config:
+        if "window" in r.config and "soft-capped" not in r.config:
             continue
         figures.setdefault((r.kernel, r.config, r.dtype), {})[r.arch] = (r.registers, r.spills, r.shared)
     lines: dict[tuple, list[str]] = {}  # (kernel, config, figures) -> dtypes

@@ -52,6 +52,7 @@ class Batch:
     query_start: torch.Tensor  # [num_seqs + 1] int32
     block_size: int
     window: int | None
+    softcap: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +62,7 @@ class Batch:
         return dict(
             block_size=self.block_size, scale=self.q.shape[2] ** -0.5, window=self.window,
             max_query_len=max_query_len or max(qlen for qlen, _ in self.seqs),
-            max_seq_len=max_seq_len or max(seq_len for _, seq_len in self.seqs),
+            max_seq_len=max_seq_len or max(seq_len for _, seq_len in self.seqs), softcap=self.softcap,
         )  # fmt: skip
 
     def poisoned_out(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +82,7 @@ def _batch(
     dtype: torch.dtype,
     window: int | None = None,
     seed: int = 0,
+    softcap: float | None = None,
 ) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
@@ -117,6 +119,7 @@ def _batch(
         query_start=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         block_size=block_size,
         window=window,
+        softcap=softcap,
     )
 
 
@@ -146,13 +149,15 @@ def _tolerances(b: Batch) -> tuple[float, float]:
     values (one ulp each, toward zero under the interpreter, plus fp16's subnormal spacing). Each
     of these is relative to Σ w·|v| <= max|v|. The weights' sum and the weighted values are
     L-term float32 sums, merged over at most L splits (``sum_atol``). The output is rounded once
-    to its dtype (``RTOL``).
+    to its dtype (``RTOL``). Soft-capping ``c·tanh(s / c)`` moves no score further apart than it was
+    (its slope is at most 1), and adds its own roundings: the kernels' tanh from a float32 sigmoid,
+    within a few ulps of ``c`` (taken as 8).
     """
     dtype, num_tokens = b.q.dtype, b.num_tokens
     q_abs = b.q[:num_tokens].float().abs()  # [num_tokens, num_heads, head_dim]
     k_abs = b.k_cache.float().abs().nan_to_num(0.0)  # [num_slots, num_kv_heads, head_dim]
     score_scale = b.kwargs()["scale"] * float(torch.einsum("thd,skd->thsk", q_abs, k_abs).amax())
-    delta = sum_atol(b.q.shape[2] + 3, score_scale)
+    delta = sum_atol(b.q.shape[2] + 3, score_scale) + (8 * eps(torch.float32) * b.softcap if b.softcap else 0.0)
     max_len = max(seq_len for _, seq_len in b.seqs)
     weights = math.expm1(2 * delta) + 8 * eps(torch.float32)
     if dtype != torch.float32:
@@ -196,6 +201,21 @@ def test_matches_reference_and_writes_only_query_rows(case):
     b = _batch(seqs, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window,
                seed=zlib.crc32(case.encode()))  # fmt: skip
     _check(b, _run(b))
+
+
+@pytest.mark.parametrize(("case", "softcap"), [("decode-gqa8-bs1-window", 1.5), ("mixed-gqa4-bs16", 2.0),
+                                               ("mixed-gqa1-bs5-window-padding", 0.7), ("decode-two-splits", 0.5)])
+def test_soft_capped_scores_match_reference(case, softcap):
+    # Gemma 2's attention: scores c·tanh(s / c); caps near the scores' size, so that most are bent.
+    seqs, heads, head_dim, block_size, dtype, window = CASES[case]
+    b = _batch(seqs, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window,
+               seed=zlib.crc32(case.encode()), softcap=softcap)  # fmt: skip
+    storage = _run(b)
+    _check(b, storage)
+    uncapped, out = b.poisoned_out()
+    reference.paged_attention(*_args(b, out), **(b.kwargs() | {"softcap": None}))
+    n = b.num_tokens
+    assert (storage[:n] - uncapped[:n]).abs().nan_to_num(0.0).max() > 10 * _tolerances(b)[1]
 
 
 @pytest.mark.parametrize(("dtype", "window"), [(BF16, None), (F32, 40), (F16, 3)])
@@ -278,10 +298,11 @@ def test_a_sequence_gets_the_same_bits_in_a_decode_step_and_a_mixed_step():
             assert torch.equal(_bits(_out_rows(sub, alone, j)), _bits(_out_rows(b, mixed, i)))
 
 
-def test_reference_follows_its_docstring():
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_reference_follows_its_docstring(softcap):
     # The oracle against the semantics written out query by query, in float64.
     seqs = [(3, 7), (1, 5), PAD, (4, 4)]
-    b = _batch(seqs, heads=(4, 2), head_dim=16, block_size=3, dtype=F32, window=5, seed=17)
+    b = _batch(seqs, heads=(4, 2), head_dim=16, block_size=3, dtype=F32, window=5, seed=17, softcap=softcap)
     storage, out = b.poisoned_out()
     reference.paged_attention(*_args(b, out), **b.kwargs())
 
@@ -293,7 +314,9 @@ def test_reference_follows_its_docstring():
             slots = [int(b.block_tables[row, j // 3]) * 3 + j % 3 for j in js]
             for h in range(4):
                 k, v = b.k_cache[slots, h // 2].double(), b.v_cache[slots, h // 2].double()
-                expected = torch.softmax(scale * k @ b.q[t, h].double(), 0) @ v if slots else torch.zeros(16).double()
+                s = scale * k @ b.q[t, h].double()
+                s = s if softcap is None else softcap * torch.tanh(s / softcap)
+                expected = torch.softmax(s, 0) @ v if slots else torch.zeros(16).double()
                 torch.testing.assert_close(out[t, h].double(), expected.to(out[t, h].device), rtol=1e-5, atol=1e-6)
             t += 1
     assert storage[t:].isnan().all() and storage[:t, out[0].numel() :].isnan().all()
@@ -326,6 +349,7 @@ def test_launchers_reject_inputs_that_do_not_match():
         "out must be": lambda: paged_attention(*_args(b, out)[:6], out.float(), **kw),
         "block_size must be a positive int dividing": lambda: paged_attention(*_args(b, out), **kw | {"block_size": 0}),
         "window must be None or a positive int": lambda: paged_attention(*_args(b, out), **kw | {"window": 0}),
+        "softcap must be None or a positive number": lambda: paged_attention(*_args(b, out), **kw | {"softcap": 0.0}),
         "max_seq_len must be a host int": lambda: paged_attention(*_args(b, out), **kw | {"max_seq_len": b.seq_lens}),
         "split=48 must be a positive multiple": lambda: DecodeTiles(split=48, block_n=32),
         "powers of two": lambda: PrefillTiles(block_m=48, block_n=16),

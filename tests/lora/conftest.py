@@ -45,18 +45,23 @@ def tiny_base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_adapters(tiny_base, tmp_path_factory):
     """Root directory holding one PEFT directory per entry of ADAPTERS."""
+    root = tmp_path_factory.mktemp("adapters")
+    save_random_adapters(tiny_base[1], ADAPTERS, root)
+    return root
+
+
+def save_random_adapters(model, specs: dict, root: Path) -> None:
+    """Saves ``root/<name>``: peft's adapter of ``model`` for each name -> LoraConfig kwargs of ``specs``,
+    its A and B drawn from N(0, 0.3²) (large enough that every adapter moves the logits)."""
     from peft import LoraConfig, get_peft_model
 
-    _, model = tiny_base
-    root = tmp_path_factory.mktemp("adapters")
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+    for i, (name, kwargs) in enumerate(specs.items()):
         torch.manual_seed(100 + i)
         peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **kwargs))
         for n, p in peft_model.named_parameters():
             if "lora_" in n:
                 torch.nn.init.normal_(p, std=0.3)
         peft_model.save_pretrained(root / name)
-    return root
 
 
 def forward_rows(model, runtime, rows: list[tuple[str | None, list[int]]]) -> list[torch.Tensor]:

@@ -102,6 +102,16 @@ def test_more_layers_than_the_base_model(runtime, adapter):
     _refused(runtime, adapter, "base model has only 2 layers")
 
 
+def test_packed_and_split_names_for_one_projection(runtime, adapter):
+    # qkv_proj (Phi-3's packed name) and q_proj would both write the q slice: refused, not summed or overwritten.
+    def add_packed(t):
+        p = "base_model.model.model.layers.0.self_attn"
+        t[f"{p}.qkv_proj.lora_A.weight"] = torch.zeros(8, 64)
+        t[f"{p}.qkv_proj.lora_B.weight"] = torch.zeros(64 + 2 * 32, 8)
+    edit_tensors(adapter, add_packed)
+    _refused(runtime, adapter, r"layers.0 adapts the k/q projection twice, through its packed name")
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nan_or_inf_weights(runtime, adapter, value):
     def poison(t):

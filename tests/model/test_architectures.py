@@ -68,3 +68,56 @@ def test_half_precision_stays_close_to_float32(tmp_path, dtype):
     half = run_chunks(load_model(tmp_path, dtype), ids, [len(ids)])
     assert load_model(tmp_path, dtype).embed_tokens.weight.dtype == getattr(torch, dtype)
     assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()
+
+
+def test_qwen3_with_qk_norm_matches_transformers(tmp_path):
+    from transformers import Qwen3Config
+
+    hf = _save(tmp_path, Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False))
+    assert hf.model.layers[0].self_attn.q_norm.weight.shape == (32,)
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+def test_phi3_fused_checkpoint_with_partial_rotary_and_window_matches_transformers(tmp_path):
+    from transformers import Phi3Config
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf = _save(tmp_path, Phi3Config(**COMMON, rope_parameters=rope, sliding_window=12, pad_token_id=0,
+                                    eos_token_id=2))
+    assert hf.model.layers[0].self_attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+def test_phi4_mini_longrope_and_partial_rotary_match_transformers_within_the_original_context(tmp_path):
+    from transformers import Phi3Config
+
+    # Phi-4-mini's shape of config: longrope, 3/4 of each head rotated, a context 8x the original one.
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.3 * i for i in range(6)], "long_factor": [5.0 + i for i in range(6)]}
+    config = Phi3Config(**COMMON | {"max_position_embeddings": 512}, original_max_position_embeddings=64,
+                        rope_parameters=rope, pad_token_id=0, eos_token_id=2)
+    hf = _save(tmp_path, config)
+    _check(tmp_path, hf, length=40, chunks=[20, 1, 19])
+    # transformers switches every position to the long factors past the original context; served: that context
+    assert load_model(tmp_path).config.max_position_embeddings == 64
+
+
+GEMMA = dict(COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"])
+
+
+def test_gemma2_soft_capping_and_sandwich_norms_match_transformers(tmp_path):
+    from transformers import Gemma2Config
+
+    # Caps near the scores' and logits' size, so that tanh bends them.
+    hf = _save(tmp_path, Gemma2Config(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0))
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+def test_gemma3_local_rope_and_qk_norm_match_transformers(tmp_path):
+    from transformers import Gemma3TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+    hf = _save(tmp_path, Gemma3TextConfig(**GEMMA, rope_parameters=rope))
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])

@@ -83,3 +83,36 @@ def test_unsupported_rope_scaling_is_named(tiny_llama):
     _edit_config(tiny_llama, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'yarn'"):
         load_model(tiny_llama)
+
+
+def test_multimodal_gemma3_is_refused_by_name(tiny_llama):
+    # Gemma 3's 4B-27B checkpoints are vision-language models; only the text model (Gemma3ForCausalLM) is served.
+    _edit_config(tiny_llama, architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ModelLoadError,
+                       match="unsupported architecture 'Gemma3ForConditionalGeneration'.*Gemma3ForCausalLM"):
+        load_model(tiny_llama)
+
+
+def test_unsupported_activation_is_named(tiny_llama):
+    _edit_config(tiny_llama, hidden_act="relu")
+    with pytest.raises(ModelLoadError, match="unsupported activation 'relu'"):
+        load_model(tiny_llama)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(partial_rotary_factor=0.375), "partial_rotary_factor gives 3 rotary dimensions of a head of 8"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3},
+          original_max_position_embeddings=64),
+     "longrope short_factor has 3 entries, but the 8 rotary dimensions need 4"),
+])
+def test_rope_settings_that_do_not_fit_the_head_are_named(tiny_llama, changes, message):
+    _edit_config(tiny_llama, architectures=["Phi3ForCausalLM"], rope_parameters=None, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(tiny_llama)
+
+
+def test_a_family_config_over_weights_without_its_tensors_is_refused(tiny_llama):
+    # Qwen3 over Llama weights: the q/k norms it needs are not in the checkpoint.
+    _edit_config(tiny_llama, architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"lacks weights for 2 tensors.*self_attn\.k_norm\.weight"):
+        load_model(tiny_llama)
