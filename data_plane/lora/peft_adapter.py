@@ -157,22 +157,35 @@ def _stage(name: str, config: dict, pairs: dict, projections, limits: AdapterLim
     return tuple(groups), buffer, max_rank
 
 
+# Pieces at least this large are converted straight into their row of the staging buffer (one pass
+# over the bytes, one call per piece); smaller ones are stacked first (two passes, one call per group),
+# where the calls would cost more than the bytes.
+_ROW_BY_ROW_BYTES = 64 << 10
+
+
 def _gather_into(out: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """``out`` ([n, k]) = the pieces stacked, in ``out``'s dtype."""
     if pieces[0].dtype == out.dtype:
         torch.stack(pieces, out=out)
+    elif pieces[0].nbytes >= _ROW_BY_ROW_BYTES:
+        for row, piece in zip(out, pieces, strict=True):
+            row.copy_(piece)
     else:
         out.copy_(torch.stack(pieces))
 
 
 def _gather_scaled_into(out: torch.Tensor, pieces: list[torch.Tensor], scales: list[float]) -> None:
-    """``out[i] = (pieces[i].float() * scales[i]).to(out.dtype)``, rounded once, as one operation per
-    group. With one scale and one dtype, ``mul`` computes in float32 and rounds once, as that does."""
+    """``out[i] = (pieces[i].float() * scales[i]).to(out.dtype)``, rounded once. ``mul`` computes a
+    product of a float32, bfloat16 or float16 tensor and a Python scale in float32 and rounds once to
+    ``out``; a piece in another dtype than ``out`` is made float32 first, as that formula does."""
+    widen = pieces[0].dtype not in (out.dtype, torch.float32)
+    if pieces[0].nbytes >= _ROW_BY_ROW_BYTES:
+        for row, piece, scale in zip(out, pieces, scales, strict=True):
+            torch.mul(piece.float() if widen else piece, scale, out=row)
+        return
     stacked = torch.stack(pieces)  # [n, k]
-    if stacked.dtype != out.dtype and stacked.dtype != torch.float32:
-        stacked = stacked.float()
     if len(set(scales)) == 1:
-        torch.mul(stacked, scales[0], out=out)
+        torch.mul(stacked.float() if widen else stacked, scales[0], out=out)
     else:
         torch.mul(stacked.float(), torch.tensor(scales, dtype=torch.float32)[:, None], out=out)
 

@@ -15,6 +15,7 @@ rename, as the download cache does, is safe): reading a page past a shrunk end r
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import json
 import mmap
@@ -58,12 +59,25 @@ class HashedFile:
             self._map = b""
             self.bytes = torch.empty(0, dtype=torch.uint8)
         self._hash = hashlib.sha256()
-        self._thread = threading.Thread(target=self._hash.update, args=(self._map,), daemon=True)
-        self._thread.start()
+        self._hashed = threading.Event()
+        self._error: BaseException | None = None
+        # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
+        # costs a scheduling round before any of the work that overlaps the hash can begin.
+        _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        try:
+            self._hash.update(self._map)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, on whose thread it is raised
+            self._error = e
+        finally:
+            self._hashed.set()
 
     def sha256(self) -> str:
         """The file's sha256 (waits for the hashing thread)."""
-        self._thread.join()
+        self._hashed.wait()
+        if self._error is not None:
+            raise self._error
         return self._hash.hexdigest()
 
 

@@ -65,6 +65,33 @@ def test_staged_deltas_equal_the_files_weights_and_scale(tiny_base, tiny_adapter
         * dtype.itemsize
 
 
+def test_large_pieces_are_staged_row_by_row_to_the_same_bits(tiny_base, tiny_adapters, monkeypatch):
+    from data_plane.lora import peft_adapter
+
+    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", 0)  # every piece counts as large
+    for dtype in (torch.float32, torch.bfloat16):
+        rt = _runtime(tiny_base, tiny_adapters, str(dtype).removeprefix("torch."))
+        for name in ("r16rs", "r64pat"):
+            got = rt.read(name, name).deltas
+            for path, slices in _expected(tiny_adapters / name, dtype).items():
+                for s, (a, b) in slices.items():
+                    assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (name, path, s)
+
+
+@pytest.mark.parametrize("row_bytes", [0, 1 << 30])
+def test_a_bfloat16_file_served_in_bfloat16(tiny_base, tiny_adapters, tmp_path, monkeypatch, row_bytes):
+    """The 8B case: B times its scale computed in float32 and rounded once, row by row or stacked."""
+    from data_plane.lora import peft_adapter
+
+    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", row_bytes)
+    shutil.copytree(tiny_adapters / "r64pat", tmp_path / "half")
+    edit_tensors(tmp_path / "half", lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    got = _runtime(tiny_base, tmp_path, "bfloat16").read("half", "half").deltas
+    for path, slices in _expected(tmp_path / "half", torch.bfloat16).items():
+        for s, (a, b) in slices.items():
+            assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (path, s)
+
+
 def test_pool_writes_hold_what_per_layer_writes_would(tiny_base, tiny_adapters):
     """Mixed ranks (rank_pattern) and partial targets, through the pools and through set_slot."""
     pooled, per_layer = _runtime(tiny_base, tiny_adapters), _runtime(tiny_base, tiny_adapters)
