@@ -148,12 +148,13 @@ def _stage(name: str, config: dict, pairs: dict, projections, limits: AdapterLim
         offset += n * (a_numel + b_numel)
         _gather_into(a, g.a)
         _gather_scaled_into(b, g.b, g.scales)
-        groups.append(SliceGroup(kind, s, module, tuple(g.layers), a.view(n, r, -1), b.view(n, -1, r)))
-    # One reduction: a sum is finite only if every element is (it accumulates in float32, rounded
-    # once to the buffer's dtype). A sum that overflows from finite elements sends the search below
-    # through every tensor, which then finds nothing to refuse.
-    if not math.isfinite(buffer.sum().item()):
-        _raise_non_finite(name, groups)
+        group = SliceGroup(kind, s, module, tuple(g.layers), a.view(n, r, -1), b.view(n, -1, r))
+        # One reduction per group, while its bytes are still in cache: a sum is finite only if every
+        # element is (it accumulates in float32, rounded once to the dtype). A sum that overflows from
+        # finite elements sends the search through the group's tensors, which then finds nothing.
+        if not math.isfinite(buffer[offset - n * (a_numel + b_numel) : offset].sum().item()):
+            _raise_non_finite(name, group)
+        groups.append(group)
     return tuple(groups), buffer, max_rank
 
 
@@ -190,12 +191,11 @@ def _gather_scaled_into(out: torch.Tensor, pieces: list[torch.Tensor], scales: l
         torch.mul(stacked.float(), torch.tensor(scales, dtype=torch.float32)[:, None], out=out)
 
 
-def _raise_non_finite(name: str, groups: list[SliceGroup]) -> None:
-    for g in groups:
-        for j, layer in enumerate(g.layers):
-            for label, t in (("lora_A", g.a[j]), ("lora_B", g.b[j])):
-                if not torch.isfinite(t).all():
-                    raise InvalidAdapter(f"adapter {name!r}: layers.{layer}.{g.module}.{label} contains NaN or Inf")
+def _raise_non_finite(name: str, g: SliceGroup) -> None:
+    for j, layer in enumerate(g.layers):
+        for label, t in (("lora_A", g.a[j]), ("lora_B", g.b[j])):
+            if not torch.isfinite(t).all():
+                raise InvalidAdapter(f"adapter {name!r}: layers.{layer}.{g.module}.{label} contains NaN or Inf")
 
 
 def _num_layers(projections) -> int:
