@@ -4,12 +4,16 @@ For each adapter, one repeat measures, through the pod's own objects (``LoraRunt
 ``AdapterCache``):
 
 - ``read+validate``: ``LoraRuntime.read`` — resolve the directory under the adapter root, read
-  ``adapter_config.json`` and ``adapter_model.safetensors``, sha256 them, parse, check every
-  name, rank and shape against the model, check for NaN/Inf, fold the scale into B, convert to
-  the serving dtype and split packed projections;
+  ``adapter_config.json``, map ``adapter_model.safetensors`` and sha256 it (on another thread),
+  parse its header, check every name, rank and shape against the model, gather each slice group
+  into the staging buffer while converting to the serving dtype and folding the scale into B,
+  check that buffer for NaN/Inf, wait for the hash and compare it;
 - ``insert``: ``AdapterCache.insert`` into the CPU tier;
-- ``slot copy``: ``AdapterCache.acquire``, which copies every delta into a free slot of every
-  LoRA layer (synchronised on CUDA).
+- ``slot copy``: ``AdapterCache.acquire``, which copies the adapter into a free slot of every
+  LoRA layer (synchronised on CUDA);
+- ``CPU repack`` (CPU slots only, not part of ready-in-slot): the CPU LoRA path's packed copy of
+  the new slot (``kernels.cpu_lora``), which the next step that runs a LoRA layer brings up to
+  date; timed here by asking every layer's backend for its pack.
 
 Before each repeat the file's pages are dropped from the page cache with
 ``posix_fadvise(DONTNEED)`` (no root needed; "cold-ish": the disk's own cache and the directory
@@ -49,7 +53,8 @@ from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.llama import LlamaForCausalLM
 
 HEADER = ("| date | CPU | torch | adapter | dtype | rank | file MB | raw read ms | read+validate ms | insert ms "
-          "| slot copy ms | ready-in-slot ms | ready / raw |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| slot copy ms | ready-in-slot ms | ready / raw | CPU repack ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def drop_page_cache(path: Path) -> None:
@@ -75,7 +80,7 @@ def stand_in_model(config: dict, dtype: torch.dtype, device: str) -> LlamaForCau
 def time_loads(runtime: LoraRuntime, name: str, adapter_dir: Path, repeats: int, device: str) -> dict[str, float]:
     """Median milliseconds of each phase, and of a raw read of the same file, over ``repeats``."""
     weights = adapter_dir / "adapter_model.safetensors"
-    phases: dict[str, list[float]] = {"raw": [], "read": [], "insert": [], "slot": [], "total": []}
+    phases: dict[str, list[float]] = {"raw": [], "read": [], "insert": [], "slot": [], "total": [], "repack": []}
     for _ in range(repeats):
         drop_page_cache(weights)
         t0 = time.perf_counter()
@@ -96,9 +101,14 @@ def time_loads(runtime: LoraRuntime, name: str, adapter_dir: Path, repeats: int,
         phases["insert"].append(t2 - t1)
         phases["slot"].append(t3 - t2)
         phases["total"].append(t3 - t0)
+        if device == "cpu":
+            t4 = time.perf_counter()
+            for layer in runtime.layers.values():
+                layer.backend.pack()
+            phases["repack"].append(time.perf_counter() - t4)
         runtime.cache.release(name)
         runtime.cache.unload(name)
-    return {k: 1000 * statistics.median(v) for k, v in phases.items()}
+    return {k: 1000 * statistics.median(v) if v else float("nan") for k, v in phases.items()}
 
 
 def cpu_name() -> str:
@@ -116,7 +126,8 @@ def row(label: str, dtype: torch.dtype, rank: int, adapter_dir: Path, ms: dict[s
     threads_text = f"{threads} thread{'s' * (threads != 1)}"
     return (f"| {time.strftime('%Y-%m-%d')} | {cpu_name()}, {threads_text} | {torch.__version__} | {label} "
             f"| {str(dtype).removeprefix('torch.')} | {rank} | {size:.2f} | {ms['raw']:.2f} | {ms['read']:.2f} "
-            f"| {ms['insert']:.3f} | {ms['slot']:.2f} | {ms['total']:.2f} | {ms['total'] / ms['raw']:.1f}× |")
+            f"| {ms['insert']:.3f} | {ms['slot']:.2f} | {ms['total']:.2f} | {ms['total'] / ms['raw']:.2f}× "
+            f"| {ms['repack']:.2f} |")
 
 
 def main() -> None:

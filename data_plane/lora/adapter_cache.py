@@ -16,8 +16,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from data_plane.errors import AdapterBusy, AdapterNotFound, CapacityExceeded
-from data_plane.lora.layer import LoRAProjection
-from data_plane.lora.peft_adapter import LoraAdapter, SliceDelta
+from data_plane.lora.layer import LoRAProjection, slot_pools
+from data_plane.lora.lora_adapter import LoraAdapter, SliceDelta
 
 
 class Tier(enum.Enum):
@@ -56,6 +56,7 @@ class AdapterCache:
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self._layers = layers
+        self._pools = slot_pools(layers)
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self._pin_host_memory = pin_host_memory
@@ -208,8 +209,11 @@ class AdapterCache:
             self._free_slot(victim)
             self.stats.evictions[Tier.GPU] += 1
         slot = self._free_slots.pop(0)
-        for path, layer in self._layers.items():
-            layer.set_slot(slot, adapter.deltas.get(path, {}))
+        by_kind: dict[str, list] = {kind: [] for kind in self._pools}
+        for group in adapter.groups:
+            by_kind[group.kind].append(group)
+        for kind, pool in self._pools.items():
+            pool.write(slot, by_kind[kind])
         self._slots[name] = slot
         self.stats.loads[(Tier.GPU, "ok")] += 1
         return slot
@@ -222,8 +226,8 @@ class AdapterCache:
 
     def _free_slot(self, name: str) -> None:
         slot = self._slots.pop(name)
-        for layer in self._layers.values():
-            layer.clear_slot(slot)
+        for pool in self._pools.values():
+            pool.clear(slot)
         self._free_slots.append(slot)
 
     def _drop(self, name: str) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from data_plane.lora.peft_adapter import SliceDelta
+from data_plane.lora.lora_adapter import SliceDelta
+from data_plane.lora.slot_pool import SlotPool
 from data_plane.model.llama import ForwardBatch, LlamaForCausalLM, Projection
 from kernels.lora_backend import LoraSlots, lora_backend
 
@@ -14,12 +15,14 @@ class LoRAProjection(nn.Module):
     """``y = base(x) + scale·(x @ A[slot]ᵀ) @ B[slot]ᵀ`` per token, with each token's slot read from
     the step's LoRA metadata (-1 = base only).
 
-    Slot buffers are allocated once here, sized ``max_loras × max_rank``; activating an adapter
-    copies into a slot and never allocates. The product itself runs in ``self.backend``
-    (``kernels.lora_backend``), chosen by the device the layer lives on.
+    Slot buffers are allocated once, sized ``max_loras × max_rank``: here, or as views of a
+    ``SlotPool`` shared by this projection in every layer (``pool``, the layer's index in it);
+    activating an adapter copies into a slot and never allocates. The product itself runs in
+    ``self.backend`` (``kernels.lora_backend``), chosen by the device the layer lives on.
     """
 
-    def __init__(self, base: Projection, max_loras: int, max_rank: int) -> None:
+    def __init__(self, base: Projection, max_loras: int, max_rank: int,
+                 pool: tuple[SlotPool, int] | None = None) -> None:
         super().__init__()
         self.base = base
         self.slice_names = tuple(base.slices)
@@ -29,17 +32,15 @@ class LoRAProjection(nn.Module):
         self.host_offsets = offsets
         w = base.weight
         num_slices = len(self.slice_names)
-        self.register_buffer(  # [S, max_loras, max_rank, in_features]
-            "lora_a", torch.zeros(num_slices, max_loras, max_rank, base.in_features, dtype=w.dtype, device=w.device)
-        )
-        self.register_buffer(  # [max_loras, out_features, max_rank]
-            "lora_b", torch.zeros(max_loras, base.out_features, max_rank, dtype=w.dtype, device=w.device)
-        )
-        self.register_buffer(  # [S, max_loras] real rank of each slot per slice, 0 = empty
-            "ranks", torch.zeros(num_slices, max_loras, dtype=torch.int32, device=w.device)
-        )
-        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
         self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
+        if pool is None:
+            pool = SlotPool("", 1, base.slices, base.in_features, max_loras, max_rank, w.dtype, w.device), 0
+        self.pool = pool[0]
+        lora_a, lora_b, ranks = self.pool.layer_buffers(pool[1], self)
+        self.register_buffer("lora_a", lora_a)  # [S, max_loras, max_rank, in_features]
+        self.register_buffer("lora_b", lora_b)  # [max_loras, out_features, max_rank]
+        self.register_buffer("ranks", ranks)  # [S, max_loras] real rank of each slot per slice, 0 = empty
+        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=w.device))
         # The backend reads these buffers in place and is chosen by their device: a layer is built
         # on its device and not moved.
         self.backend = lora_backend(LoraSlots(self.lora_a, self.lora_b, self.ranks, self.slice_offsets,
@@ -61,11 +62,18 @@ class LoRAProjection(nn.Module):
         self.backend.slot_changed(slot)
 
     def clear_slot(self, slot: int) -> None:
-        self.lora_a[:, slot].zero_()
-        self.lora_b[slot].zero_()
+        """Zeroes what ``slot`` holds (its written ranks; the padding past them is never written)."""
+        held = max(ranks[slot] for ranks in self.host_ranks)
+        if held:
+            self.lora_a[:, slot, :held].zero_()
+            self.lora_b[slot, :, :held].zero_()
         self.ranks[:, slot] = 0
-        for ranks in self.host_ranks:
-            ranks[slot] = 0
+        self.slot_written(slot, [0] * len(self.slice_names))
+
+    def slot_written(self, slot: int, ranks: list[int]) -> None:
+        """``slot`` now holds ``ranks`` (one per slice), written into the buffers by the caller."""
+        for s, r in enumerate(ranks):
+            self.host_ranks[s][slot] = r
         self.backend.slot_changed(slot)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -77,16 +85,29 @@ class LoRAProjection(nn.Module):
 
 
 def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> dict[str, LoRAProjection]:
-    """Replaces every projection of ``model`` by a LoRA wrapper; returns them by module path
-    (``layers.3.self_attn.qkv_proj``)."""
+    """Replaces every projection of ``model`` by a LoRA wrapper whose slots are views of one
+    ``SlotPool`` per projection kind; returns the wrappers by module path (``layers.3.self_attn.qkv_proj``)."""
+    projections = [(path, m) for path, m in model.named_modules() if isinstance(m, Projection)]
+    by_kind: dict[str, list[tuple[int, str, Projection]]] = {}
+    for path, module in projections:
+        _, layer, kind = path.split(".", 2)  # "layers", "3", "self_attn.qkv_proj"
+        by_kind.setdefault(kind, []).append((int(layer), path, module))
     wrapped: dict[str, LoRAProjection] = {}
-    for path, module in list(model.named_modules()):
-        if isinstance(module, Projection):
+    for kind, members in by_kind.items():
+        first = members[0][2]
+        w = first.weight
+        pool = SlotPool(kind, len(members), first.slices, first.in_features, max_loras, max_rank, w.dtype, w.device)
+        for layer, path, module in members:
             parent_path, _, attr = path.rpartition(".")
-            lora = LoRAProjection(module, max_loras, max_rank)
+            lora = LoRAProjection(module, max_loras, max_rank, (pool, layer))
             setattr(model.get_submodule(parent_path), attr, lora)
             wrapped[path] = lora
     return wrapped
+
+
+def slot_pools(layers: dict[str, LoRAProjection]) -> dict[str, SlotPool]:
+    """The pools that hold ``layers``' slots, by projection kind."""
+    return {layer.pool.kind: layer.pool for layer in layers.values()}
 
 
 def projection_shapes(wrapped: dict[str, LoRAProjection]) -> dict[str, dict[str, tuple[int, int]]]:

@@ -28,7 +28,8 @@ class LoraRuntime:
                           if adapter_cache_dir else None)
         self.layers = wrap_with_lora(model, max_loras, max_rank)
         self._shapes = projection_shapes(self.layers)
-        self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=device.type == "cuda")
+        self._pin = device.type == "cuda"  # adapters are staged in page-locked memory for asynchronous slot copies
+        self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=self._pin)
         # Built on first use: the engine's steps take their LoRA metadata from the step builder
         # (data_plane.engine.step_inputs); this one serves steps built by hand (tests, benchmarks).
         self._meta: LoraMetaBuilder | None = None
@@ -38,14 +39,15 @@ class LoraRuntime:
         """Reads and validates an adapter from a directory under the adapter roots, or from an
         http(s) URL through the download cache. Touches no adapter cache, so it may run on any thread."""
         if not is_http_source(source):
-            return load_peft_adapter(name, source, self.roots, sha256, self._shapes, self.limits, self.dtype)
+            return load_peft_adapter(name, source, self.roots, sha256, self._shapes, self.limits, self.dtype,
+                                     self._pin)
         if self.downloads is None:
             raise InvalidAdapter(f"adapter {name!r}: this pod has no download cache (--adapter-cache-dir), "
                                  "so it cannot load http(s) sources")
         with self.downloads.fetched(name, source, sha256) as adapter_dir:
             # The cached copy is its own root: the same checks as any local directory.
             return load_peft_adapter(name, str(adapter_dir), (adapter_dir,), sha256, self._shapes, self.limits,
-                                     self.dtype)
+                                     self.dtype, self._pin)
 
     def step_metadata(self, token_slots: list[int]) -> LoraMeta:
         """LoRA metadata for a step built by hand; the engine's steps get theirs from its step builder."""

@@ -24,7 +24,7 @@ def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, blo
     """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``."""
     cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
     for name in adapters:
-        cache.insert(LoraAdapter(name, name * 64, 8, {}, 0))
+        cache.insert(LoraAdapter(name, name * 64, 8, (), 0))
     return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
                      weights, policy, prefill_budget=prefill_budget)
 

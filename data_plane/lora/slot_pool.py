@@ -1,0 +1,86 @@
+"""The adapter slots of one projection kind (``self_attn.qkv_proj``, ...) across every layer, in
+one buffer per role, allocated once at start-up.
+
+Each layer's ``LoRAProjection`` owns a contiguous view of these buffers (``layer_buffers``), in the
+layout the kernels read; the pool writes a whole adapter's groups of its kind into a slot with one
+copy per group (``write``), instead of two per layer and slice. Only the first ``rank`` columns of
+a slot are ever read (``kernels.reference``), so a write copies the adapter's ranks and no padding,
+and a clear zeroes what was written: a free slot is all zeros, as it was allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from data_plane.lora.lora_adapter import SliceGroup
+
+
+class SlotOwner(Protocol):
+    """A layer whose slots live in a pool: told which ranks a slot of it now holds."""
+
+    host_ranks: list[list[int]]  # [S][max_loras]
+
+    def slot_written(self, slot: int, ranks: list[int]) -> None: ...
+
+
+class SlotPool:
+    def __init__(self, kind: str, num_layers: int, slices: dict[str, int], in_features: int, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kind = kind
+        self.slice_index = {name: s for s, name in enumerate(slices)}
+        self.row_offsets = [0]
+        for width in slices.values():
+            self.row_offsets.append(self.row_offsets[-1] + width)
+        num_slices, out_features = len(slices), self.row_offsets[-1]
+        self.a = torch.zeros(  # [layers, S, max_loras, max_rank, in_features]
+            num_layers, num_slices, max_loras, max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(  # [layers, max_loras, out_features, max_rank]
+            num_layers, max_loras, out_features, max_rank, dtype=dtype, device=device)
+        self.ranks = torch.zeros(num_layers, num_slices, max_loras, dtype=torch.int32, device=device)  # [layers, S, L]
+        self.owners: list[SlotOwner | None] = [None] * num_layers
+
+    def layer_buffers(self, layer: int, owner: SlotOwner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``lora_a`` [S, max_loras, max_rank, in], ``lora_b`` [max_loras, out, max_rank]
+        and ``ranks`` [S, max_loras], contiguous views of the pool; ``owner`` is told of every write."""
+        self.owners[layer] = owner
+        return self.a[layer], self.b[layer], self.ranks[layer]
+
+    def write(self, slot: int, groups: list[SliceGroup]) -> None:
+        """Puts ``groups`` (an adapter's groups of this kind) into ``slot`` of every layer; slices and
+        layers they lack get rank 0. Copies are asynchronous from pinned memory on a GPU."""
+        self.clear(slot)
+        table = [[0] * len(self.slice_index) for _ in self.owners]  # [layers][S] the slot's new ranks
+        for g in groups:
+            s, r = self.slice_index[g.slice], g.rank
+            lo, hi = self.row_offsets[s], self.row_offsets[s + 1]
+            if len(g.layers) == len(self.owners):  # every layer, in order: one copy per role
+                self.a[:, s, slot, :r].copy_(g.a, non_blocking=True)
+                self.b[:, slot, lo:hi, :r].copy_(g.b, non_blocking=True)
+            else:
+                for j, layer in enumerate(g.layers):
+                    self.a[layer, s, slot, :r].copy_(g.a[j], non_blocking=True)
+                    self.b[layer, slot, lo:hi, :r].copy_(g.b[j], non_blocking=True)
+            for layer in g.layers:
+                table[layer][s] = r
+        self.ranks[:, :, slot].copy_(torch.tensor(table, dtype=torch.int32))
+        self._tell_owners(slot, table)
+
+    def clear(self, slot: int) -> None:
+        """Zeroes what ``slot`` holds (up to the largest rank written there) and sets its ranks to 0."""
+        held = [max((o.host_ranks[s][slot] for o in self.owners if o is not None), default=0)
+                for s in range(len(self.slice_index))]
+        if not any(held):
+            return
+        for s, r in enumerate(held):
+            if r:
+                self.a[:, s, slot, :r].zero_()
+        self.b[:, slot, :, : max(held)].zero_()
+        self.ranks[:, :, slot] = 0
+        self._tell_owners(slot, [[0] * len(held) for _ in self.owners])
+
+    def _tell_owners(self, slot: int, table: list[list[int]]) -> None:
+        for owner, ranks in zip(self.owners, table, strict=True):
+            if owner is not None:
+                owner.slot_written(slot, ranks)

@@ -1,0 +1,226 @@
+"""What the fast reader stages and writes into slots is what peft's files and config say, bit for
+bit: A in the serving dtype, B times its scale rounded once; slot pools hold what per-layer writes
+would; and every malformed safetensors header is refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from data_plane.errors import InvalidAdapter
+from data_plane.lora.runtime import LoraRuntime
+from data_plane.model import load_model
+from tests.lora.conftest import ADAPTERS, WEIGHTS, edit_tensors
+
+# PEFT module -> (our projection below layers.N, slice); written out here rather than imported.
+SLICE_OF = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+            "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
+            "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+            "down_proj": ("mlp.down_proj", "down")}
+
+
+def _runtime(tiny_base, root, dtype="float32", max_rank=64):
+    return LoraRuntime(load_model(tiny_base[0], dtype), max_loras=2, max_cpu_loras=2, max_rank=max_rank,
+                       max_tokens=32, adapter_roots=(root,))
+
+
+def _expected(adapter_dir, dtype):
+    """path -> slice -> (A, B·scale) from safetensors' own reader and the config, as peft defines them."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    expected, tensors = {}, load_file(adapter_dir / WEIGHTS)
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        layer, module = int(key.split(".layers.")[1].split(".")[0]), key.split(".")[-3]
+        r = a.shape[0]
+        alpha = (config.get("alpha_pattern") or {}).get(module, config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        kind, s = SLICE_OF[module]
+        expected.setdefault(f"layers.{layer}.{kind}", {})[s] = (a.to(dtype), (b.float() * scale).to(dtype))
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_staged_deltas_equal_the_files_weights_and_scale(tiny_base, tiny_adapters, name, dtype):
+    rt = _runtime(tiny_base, tiny_adapters, str(dtype).removeprefix("torch."))
+    adapter = rt.read(name, name)
+    expected = _expected(tiny_adapters / name, dtype)
+    got = adapter.deltas
+    assert got.keys() == expected.keys()
+    for path, slices in expected.items():
+        assert got[path].keys() == slices.keys(), path
+        for s, (a, b) in slices.items():
+            assert got[path][s].a.dtype == dtype and torch.equal(got[path][s].a, a), (path, s)
+            assert torch.equal(got[path][s].b, b), (path, s)
+    assert adapter.nbytes == sum(a.numel() + b.numel() for sl in expected.values() for a, b in sl.values()) \
+        * dtype.itemsize
+
+
+def test_large_pieces_are_staged_row_by_row_to_the_same_bits(tiny_base, tiny_adapters, monkeypatch):
+    from data_plane.lora import peft_adapter
+
+    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", 0)  # every piece counts as large
+    for dtype in (torch.float32, torch.bfloat16):
+        rt = _runtime(tiny_base, tiny_adapters, str(dtype).removeprefix("torch."))
+        for name in ("r16rs", "r64pat"):
+            got = rt.read(name, name).deltas
+            for path, slices in _expected(tiny_adapters / name, dtype).items():
+                for s, (a, b) in slices.items():
+                    assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (name, path, s)
+
+
+@pytest.mark.parametrize("row_bytes", [0, 1 << 30])
+def test_a_bfloat16_file_served_in_bfloat16(tiny_base, tiny_adapters, tmp_path, monkeypatch, row_bytes):
+    """The 8B case: B times its scale computed in float32 and rounded once, row by row or stacked."""
+    from data_plane.lora import peft_adapter
+
+    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", row_bytes)
+    shutil.copytree(tiny_adapters / "r64pat", tmp_path / "half")
+    edit_tensors(tmp_path / "half", lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    got = _runtime(tiny_base, tmp_path, "bfloat16").read("half", "half").deltas
+    for path, slices in _expected(tmp_path / "half", torch.bfloat16).items():
+        for s, (a, b) in slices.items():
+            assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (path, s)
+
+
+def test_pool_writes_hold_what_per_layer_writes_would(tiny_base, tiny_adapters):
+    """Mixed ranks (rank_pattern) and partial targets, through the pools and through set_slot."""
+    pooled, per_layer = _runtime(tiny_base, tiny_adapters), _runtime(tiny_base, tiny_adapters)
+    for name in ("r1", "r64pat"):  # r64pat replaces r1 in the same slot: no stale ranks may stay
+        pooled.load(name, name)
+        slot = pooled.cache.acquire(name)
+        pooled.cache.release(name)
+        if name == "r1":
+            pooled.cache.unload(name)
+    deltas = pooled.cache.get("r64pat").deltas
+    for path, layer in per_layer.layers.items():
+        layer.set_slot(slot, deltas.get(path, {}))
+    for path, layer in pooled.layers.items():
+        other = per_layer.layers[path]
+        assert layer.host_ranks == other.host_ranks and torch.equal(layer.ranks, other.ranks), path
+        assert torch.equal(layer.lora_a, other.lora_a) and torch.equal(layer.lora_b, other.lora_b), path
+
+
+def test_adapter_of_some_layers_only(tiny_base, tiny_adapters, tmp_path):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "first-layer")
+    edit_tensors(tmp_path / "first-layer", lambda t: [t.pop(k) for k in [k for k in t if ".layers.1." in k]])
+    rt = _runtime(tiny_base, tmp_path)
+    rt.load("first", "first-layer")
+    slot = rt.cache.acquire("first")
+    expected = _expected(tmp_path / "first-layer", torch.float32)
+    for path, layer in rt.layers.items():
+        if path.startswith("layers.1."):
+            assert all(ranks[slot] == 0 for ranks in layer.host_ranks) and not layer.ranks[:, slot].any()
+            continue
+        for s, name in enumerate(layer.slice_names):
+            a, b = expected[path][name]
+            lo, hi = layer.host_offsets[s], layer.host_offsets[s + 1]
+            assert torch.equal(layer.lora_a[s, slot, :8], a) and torch.equal(layer.lora_b[slot, lo:hi, :8], b)
+
+
+def test_finite_weights_whose_sum_overflows_still_load(tiny_base, tiny_adapters, tmp_path):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "huge")
+
+    def huge(t):
+        t["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"][0, :4] = 3e38
+    edit_tensors(tmp_path / "huge", huge)
+    assert _runtime(tiny_base, tmp_path).read("huge", "huge").rank == 8
+
+
+def test_a_value_the_serving_dtype_cannot_hold_is_refused(tiny_base, tiny_adapters, tmp_path):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "wide")
+
+    def wide(t):
+        t["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"][2, 5] = 1e6  # over float16's 65504
+    edit_tensors(tmp_path / "wide", wide)
+    with pytest.raises(InvalidAdapter, match=r"layers\.1\.up_proj\.lora_A contains NaN or Inf"):
+        _runtime(tiny_base, tmp_path, "float16").read("wide", "wide")
+
+
+def test_a_header_without_padding_still_loads(tiny_base, tiny_adapters, tmp_path):
+    """Older writers did not align the data to 8 bytes: the tensors are then copied, not viewed."""
+    tensors = load_file(tiny_adapters / "r8" / WEIGHTS)
+    header, offset = {}, 0
+    for key, t in tensors.items():
+        header[key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.numel()]}
+        offset += 4 * t.numel()
+    text = json.dumps(header).encode()
+    text += b" " * ((2 - len(text)) % 4)  # 8 + len(text) is 2 past a multiple of 4
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "unaligned")
+    data = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
+    (tmp_path / "unaligned" / WEIGHTS).write_bytes(struct.pack("<Q", len(text)) + text + data)
+    rt = _runtime(tiny_base, tmp_path)
+    assert torch.equal(rt.read("u", "unaligned").deltas["layers.1.mlp.down_proj"]["down"].a,
+                       tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"])
+
+
+def _write_raw(path, header, data: bytes, header_len: int | None = None) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if header_len is None else header_len) + text + data)
+
+
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+ENTRY = {"dtype": "F32", "shape": [8, 64], "data_offsets": [0, 2048]}
+
+
+@pytest.mark.parametrize(("header", "data", "header_len", "match"), [
+    ({KEY: ENTRY}, b"\0" * 2048, 10**9, "its header claims 1000000000 bytes"),
+    (b"{not json", b"", None, "its header is not JSON"),
+    (b"[1, 2]", b"", None, "its header is not a JSON object"),
+    ({KEY: {**ENTRY, "dtype": "F9"}}, b"\0" * 2048, None, "the header entry .* is malformed"),
+    ({KEY: {**ENTRY, "shape": [8, -64]}}, b"\0" * 2048, None, "the header entry .* is malformed"),
+    ({KEY: {**ENTRY, "shape": [8, 65]}}, b"\0" * 2048, None,
+     re.escape(f"'{KEY}' has shape [8, 65] of F32, but 2048 bytes")),
+    ({KEY: {**ENTRY, "data_offsets": [8, 2056]}}, b"\0" * 2056, None,
+     re.escape(f"'{KEY}' starts at byte 8 of the data, where 0 was expected")),
+    ({KEY: ENTRY}, b"\0" * 2049, None, "its tensors need 2048 bytes of data, but the file holds 2049"),
+    ({KEY: ENTRY}, b"\0" * 1000, None, "its tensors need 2048 bytes of data, but the file holds 1000"),
+])
+def test_malformed_safetensors_headers(tiny_base, tiny_adapters, tmp_path, header, data, header_len, match):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "bad")
+    _write_raw(tmp_path / "bad" / WEIGHTS, header, data, header_len)
+    prefix = "adapter 'bad': adapter_model.safetensors is truncated or corrupt: "
+    with pytest.raises(InvalidAdapter, match=prefix + match):
+        _runtime(tiny_base, tmp_path).read("bad", "bad")
+
+
+@pytest.mark.parametrize("size", [0, 3])
+def test_weights_file_shorter_than_its_length_field(tiny_base, tiny_adapters, tmp_path, size):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "short")
+    (tmp_path / "short" / WEIGHTS).write_bytes(b"\1" * size)
+    with pytest.raises(InvalidAdapter, match=f"it is {size} bytes, shorter than the 8-byte header length"):
+        _runtime(tiny_base, tmp_path).read("short", "short")
+
+
+def test_a_corrupt_file_under_a_registered_hash_is_named_by_its_hash(tiny_base, tiny_adapters, tmp_path):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "swapped")
+    (tmp_path / "swapped" / WEIGHTS).write_bytes(b"\xff" * 100)
+    with pytest.raises(InvalidAdapter, match="sha256 of its weights is [0-9a-f]{64}, but 1{64} was expected"):
+        _runtime(tiny_base, tmp_path).read("swapped", "swapped", "1" * 64)
+
+
+def test_the_sha256_is_the_whole_files(tiny_base, tiny_adapters):
+    import hashlib
+
+    expected = hashlib.sha256((tiny_adapters / "r16rs" / WEIGHTS).read_bytes()).hexdigest()
+    assert _runtime(tiny_base, tiny_adapters).read("r16rs", "r16rs", expected).sha256 == expected
+
+
+def test_mixed_dtypes_in_one_file(tiny_base, tiny_adapters, tmp_path):
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "mixed")
+    tensors = load_file(tmp_path / "mixed" / WEIGHTS)
+    tensors = {k: (t.to(torch.bfloat16) if ".lora_B." in k else t) for k, t in tensors.items()}
+    save_file(tensors, tmp_path / "mixed" / WEIGHTS)
+    got = _runtime(tiny_base, tmp_path).read("mixed", "mixed").deltas
+    for path, slices in _expected(tmp_path / "mixed", torch.float32).items():
+        for s, (a, b) in slices.items():
+            assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (path, s)
