@@ -103,6 +103,12 @@ class SourcePolicy:
     @staticmethod
     def _suggestion(scheme: str, url) -> str:
         if scheme in _HOST_SCHEMES:
+            try:
+                local = _local_address(url.hostname or "")
+            except ValueError:  # a host name, not an address
+                local = False
+            if local:  # never advise opening a loopback or link-local address (cloud metadata lives there)
+                return f"{scheme}://{url.hostname} (a loopback or link-local address: only a server of your own)"
             return f"{scheme}://{url.hostname}"
         if scheme in ("s3", "hf"):
             return f"{scheme}://{url.netloc}"
