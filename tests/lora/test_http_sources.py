@@ -326,12 +326,14 @@ def test_a_redirect_to_a_host_the_allow_list_leaves_out_is_refused(runtime, web)
     _refused(runtime, web.url("/r8"), InvalidAdapter, "redirected .302. to http://elsewhere.invalid/.* does not admit")
 
 
-def test_a_scheme_the_allow_list_leaves_out_is_refused_before_any_request(runtime, web):
-    denied = LoraRuntime.__new__(LoraRuntime)  # the same runtime, but a pod that allows only s3 sources
-    denied.__dict__.update(runtime.__dict__, downloads=_fetcher(runtime.downloads.tier.root, ("s3://adapters",)))
+def test_a_scheme_the_allow_list_leaves_out_is_refused_before_any_request(tiny_base, web, tmp_path):
+    (tmp_path / "r8").mkdir()
+    model = load_model(tiny_base[0], "float32")
+    rt = LoraRuntime(model, max_loras=1, max_cpu_loras=1, max_rank=8, max_tokens=16, adapter_roots=(tmp_path,),
+                     fetcher=_fetcher(tmp_path / "downloads", ("s3://adapters",)))  # a pod that fetches only s3
     with pytest.raises(SourceDenied, match=r"does not fetch http://127.0.0.1:\d+/r8: its --adapter-source-allow "
                                            r"\(s3://adapters\) .* add http://127.0.0.1"):
-        denied.read("web", web.url("/r8"))
+        rt.read("web", web.url("/r8"))
     with pytest.raises(SourceDenied, match="does not fetch r8"):
-        denied.read("local", "r8")  # a local directory is a file source, which this pod does not allow
+        rt.read("local", "r8")  # a local directory is a file source, which this pod does not allow
     assert web.requests == []
