@@ -63,7 +63,7 @@ def sha256_of(adapter_dir: Path) -> str:
 def registration_source(source: str, sha256: str | None) -> tuple[str, str]:
     """The ``(source, sha256)`` to register. A local directory (a path or ``file://`` URL) becomes an
     absolute ``file://`` URL, and its digest is computed unless given. A ``file://`` path that exists only
-    on the pods, or an http(s) URL, is sent as is and needs ``sha256``."""
+    on the pods, or an http(s)://, s3:// or hf:// URL, is sent as is and needs ``sha256``."""
     url = urlparse(source)
     local = None
     if url.scheme in ("", "file"):
@@ -71,10 +71,11 @@ def registration_source(source: str, sha256: str | None) -> tuple[str, str]:
         local = path.resolve() if path.is_dir() else None
     if local is not None:
         return f"file://{local}", sha256 or sha256_of(local)
-    if url.scheme in ("file", "http", "https") and sha256:
+    if url.scheme in ("file", "http", "https", "s3", "hf") and sha256:
         return source, sha256
     raise AdminClientError(f"{source} is not a local adapter directory; for a file:// path on the pods or an "
-                           "http(s):// URL, give --sha256 (the SHA-256 of its adapter_model.safetensors)")
+                           "http(s)://, s3:// or hf:// URL, give --sha256 (the SHA-256 of its "
+                           "adapter_model.safetensors)")
 
 
 class AdminClient:

@@ -25,7 +25,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     reg = asub.add_parser("register", parents=[conn], help="register an adapter under a name")
     reg.add_argument("name", help=f"unique name: {NAME_RULE}")
     reg.add_argument("source", help="PEFT adapter directory under the pods' adapter roots (a path, or a file:// "
-                                    "URL), or an http(s):// URL")
+                                    "URL), or an http(s)://, s3://BUCKET/PREFIX or hf://ORG/REPO[@REVISION] URL")
     reg.add_argument("--sha256", help="SHA-256 of adapter_model.safetensors (computed for a local directory; "
                                       "required otherwise)")
     reg.add_argument("--base-model", help="base model id (default: the one the pods serve)")

@@ -138,10 +138,14 @@ def _validate_source(source: str) -> None:
                               "path or URL the pods can load holds")
     if url.scheme == "file" and url.path not in ("", "/") and not url.netloc:
         return
-    if url.scheme in ("http", "https") and url.netloc:
+    if url.scheme in ("http", "https", "s3", "hf") and url.netloc:
+        if "@" in url.netloc:  # hf://org/repo@rev keeps its @ in the path; one in the host part is user:password@
+            raise InvalidArgument(f"source {url.scheme}://…@{url.netloc.rpartition('@')[2]}{url.path} carries "
+                                  "credentials, which would be stored and shown; give the pods credentials "
+                                  "through their environment or service account instead")
         return
-    raise InvalidArgument(f"source {source!r} must be a file:///absolute/path under the pods' adapter roots "
-                          "or an http(s)://host/path URL")
+    raise InvalidArgument(f"source {source!r} must be a file:///absolute/path under the pods' adapter roots, "
+                          "an http(s)://host/path, s3://BUCKET/PREFIX or hf://ORG/REPO[@REVISION] URL")
 
 
 def _load(v: PodView) -> int:

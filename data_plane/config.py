@@ -12,6 +12,10 @@ from conventions import defaults
 from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
 from data_plane.engine.step_cost import AUTO_ITL_GROWTH
+from data_plane.lora.fetcher import FetchSettings
+from data_plane.lora.hub_source import HubSettings
+from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
+from data_plane.lora.source_policy import SourcePolicy, check_entry
 from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
 
 # A CPU pod's KV cache when --kv-cache-bytes is 0: ~17k tokens of the demo model in float32 (46 KB a token).
@@ -41,6 +45,13 @@ class DataPlaneConfig:
     max_adapter_bytes: int = 2 << 30
     adapter_cache_dir: Path | None = None  # None = $LORAFLEET_HOME/adapter-cache (see pod.build_engine)
     adapter_download_timeout_s: float = 30.0
+    adapter_disk_cache_bytes: int = 10 << 30  # the disk tier's bound on downloaded adapters
+    adapter_source_allow: tuple[str, ...] = ()  # --adapter-source-allow entries; () = every scheme
+    s3_endpoint_url: str = ""  # "" = boto3's: AWS_ENDPOINT_URL, else AWS
+    s3_region: str = ""  # "" = boto3's: AWS_DEFAULT_REGION, ...
+    s3_addressing_style: str = "auto"
+    hf_endpoint: str = ""  # "" = huggingface_hub's: HF_ENDPOINT, else huggingface.co
+    hf_token_file: Path | None = None  # None = huggingface_hub's: HF_TOKEN, else its token file
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
@@ -89,6 +100,11 @@ class DataPlaneConfig:
             raise ValueError(f"--kv-cache-bytes must be >= 0 (0 = automatic), got {self.kv_cache_bytes}")
         if self.max_adapter_bytes < 1 or self.adapter_download_timeout_s <= 0:
             raise ValueError("--max-adapter-bytes and --adapter-download-timeout must be positive")
+        if self.adapter_disk_cache_bytes < 0:
+            raise ValueError(f"--adapter-disk-cache-bytes must be >= 0, got {self.adapter_disk_cache_bytes}")
+        for entry in self.adapter_source_allow:
+            check_entry(entry)
+        S3Settings(self.s3_endpoint_url, self.s3_region, self.s3_addressing_style)  # validates the S3 flags
         if not 0.1 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("--gpu-memory-utilization must be within 0.1..0.99")
         if not self.stall_timeout_s > 0:  # NaN too: it would never declare a stall
@@ -132,6 +148,16 @@ class DataPlaneConfig:
                              "when it is self-signed")
         return pem
 
+    def fetch_settings(self, default_cache_dir: Path) -> FetchSettings:
+        """How the pod downloads remote adapters, into --adapter-cache-dir or ``default_cache_dir``."""
+        return FetchSettings(
+            cache_dir=self.adapter_cache_dir or default_cache_dir, disk_cache_bytes=self.adapter_disk_cache_bytes,
+            timeout_s=self.adapter_download_timeout_s, max_bytes=self.max_adapter_bytes,
+            policy=SourcePolicy(self.adapter_source_allow),
+            s3=S3Settings(self.s3_endpoint_url, self.s3_region, self.s3_addressing_style),
+            hub=HubSettings(self.hf_endpoint, self.hf_token_file),
+        )
+
     @property
     def resolved_pod_id(self) -> str:
         return self.pod_id or f"{socket.gethostname()}-{self.port}"
@@ -153,6 +179,10 @@ class DataPlaneConfig:
             allow_pickle_adapters=args.allow_pickle_adapters, max_adapter_bytes=args.max_adapter_bytes,
             adapter_cache_dir=Path(args.adapter_cache_dir) if args.adapter_cache_dir else None,
             adapter_download_timeout_s=args.adapter_download_timeout,
+            adapter_disk_cache_bytes=args.adapter_disk_cache_bytes,
+            adapter_source_allow=tuple(args.adapter_source_allow or ()), s3_endpoint_url=args.s3_endpoint_url,
+            s3_region=args.s3_region, s3_addressing_style=args.s3_addressing_style, hf_endpoint=args.hf_endpoint,
+            hf_token_file=Path(args.hf_token_file) if args.hf_token_file else None,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_bytes=args.kv_cache_bytes, enforce_eager=args.enforce_eager,
@@ -221,10 +251,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")
     p.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes, help="largest adapter file")
     p.add_argument("--adapter-cache-dir",
-                   help="where http(s) adapter sources are downloaded; one directory per pod "
-                        "(default: $LORAFLEET_HOME/adapter-cache/POD_ID)")
+                   help="the disk tier: where remote adapters (http, s3, hf) are downloaded and kept by sha256; one "
+                        "directory per pod, kept across restarts (default: $LORAFLEET_HOME/adapter-cache/POD_ID)")
+    p.add_argument("--adapter-disk-cache-bytes", type=int, default=d.adapter_disk_cache_bytes,
+                   help="most bytes of downloaded adapters the disk tier keeps; least recently used go first "
+                        f"(default {d.adapter_disk_cache_bytes})")
     p.add_argument("--adapter-download-timeout", type=float, default=d.adapter_download_timeout_s,
                    help="seconds an adapter download may wait on the server before it fails")
+    p.add_argument("--adapter-source-allow", action="append", metavar="ENTRY",
+                   help="an adapter source this pod may fetch (repeatable): a scheme (file, http, https, s3, hf), "
+                        "http[s]://HOST[:PORT], s3://BUCKET or hf://ORG[/REPO]; default: every scheme. http(s) "
+                        "sources at loopback or link-local addresses are refused unless an entry names the host")
+    p.add_argument("--s3-endpoint-url", default=d.s3_endpoint_url,
+                   help="S3-compatible endpoint for s3:// sources (default: AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--s3-region", default=d.s3_region, help="S3 region (default: AWS_DEFAULT_REGION)")
+    p.add_argument("--s3-addressing-style", default=d.s3_addressing_style, choices=ADDRESSING_STYLES,
+                   help="bucket in the path or the host name; auto (default): path-style for any endpoint but AWS's")
+    p.add_argument("--hf-endpoint", default=d.hf_endpoint,
+                   help="Hugging Face Hub endpoint for hf:// sources (default: HF_ENDPOINT, else huggingface.co)")
+    p.add_argument("--hf-token-file",
+                   help="file holding the Hub token for hf:// sources, read at each download "
+                        "(default: HF_TOKEN, else the Hub's token file)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="most tokens in one step (bounds prefill chunks)")

@@ -9,8 +9,9 @@ from __future__ import annotations
 from conventions.errors import LorafleetError
 
 __all__ = ["AdapterBusy", "AdapterNotFound", "CapacityExceeded", "ControlPlaneUnavailable", "DeadlineExceeded",
-           "InvalidAdapter", "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady", "Overloaded",
-           "QueueFull", "ShuttingDown", "StaleCommand", "StepFailed"]
+           "DigestMismatch", "InvalidAdapter", "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady",
+           "Overloaded", "QueueFull", "ShuttingDown", "SourceDenied", "SourceUnavailable", "StaleCommand",
+           "StepFailed"]
 
 
 class ModelLoadError(LorafleetError):
@@ -34,6 +35,26 @@ class InvalidAdapter(LorafleetError):
     """An adapter's files or weights cannot be served on this model."""
 
     status = "INVALID_ARGUMENT"
+
+
+class SourceDenied(LorafleetError):
+    """The pod may not fetch from an adapter's source: its --adapter-source-allow refuses it, or the
+    storage refused the pod's credentials."""
+
+    status = "PERMISSION_DENIED"
+
+
+class SourceUnavailable(LorafleetError):
+    """The adapter's storage could not be reached or failed to answer; retrying later may succeed."""
+
+    status = "UNAVAILABLE"
+
+
+class DigestMismatch(LorafleetError):
+    """The downloaded weights are not the registered ones (another sha256): the source changed or is
+    corrupt; nothing was installed."""
+
+    status = "FAILED_PRECONDITION"
 
 
 class CapacityExceeded(LorafleetError):

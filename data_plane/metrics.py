@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from data_plane.lora.adapter_cache import Tier
+from data_plane.lora.disk_tier import DiskUsage
 
 if TYPE_CHECKING:  # the engine records into these metrics, so only the type is named here
     from data_plane.engine.state import EngineState
@@ -112,9 +113,42 @@ class _StateCollector:
                 counter = CounterMetricFamily(name, doc)
                 counter.add_metric([], value)
                 yield counter
+        if s.disk is not None:
+            yield from _disk_metrics(s.disk)
         # One series per resident adapter: bounded by --max-cpu-loras.
         resident = GaugeMetricFamily("lorafleet_adapter_resident", "Resident adapters (2 = device slot, 1 = CPU).",
                                      labels=["adapter", "pinned"])
         for r in s.adapters:
             resident.add_metric([r.name, str(r.pinned).lower()], 2 if r.slot >= 0 else 1)
         yield resident
+
+
+def _disk_metrics(d: DiskUsage):
+    """The disk tier's gauges and counters; downloads by scheme (http, https, s3, hf) and outcome."""
+    for name, doc, value in (
+        ("lorafleet_adapter_disk_cache_capacity_bytes", "Bytes the disk tier may hold (--adapter-disk-cache-bytes).",
+         d.capacity_bytes),
+        ("lorafleet_adapter_disk_cache_bytes", "Bytes of downloaded adapters on disk.", d.used_bytes),
+        ("lorafleet_adapter_disk_cache_entries", "Downloaded adapters on disk (one per sha256).", d.entries),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+    for name, doc, value in (
+        ("lorafleet_adapter_disk_cache_hits", "Remote adapters loaded from the disk tier without a download.",
+         d.hits),
+        ("lorafleet_adapter_disk_cache_evictions", "Downloaded adapters dropped from disk to fit its bound.",
+         d.evictions),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], value)
+        yield counter
+    downloads = CounterMetricFamily("lorafleet_adapter_downloads", "Adapter downloads by scheme and outcome.",
+                                    labels=["scheme", "outcome"])
+    seconds = CounterMetricFamily("lorafleet_adapter_download_seconds",
+                                  "Seconds spent in successful adapter downloads (over downloads: the mean).",
+                                  labels=["scheme"])
+    for scheme in ("http", "https", "s3", "hf"):
+        for outcome in ("ok", "error"):
+            downloads.add_metric([scheme, outcome], d.downloads.get((scheme, outcome), 0))
+        seconds.add_metric([scheme], d.download_seconds.get(scheme, 0.0))
+    yield downloads
+    yield seconds

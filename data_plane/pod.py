@@ -15,6 +15,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import Policy, ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.errors import AdapterNotFound
+from data_plane.lora.fetcher import AdapterFetcher
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
@@ -51,12 +52,12 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     set_precision(model, config.dtype, config.max_num_seqs)
     tokenizer = Tokenizer(model_dir)
     roots = config.adapter_roots
-    # One cache directory per pod: a pod clears unfinished downloads in its directory at start-up.
-    download_dir = config.adapter_cache_dir or lorafleet_home() / "adapter-cache" / config.resolved_pod_id
+    # One disk tier per pod: a pod clears unfinished downloads in its directory at start-up.
+    fetcher = AdapterFetcher(config.fetch_settings(lorafleet_home() / "adapter-cache" / config.resolved_pod_id))
     lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,
                        config.max_num_batched_tokens, roots,
                        AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),
-                       download_dir, config.adapter_download_timeout_s)
+                       fetcher)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,

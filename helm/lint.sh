@@ -148,7 +148,11 @@ render model-custom-existing-secrets-cpu \
   --set controlPlane.image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef \
   --set metrics.serviceMonitor.enabled=true --set networkPolicy.enabled=false \
   --set router.autoscaling.enabled=true --set router.apiKeys.existingSecret=lorafleet-api-keys \
-  --set router.pdb.enabled=false
+  --set router.pdb.enabled=false \
+  --set 'dataPlane.adapterSources.allow={s3://adapters,hf://acme}' \
+  --set dataPlane.adapterSources.s3.endpointUrl=http://minio.storage:9000 \
+  --set dataPlane.adapterSources.s3.credentialsSecret=lorafleet-s3 \
+  --set dataPlane.adapterSources.hf.tokenSecret=lorafleet-hf-token
 
 refuse latest-tag "must be a pinned version" --set dataPlane.image.tag=latest
 refuse no-redis "set externalRedis.url or externalRedis.existingSecret" --set redis.enabled=false

@@ -362,6 +362,7 @@ class Engine:
             evictions=dict(cache.stats.evictions), running=len(self.scheduler.running),
             waiting=self.scheduler.num_waiting, kv_usage=self.blocks.usage,
             preemptions=self.scheduler.num_preemptions, prefix=self._prefix_state(),
+            disk=self.lora.downloads.tier.usage() if self.lora.downloads is not None else None,
         )
 
     def _prefix_state(self) -> PrefixState | None:

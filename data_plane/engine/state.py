@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from data_plane.lora.adapter_cache import Residency, Tier, TierUsage
+from data_plane.lora.disk_tier import DiskUsage
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineState:
     kv_usage: float  # fraction of KV-cache blocks in use
     preemptions: int  # sequences preempted for lack of KV blocks so far
     prefix: PrefixState | None = None  # the prefix cache's counts; None without prefix caching
+    disk: DiskUsage | None = None  # the disk tier of downloaded adapters; None on a pod without one
 
 
 @dataclass(frozen=True)

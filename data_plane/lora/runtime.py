@@ -6,7 +6,7 @@ from pathlib import Path
 
 from data_plane.errors import InvalidAdapter
 from data_plane.lora.adapter_cache import AdapterCache
-from data_plane.lora.http_source import HttpAdapterCache, is_http_source
+from data_plane.lora.fetcher import AdapterFetcher, is_remote
 from data_plane.lora.layer import projection_shapes, wrap_with_lora
 from data_plane.lora.peft_adapter import AdapterLimits, LoraAdapter, load_peft_adapter
 from data_plane.model.llama import LlamaForCausalLM
@@ -16,16 +16,15 @@ from kernels.lora_meta import LoraMeta, LoraMetaBuilder
 class LoraRuntime:
     def __init__(self, model: LlamaForCausalLM, max_loras: int, max_cpu_loras: int, max_rank: int,
                  max_tokens: int, adapter_roots: tuple[Path, ...], limits: AdapterLimits | None = None,
-                 adapter_cache_dir: Path | None = None, download_timeout_s: float = 30.0) -> None:
+                 fetcher: AdapterFetcher | None = None) -> None:
         device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.roots = tuple(adapter_roots)
         self.limits = limits or AdapterLimits(max_rank=max_rank)
         if self.limits.max_rank != max_rank:
             raise ValueError("AdapterLimits.max_rank must equal max_rank")
-        # http(s) sources are downloaded here; without a cache directory the pod refuses them.
-        self.downloads = (HttpAdapterCache(adapter_cache_dir, self.limits.max_bytes, download_timeout_s)
-                          if adapter_cache_dir else None)
+        # Remote sources are downloaded through its disk tier; without one the pod refuses them.
+        self.downloads = fetcher
         self.layers = wrap_with_lora(model, max_loras, max_rank)
         self._shapes = projection_shapes(self.layers)
         self._pin = device.type == "cuda"  # adapters are staged in page-locked memory for asynchronous slot copies
@@ -36,14 +35,17 @@ class LoraRuntime:
         self._meta_shape = (max_tokens, max_loras, device, max_rank)
 
     def read(self, name: str, source: str, sha256: str = "") -> LoraAdapter:
-        """Reads and validates an adapter from a directory under the adapter roots, or from an
-        http(s) URL through the download cache. Touches no adapter cache, so it may run on any thread."""
-        if not is_http_source(source):
+        """Reads and validates an adapter from a directory under the adapter roots, or from a remote
+        source (http(s)://, s3://, hf://) through the disk tier. Touches no adapter cache, so it may run
+        on any thread."""
+        if not is_remote(source):
+            if self.downloads is not None:
+                self.downloads.policy.check(name, source, source)
             return load_peft_adapter(name, source, self.roots, sha256, self._shapes, self.limits, self.dtype,
                                      self._pin)
         if self.downloads is None:
             raise InvalidAdapter(f"adapter {name!r}: this pod has no download cache (--adapter-cache-dir), "
-                                 "so it cannot load http(s) sources")
+                                 "so it cannot load remote (http, s3, hf) sources")
         with self.downloads.fetched(name, source, sha256) as adapter_dir:
             # The cached copy is its own root: the same checks as any local directory.
             return load_peft_adapter(name, str(adapter_dir), (adapter_dir,), sha256, self._shapes, self.limits,

@@ -28,7 +28,10 @@ INVALID_REGISTRATIONS = {
     "name ending in a newline": (register(name="x\n"), C.INVALID_ARGUMENT, "[A-Za-z0-9._-]"),
     "name with a slash": (register(name="a/b"), C.INVALID_ARGUMENT, "[A-Za-z0-9._-]"),
     "name of 65 characters": (register(name="x" * 65), C.INVALID_ARGUMENT, "1-64 characters"),
-    "s3 source": (register(source="s3://bucket/a"), C.INVALID_ARGUMENT, "file:///absolute/path"),
+    "ftp source": (register(source="ftp://host/a"), C.INVALID_ARGUMENT, "s3://BUCKET/PREFIX or hf://ORG/REPO"),
+    "s3 source without a bucket": (register(source="s3:///a"), C.INVALID_ARGUMENT, "s3://BUCKET/PREFIX"),
+    "s3 source with credentials": (register(source="s3://AKIAKEY:s3cr3t@bucket/a"), C.INVALID_ARGUMENT,
+                                   r"source s3://…@bucket/a carries credentials"),
     "relative file source": (register(source="file://adapters/a"), C.INVALID_ARGUMENT, "file:///absolute/path"),
     "http source without host": (register(source="http:///a"), C.INVALID_ARGUMENT, "http(s)://host/path"),
     "empty source": (register(source=""), C.INVALID_ARGUMENT, "must be a file:///"),
@@ -150,3 +153,11 @@ def test_registering_without_a_base_model_takes_the_fleets(config):
                                                                             metadata=auth())
 
     assert asyncio.run(go()).base_model == "smollm2-135m"
+
+
+def test_s3_and_hub_sources_are_registered_as_given():
+    from control_plane.registry import _validate_source
+
+    _validate_source("s3://adapters/team/pirate/")
+    _validate_source("hf://acme/pirate-lora@v1")
+    _validate_source("hf://acme/pirate-lora")

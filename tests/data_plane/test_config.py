@@ -135,3 +135,26 @@ def test_the_folded_cpu_matmul_flag_is_refused_with_the_dtype_that_says_the_same
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--cpu-matmul was folded into --dtype" in err and f"{new} " in err and f"was --cpu-matmul {old})" in err
+
+
+def test_the_adapter_source_flags_build_the_fetch_settings(tmp_path):
+    c = config("--adapter-source-allow", "s3://adapters", "--adapter-source-allow", "http://127.0.0.1:8000",
+               "--adapter-disk-cache-bytes", "1000", "--s3-endpoint-url", "http://minio:9000", "--s3-region",
+               "eu-west-1", "--s3-addressing-style", "path", "--hf-endpoint", "http://hub:8080",
+               "--hf-token-file", str(tmp_path / "token"))
+    s = c.fetch_settings(tmp_path / "default")
+    assert s.cache_dir == tmp_path / "default" and s.disk_cache_bytes == 1000
+    assert s.policy.allow == ("s3://adapters", "http://127.0.0.1:8000")
+    assert (s.s3.endpoint_url, s.s3.region, s.s3.addressing_style) == ("http://minio:9000", "eu-west-1", "path")
+    assert (s.hub.endpoint, s.hub.token_file) == ("http://hub:8080", tmp_path / "token")
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--adapter-source-allow", "ftp"), "is not an allow-list entry"),
+    (("--adapter-source-allow", "s3://bucket/prefix"), "is not an allow-list entry"),
+    (("--adapter-disk-cache-bytes", "-1"), "--adapter-disk-cache-bytes must be >= 0"),
+    (("--s3-endpoint-url", "minio:9000"), "must be an http"),
+])
+def test_bad_adapter_source_flags_are_refused_with_what_to_write(flags, words):
+    with pytest.raises(ValueError, match=words):
+        config(*flags)

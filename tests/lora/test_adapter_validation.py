@@ -204,7 +204,7 @@ def test_weights_symlink_that_escapes(runtime, adapter, tiny_adapters):
 
 
 def test_unsupported_scheme(runtime):
-    _refused(runtime, "s3://bucket/adapter", "source scheme 's3' is not supported")
+    _refused(runtime, "ftp://host/adapter", "source scheme 'ftp' is not supported")
 
 
 def test_pickle_is_refused_without_opt_in(runtime, adapter):

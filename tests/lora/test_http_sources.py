@@ -1,6 +1,7 @@
 """http(s) adapter sources: a real HTTP server on loopback serves PEFT directories; the pod
-downloads them into its cache, verifies size and sha256, and reads them like a local directory.
-Every failure is typed, names the adapter, and changes neither the adapter caches nor the disk cache."""
+downloads them into its disk tier, verifies size and sha256, and reads them like a local directory.
+Every failure is typed, names the adapter, and changes neither the adapter caches nor the disk tier.
+Loopback addresses are refused unless --adapter-source-allow names the host: these tests name 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from data_plane.errors import AdapterNotFound, InvalidAdapter
+from data_plane.errors import AdapterNotFound, DigestMismatch, InvalidAdapter, SourceDenied, SourceUnavailable
+from data_plane.lora.fetcher import AdapterFetcher, FetchSettings
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
+from data_plane.lora.source_policy import SourcePolicy
 from data_plane.model import load_model
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -108,9 +111,13 @@ def runtime(tiny_base, tiny_adapters, tmp_path_factory):
     model = load_model(tiny_base[0], "float32")
     rt = LoraRuntime(model, max_loras=2, max_cpu_loras=3, max_rank=16, max_tokens=64, adapter_roots=(root,),
                      limits=AdapterLimits(max_rank=16, max_bytes=LIMIT),
-                     adapter_cache_dir=tmp_path_factory.mktemp("downloads"), download_timeout_s=TIMEOUT_S)
+                     fetcher=_fetcher(tmp_path_factory.mktemp("downloads"), ("file", "http://127.0.0.1")))
     rt.load("resident", "r8")
     return rt
+
+
+def _fetcher(cache_dir, allow: tuple[str, ...]) -> AdapterFetcher:
+    return AdapterFetcher(FetchSettings(cache_dir, timeout_s=TIMEOUT_S, max_bytes=LIMIT, policy=SourcePolicy(allow)))
 
 
 def _sha(tiny_adapters, name: str) -> str:
@@ -118,7 +125,8 @@ def _sha(tiny_adapters, name: str) -> str:
 
 
 def _disk(runtime) -> list[str]:
-    return sorted(str(p.relative_to(runtime.downloads.root)) for p in runtime.downloads.root.rglob("*"))
+    root = runtime.downloads.tier.root
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
 def _state(runtime):
@@ -174,23 +182,26 @@ def test_without_a_digest_the_adapter_is_downloaded_each_time(runtime, web, tiny
     assert len(web.requests) == 4
 
 
-def test_new_weights_at_the_same_url_replace_the_cached_copy(runtime, web, tiny_adapters):
+def test_new_weights_at_the_same_url_are_downloaded_and_kept_by_their_own_digest(runtime, web, tiny_adapters):
     url = web.url("/moving")
     for f in (CONFIG, WEIGHTS):
         web.files[f"/moving/{f}"] = web.files[f"/r8/{f}"]
-    start = set(_disk(runtime))
-    runtime.read("web", url, _sha(tiny_adapters, "r8"))
-    entry = runtime.downloads.root / min(set(_disk(runtime)) - start, key=len)  # this URL's directory
-    assert os.listdir(entry) == [_sha(tiny_adapters, "r8")]
+    r8, r1 = _sha(tiny_adapters, "r8"), _sha(tiny_adapters, "r1")
+    for digest in (r8, r1):  # earlier tests left both on disk
+        runtime.downloads.tier.discard(digest)
+    runtime.read("web", url, r8)
     for f in (CONFIG, WEIGHTS):
         web.files[f"/moving/{f}"] = web.files[f"/r1/{f}"]
-    assert runtime.read("web", url, _sha(tiny_adapters, "r1")).rank == 1
-    assert os.listdir(entry) == [_sha(tiny_adapters, "r1")]  # the old version is dropped, not kept beside it
+    assert runtime.read("web", url, r1).rank == 1
+    assert len(web.requests) == 4
+    assert {r8, r1} <= set(os.listdir(runtime.downloads.tier.root))  # content-addressed: one copy per digest
+    assert runtime.read("web", url, r8).rank == 8  # the older weights are still on disk: no request
     assert len(web.requests) == 4
 
 
 def test_digest_mismatch_is_refused(runtime, web, tiny_adapters):
-    err = _refused(runtime, web.url("/r8"), InvalidAdapter, "sha256 of adapter_model.safetensors .* was registered",
+    runtime.downloads.tier.discard(_sha(tiny_adapters, "r1"))  # else the disk tier holds the registered weights
+    err = _refused(runtime, web.url("/r8"), DigestMismatch, "sha256 of adapter_model.safetensors .* was registered",
                    sha256=_sha(tiny_adapters, "r1"))
     assert _sha(tiny_adapters, "r8") in str(err)
 
@@ -206,7 +217,12 @@ def test_missing_weights_are_not_found(runtime, web):
 
 def test_server_error_is_refused(runtime, web):
     web.rules["/r8/adapter_model.safetensors"] = lambda h: h.send_error(503)
-    _refused(runtime, web.url("/r8"), InvalidAdapter, "answered HTTP 503")
+    _refused(runtime, web.url("/r8"), SourceUnavailable, "answered HTTP 503")
+
+
+def test_a_server_refusing_access_is_permission_denied(runtime, web):
+    web.rules["/r8/adapter_config.json"] = lambda h: h.send_error(403)
+    _refused(runtime, web.url("/r8"), SourceDenied, "answered HTTP 403")
 
 
 def test_declared_size_over_the_limit_is_refused_before_reading(runtime, web):
@@ -229,14 +245,14 @@ def test_body_longer_than_declared_is_not_taken(runtime, web):
 def test_server_closing_mid_body_is_refused(runtime, web):
     weights = web.files["/r8/adapter_model.safetensors"]
     web.rules["/r8/adapter_model.safetensors"] = lambda h: _answer(h, weights, len(weights), len(weights) // 2)
-    _refused(runtime, web.url("/r8"), InvalidAdapter, f"closed the connection .*after {len(weights) // 2}")
+    _refused(runtime, web.url("/r8"), SourceUnavailable, f"closed the connection .*after {len(weights) // 2}")
 
 
 def test_connection_refused(runtime, web):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    _refused(runtime, f"http://127.0.0.1:{port}/r8", InvalidAdapter, "cannot fetch .*[Rr]efused")
+    _refused(runtime, f"http://127.0.0.1:{port}/r8", SourceUnavailable, "cannot fetch .*[Rr]efused")
 
 
 def test_stalled_server_times_out(runtime, web):
@@ -249,7 +265,7 @@ def test_stalled_server_times_out(runtime, web):
         web.release.wait(10)
 
     web.rules["/r8/adapter_config.json"] = stall
-    _refused(runtime, web.url("/r8"), InvalidAdapter, f"stalled for {TIMEOUT_S:g}s")
+    _refused(runtime, web.url("/r8"), SourceUnavailable, f"stalled for {TIMEOUT_S:g}s")
 
 
 def test_redirect_to_http_is_followed(runtime, web, tiny_adapters):
@@ -285,3 +301,39 @@ def test_a_pod_without_a_download_cache_refuses_http_sources(tiny_base, tmp_path
     rt = LoraRuntime(model, max_loras=1, max_cpu_loras=1, max_rank=8, max_tokens=16, adapter_roots=(tmp_path,))
     with pytest.raises(InvalidAdapter, match="adapter 'web': this pod has no download cache"):
         rt.read("web", "https://example.invalid/r8")
+
+
+@pytest.mark.parametrize("allow", [(), ("http",), ("http://localhost",), ("http://127.0.0.1:1",)])
+def test_loopback_is_refused_unless_an_entry_names_the_host(tiny_base, web, tmp_path, tiny_adapters, allow):
+    model = load_model(tiny_base[0], "float32")
+    rt = LoraRuntime(model, max_loras=1, max_cpu_loras=1, max_rank=8, max_tokens=16, adapter_roots=(tmp_path,),
+                     fetcher=_fetcher(tmp_path / "downloads", allow))
+    # (): every scheme but no loopback; ("http",): every http host but no loopback; the others name other hosts
+    with pytest.raises(SourceDenied, match=r"127\.0\.0\.1.*(loopback or link-local|admits no such source).*"
+                                           r"--adapter-source-allow"):
+        rt.read("web", web.url("/r8"), _sha(tiny_adapters, "r8"))
+    assert web.requests == []  # refused on the connected socket, before a byte of the request was sent
+    assert os.listdir(tmp_path / "downloads") == []
+
+
+def test_a_redirect_to_a_host_the_allow_list_leaves_out_is_refused(runtime, web):
+    def away(h):
+        h.send_response(302)
+        h.send_header("Location", "http://elsewhere.invalid/r8/adapter_model.safetensors")
+        h.end_headers()
+
+    web.rules["/r8/adapter_model.safetensors"] = away
+    _refused(runtime, web.url("/r8"), InvalidAdapter, "redirected .302. to http://elsewhere.invalid/.* does not admit")
+
+
+def test_a_scheme_the_allow_list_leaves_out_is_refused_before_any_request(tiny_base, web, tmp_path):
+    (tmp_path / "r8").mkdir()
+    model = load_model(tiny_base[0], "float32")
+    rt = LoraRuntime(model, max_loras=1, max_cpu_loras=1, max_rank=8, max_tokens=16, adapter_roots=(tmp_path,),
+                     fetcher=_fetcher(tmp_path / "downloads", ("s3://adapters",)))  # a pod that fetches only s3
+    with pytest.raises(SourceDenied, match=r"does not fetch http://127.0.0.1:\d+/r8: its --adapter-source-allow "
+                                           r"\(s3://adapters\) .* add http://127.0.0.1"):
+        rt.read("web", web.url("/r8"))
+    with pytest.raises(SourceDenied, match="does not fetch r8"):
+        rt.read("local", "r8")  # a local directory is a file source, which this pod does not allow
+    assert web.requests == []

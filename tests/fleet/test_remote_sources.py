@@ -1,0 +1,130 @@
+"""Adapters from where they live, end to end with real processes: an S3 API (moto, IAM on) and a Hub
+(huggingface_hub's routes) on loopback, a redis-server, a control plane, two CPU pods on the demo model
+with their credentials in the standard AWS variables, and a router. s3:// and hf:// adapters are
+registered and pinned through the control plane, serve through the router with the tokens their local
+copies give, move to the survivor when their pod is killed, and the killed pod, started again alone on
+its disk tier, loads them through DataPlaneAdmin without a download. No credential shows anywhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+from unittest import mock
+
+import grpc
+import pytest
+from lorafleet.v1 import data_plane_admin_pb2 as dpa
+
+from benchmarks.object_store import MotoS3
+from benchmarks.processes import Fleet, PodProcess, RouterProcess, copy_demo_adapters, wait_until
+from cli.admin_client import sha256_of
+from tests.grpc_helpers import collect, request
+from tests.hub_server import HubServer
+
+pytestmark = pytest.mark.slow
+READY_WITHIN_S = 60
+ALLOW = ("--adapter-source-allow", "file", "--adapter-source-allow", "s3://adapters",
+         "--adapter-source-allow", "hf://acme")
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("remote-fleet")
+    root = copy_demo_adapters(tmp_path_factory.mktemp("remote-adapters"))
+    s3, hub = MotoS3(workdir), HubServer()
+    fleet = router = None
+    try:
+        s3.start()
+        s3.put_adapter("team/pirate", root / "pirate")
+        hub.publish("acme/signoff", {f: (root / "signoff" / f).read_bytes() for f in FILES})
+        env = {**s3.reader.env(s3.endpoint), "LORAFLEET_HOME": str(workdir / "home")}
+        with mock.patch.dict(os.environ, env):  # what the pods inherit: the key, the endpoint, their disk tiers' home
+            fleet = Fleet(workdir, root, "--model", str(demo_model_dir), "--hf-endpoint", hub.endpoint, *ALLOW).start()
+            router = RouterProcess(workdir, fleet.cp.target, fleet.token_file, "--refresh-interval", "0.3").start()
+            yield fleet, router, s3, hub, root, workdir
+    finally:
+        for part in (router, fleet, s3):
+            if part is not None:
+                part.stop()
+        hub.close()
+
+
+def _register(fleet, name, source, directory):
+    from lorafleet.v1 import adapter_admin_pb2 as pb
+
+    return fleet.admin().RegisterAdapter(pb.RegisterAdapterRequest(
+        name=name, source=source, sha256=sha256_of(directory), base_model="SmolLM2-135M-Instruct"),
+        metadata=fleet.auth(), timeout=5)
+
+
+def _secretless(s3, *texts):
+    for text in texts:
+        assert s3.reader.secret_access_key not in text and s3.reader.access_key_id not in text
+
+
+def test_s3_and_hub_adapters_serve_through_the_router_move_when_their_pod_dies_and_load_from_disk_again(
+        stack, demo_model_dir):
+    fleet, router, s3, hub, root, workdir = stack
+    _register(fleet, "pirate-s3", "s3://adapters/team/pirate", root / "pirate")
+    _register(fleet, "signoff-hf", "hf://acme/signoff", root / "signoff")
+    fleet.register("pirate")  # the same weights from a local directory: the reference
+    for name in ("pirate-s3", "signoff-hf"):
+        fleet.pin(name, 1)
+    for name in ("pirate-s3", "signoff-hf"):
+        wait_until(lambda n=name: fleet.placements(n), READY_WITHIN_S, f"{name} READY")
+    question = "What is the tallest mountain?"
+    text, tokens, _ = collect(router, request(question, "pirate-s3", max_tokens=16))
+    _, reference, _ = collect(router, request(question, "pirate", max_tokens=16))
+    assert [t.id for t in tokens] == [t.id for t in reference] and text  # the same weights, the same tokens
+    assert collect(router, request(question, "signoff-hf", max_tokens=8))[2].usage.completion_tokens > 0
+    assert fleet.adapter("pirate-s3").source == "s3://adapters/team/pirate"
+
+    (holder,) = fleet.placements("pirate-s3")
+    survivor = next(p for p in fleet.pods if p != holder)
+    downloads_before = fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3")
+    fleet.pods[holder].signal(signal.SIGKILL)
+    fleet.pods[holder].proc.wait(timeout=10)
+    for name in ("pirate-s3", "signoff-hf"):
+        wait_until(lambda n=name: fleet.pinned_on(n) == {survivor}, READY_WITHIN_S, f"{name} pinned on the survivor")
+    assert fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3") \
+        == downloads_before + 1  # from storage: the survivor had no copy
+    assert collect(router, request(question, "pirate-s3", max_tokens=4))[2].usage.completion_tokens > 0
+
+    # The killed pod again, alone (no control plane), on the disk tier it left behind.
+    alone = PodProcess(workdir, "--model", str(demo_model_dir), "--adapter-cache-dir",
+                       str(workdir / "home" / "adapter-cache" / holder),
+                       "--hf-endpoint", hub.endpoint, *ALLOW, name=f"{holder}-alone")
+    with mock.patch.dict(os.environ, s3.reader.env("http://127.0.0.1:9")):  # the store is out of reach now
+        alone.start()
+    try:
+        assert alone.metric("lorafleet_adapter_disk_cache_entries") >= 1
+        load = dpa.LoadAdapterRequest(name="pirate", source="s3://adapters/team/pirate",
+                                      sha256=sha256_of(root / "pirate"))
+        alone.admin().LoadAdapter(load, metadata=alone.auth(), timeout=120)
+        assert alone.metric("lorafleet_adapter_disk_cache_hits_total") == 1
+        assert alone.metric("lorafleet_adapter_downloads_total", outcome="error", scheme="s3") == 0
+        assert [t.id for t in collect(alone, request(question, "pirate", max_tokens=16))[1]] == \
+            [t.id for t in reference]
+        refusals = {
+            "other weights": (dpa.LoadAdapterRequest(name="x", source="hf://acme/signoff", sha256="0" * 64),
+                              grpc.StatusCode.FAILED_PRECONDITION, "other weights"),
+            "missing repository": (dpa.LoadAdapterRequest(name="x", source="hf://acme/nothing"),
+                                   grpc.StatusCode.NOT_FOUND, "the Hub has no hf://acme/nothing"),
+            "unreachable store": (dpa.LoadAdapterRequest(name="x", source="s3://adapters/team/other"),
+                                  grpc.StatusCode.UNAVAILABLE, "s3://adapters/team/other"),
+            "bucket not allowed": (dpa.LoadAdapterRequest(name="x", source="s3://secrets/x"),
+                                   grpc.StatusCode.PERMISSION_DENIED, "--adapter-source-allow"),
+            "cloud metadata": (dpa.LoadAdapterRequest(name="x", source="http://169.254.169.254/latest"),
+                               grpc.StatusCode.PERMISSION_DENIED, "a loopback or link-local address"),
+        }
+        for case, (req, code, words) in refusals.items():
+            with pytest.raises(grpc.RpcError) as e:
+                alone.admin().LoadAdapter(req, metadata=alone.auth(), timeout=120)
+            assert (e.value.code(), words in e.value.details()) == (code, True), (case, e.value.details())
+            _secretless(s3, e.value.details())
+        assert {a.name for a in alone.state().adapters} == {"pirate"}  # the refusals changed nothing
+        _secretless(s3, alone.metrics(), alone.log_path.read_text(), str(fleet.adapter("pirate-s3")),
+                    *(pod.log_path.read_text() for pod in fleet.pods.values()))
+    finally:
+        alone.stop()
