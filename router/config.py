@@ -30,7 +30,10 @@ def parse_api_keys(text: str, source: str) -> frozenset[str]:
 class RouterConfig:
     """Everything one router process needs; validated on construction."""
 
-    admin_token_file: Path  # the control plane's bearer token; pods' DataPlaneAdmin takes the same one
+    # The token the router reads the registry and pods' state with: the readers' (least privilege), or the
+    # admin token of a fleet with one token for everything. Exactly one of the two.
+    admin_token_file: Path | None = None
+    reader_token_file: Path | None = None
     control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
     control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
     host: str = defaults.HOST
@@ -61,7 +64,11 @@ class RouterConfig:
         if not 1024 <= self.http_max_body_bytes <= 1024 ** 3:
             raise ConfigError(f"--http-max-body-bytes must be within 1 KiB-1 GiB, got {self.http_max_body_bytes}")
         parse_endpoint(self.control_plane, "--control-plane")
+        if (self.admin_token_file is None) == (self.reader_token_file is None):
+            raise ConfigError("give --reader-token-file (the readers' token; or --admin-token-file on a fleet with one"
+                              " token), exactly one")
         for flag, path in (("--admin-token-file", self.admin_token_file),
+                           ("--reader-token-file", self.reader_token_file),
                            ("--control-plane-ca", self.control_plane_ca),
                            ("--api-key-file", self.api_key_file), ("--tenants-file", self.tenants_file)):
             if path is not None and not Path(path).is_file():
@@ -94,6 +101,11 @@ class RouterConfig:
         except OSError as e:
             raise ConfigError(f"cannot read --api-key-file {self.api_key_file}: {e.strerror}") from e
         return parse_api_keys(text, str(self.api_key_file))
+
+    @property
+    def token_file(self) -> Path:
+        """The file of the token the router reads with."""
+        return self.reader_token_file or self.admin_token_file
 
     def control_plane_root_cert(self) -> bytes | None:
         """The PEM bytes of --control-plane-ca, or None for a plaintext control plane."""
@@ -135,8 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-plane", default=d.control_plane,
                    help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
     p.add_argument("--control-plane-ca", type=Path, help="PEM CA to dial the control plane over TLS")
-    p.add_argument("--admin-token-file", type=Path, required=True,
-                   help="file holding the control plane's bearer token (pods accept the same one)")
+    p.add_argument("--reader-token-file", type=Path,
+                   help="file holding the readers' token, to read the registry and pods' state with (it cannot load,"
+                        " pin or unload anything)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="file holding the control plane's one token, on a fleet that has no reader token"
+                        " (instead of --reader-token-file)")
     p.add_argument("--refresh-interval", type=float, default=d.refresh_interval_s,
                    help=f"seconds between re-reads of the registry and pod states (default {d.refresh_interval_s})")
     p.add_argument("--state-timeout", type=float, default=d.state_timeout_s,
@@ -149,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        admin_token_file=args.admin_token_file, control_plane=args.control_plane,
+        admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
+        control_plane=args.control_plane,
         control_plane_ca=args.control_plane_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, api_key_file=args.api_key_file, tenants_file=args.tenants_file,
         limits_redis_url=args.limits_redis_url, keys_reload_interval_s=args.keys_reload_interval,

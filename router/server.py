@@ -37,7 +37,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     """Serves until ``stop`` is set or the process receives SIGTERM/SIGINT. Health is NOT_SERVING until
     the first read of the control plane, and again while shutting down."""
     stop = stop or asyncio.Event()
-    token = read_token(config.admin_token_file)
+    token = read_token(config.token_file)
     metrics = RouterMetrics()
     channels = PodChannels()
     refresher = StateRefresher(config, token, channels, metrics)
