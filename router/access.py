@@ -65,7 +65,8 @@ class KeysFile:
 
 class Access:
     """The router's one gate. ``keys`` None: the doors are open (every caller, every adapter, no limits).
-    ``grpc_guarded`` False (``--api-key-file``, kept as it was) leaves the gRPC door open."""
+    ``grpc_guarded`` False (``--api-key-file``, kept as it was) leaves the gRPC door open and names no
+    tenant to the pods; True (``--tenants-file``) guards both doors and names each request's tenant."""
 
     def __init__(self, keys: KeysFile | None, limiter: RateLimiter | None, grpc_guarded: bool) -> None:
         self._keys, self._limiter = keys, limiter

@@ -1,5 +1,6 @@
 """The router's gRPC ``Generate`` behind the tenants' gate, and the usage record of every request through
-either door: each call is checked (key, adapter, limits) before it is forwarded, and when it ends its
+either door: each call is checked (key, adapter, limits) before it is forwarded with its tenant named in
+``GenerateRequest.tenant`` (the pods' fair shares weigh tenants), and when it ends its
 tokens are counted per tenant and adapter, charged to the tenant's tokens per minute, and logged as one
 ``usage`` record (tenant, adapter, door, tokens, TTFT, outcome)."""
 
@@ -60,6 +61,10 @@ class Door:
         outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
         try:
             await self._access.admit(tenant, adapter)
+            if tenant is not None and self._access.grpc_guarded:
+                # A field appended to a serialized message overrides an earlier value of it: the pod's fair
+                # share weighs the key's tenant, whatever the caller wrote there.
+                request += generation_pb2.GenerateRequest(tenant=tenant.name).SerializeToString()
             async with contextlib.aclosing(self._forwarder.stream(request, adapter, timeout)) as messages:
                 async for raw in messages:
                     if ttft is None:

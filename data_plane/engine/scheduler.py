@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from data_plane.engine.admission import Ahead, Load
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.fair_share import FairShare, Tenant
+from data_plane.engine.fair_share import FairShare
+from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -109,7 +110,7 @@ class Scheduler:
         if error is not None:
             raise error
         self._queues.setdefault(seq.adapter, deque()).append(seq)
-        self.shares.join(seq.adapter)
+        self.shares.join(seq.adapter, seq.tenant)
 
     def refusal(self, adapter: str | None) -> CapacityExceeded | None:
         """The error a request for ``adapter`` ends with because it can never run here (every slot
@@ -215,10 +216,10 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self._release(seq)
-            self.shares.leave(seq.adapter)
+            self.shares.leave(seq.adapter, seq.tenant)
         elif seq in self._queues.get(seq.adapter, ()):
             self._dequeue(seq)
-            self.shares.leave(seq.adapter)
+            self.shares.leave(seq.adapter, seq.tenant)
         seq.status = SequenceStatus.FINISHED
 
     # ---- admission -------------------------------------------------------------------------
@@ -279,7 +280,7 @@ class Scheduler:
     def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int, num_cached: int = 0) -> int:
         self.blocks.allocate(seq, num_cached + num_new)
         batch.append(ScheduledSeq(seq, num_new, num_cached))
-        self.shares.charge(seq.adapter, num_new)
+        self.shares.charge(seq.adapter, num_new, seq.tenant)
         return num_new
 
     def _dequeue(self, seq: Sequence) -> None:

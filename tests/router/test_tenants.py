@@ -7,11 +7,14 @@ import asyncio
 import json
 
 import pytest
+from lorafleet.v1 import generation_pb2 as g
 
 from conventions.errors import ConfigError
 from router.access import Access, KeysFile, needs_limiter
+from router.door import Door
 from router.errors import PermissionDenied, Unauthenticated
 from router.tenants import key_hash, parse_tenants
+from tests.router.test_forwarder import router
 
 KEY = "sk-acme-1"
 
@@ -88,3 +91,21 @@ def test_a_reloaded_file_takes_effect_and_a_broken_one_keeps_the_last(tmp_path):
     assert not keys.reload() and keys.book.tenant_for(KEY) is not None
     with pytest.raises(ConfigError, match="cannot read"):
         KeysFile(path, parse_tenants)
+
+
+def test_the_pod_is_told_the_keys_tenant_over_whatever_the_caller_wrote(tmp_path):
+    path = tmp_path / "tenants.json"
+    path.write_text(doc(adapters=["pirate"]))
+
+    async def go(grpc_guarded: bool):
+        async with router({"a": "ok"}) as f:
+            access = Access(KeysFile(path, parse_tenants), None, grpc_guarded=grpc_guarded)
+            door = Door(f.forwarder, access, f.metrics)
+            claimed = g.GenerateRequest(adapter="pirate", prompt="hi", tenant="someone-else").SerializeToString()
+            async for _ in door.stream(claimed, "pirate", access.tenant(f"Bearer {KEY}"), 10, "grpc"):
+                pass
+            return f.pods["a"].calls[0].tenant
+
+    assert asyncio.run(go(grpc_guarded=True)) == "acme"
+    # --api-key-file keeps the pods' fair shares per adapter, as before tenants: nothing is named.
+    assert asyncio.run(go(grpc_guarded=False)) == "someone-else"
