@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 from lorafleet.v1 import generation_pb2
 
-from conventions.errors import LorafleetError
+from conventions.status import CallOutcome
 from router.access import Access
 from router.errors import InvalidRequest
 from router.forwarder import SERVICE, Forwarder, adapter_of
@@ -58,31 +58,26 @@ class Door:
         arrived = time.perf_counter()
         ttft = None
         prompt_tokens = completion_tokens = 0
-        outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
+        outcome = CallOutcome()
         try:
-            await self._access.admit(tenant, adapter)
-            if tenant is not None and self._access.grpc_guarded:
-                # A field appended to a serialized message overrides an earlier value of it: the pod's fair
-                # share weighs the key's tenant, whatever the caller wrote there.
-                request += generation_pb2.GenerateRequest(tenant=tenant.name).SerializeToString()
-            async with contextlib.aclosing(self._forwarder.stream(request, adapter, timeout)) as messages:
-                async for raw in messages:
-                    if ttft is None:
-                        ttft = time.perf_counter() - arrived
-                    message = generation_pb2.GenerateResponse.FromString(raw)
-                    completion_tokens += len(message.tokens)
-                    if message.HasField("usage"):
-                        prompt_tokens, completion_tokens = message.usage.prompt_tokens, message.usage.completion_tokens
-                    yield raw
-            outcome = "OK"
-        except LorafleetError as e:
-            outcome = e.status
-            raise
-        except Exception:
-            outcome = "INTERNAL"
-            raise
+            with outcome:
+                await self._access.admit(tenant, adapter)
+                if tenant is not None and self._access.grpc_guarded:
+                    # A field appended to a serialized message overrides an earlier value of it: the pod's fair
+                    # share weighs the key's tenant, whatever the caller wrote there.
+                    request += generation_pb2.GenerateRequest(tenant=tenant.name).SerializeToString()
+                async with contextlib.aclosing(self._forwarder.stream(request, adapter, timeout)) as messages:
+                    async for raw in messages:
+                        if ttft is None:
+                            ttft = time.perf_counter() - arrived
+                        message = generation_pb2.GenerateResponse.FromString(raw)
+                        completion_tokens += len(message.tokens)
+                        if message.HasField("usage"):
+                            prompt_tokens = message.usage.prompt_tokens
+                            completion_tokens = message.usage.completion_tokens
+                        yield raw
         finally:
-            self._record(tenant, adapter, door, outcome, prompt_tokens, completion_tokens, ttft,
+            self._record(tenant, adapter, door, outcome.name, prompt_tokens, completion_tokens, ttft,
                          time.perf_counter() - arrived)
 
     def _record(self, tenant: Tenant | None, adapter: str, door: str, outcome: str, prompt_tokens: int,
