@@ -2,7 +2,8 @@
 
 A real pod process on loopback (the demo model), with eleven adapters under its --adapter-root (copies of a
 demo adapter under the names flood-0 … flood-9 and trickle) and slots for all of them, so that only the
-scheduler's order differs between the phases. The pod's capacity is measured closed-loop first (completed
+scheduler's order differs between the phases, and no admission by deadline (--max-queue-delay 0): every
+request is queued and the order alone decides who waits. The pod's capacity is measured closed-loop first (completed
 requests per second); then, each for ``--seconds`` of Poisson arrivals:
 
 - ``trickle alone``: the trickle adapter at ``--trickle-rate`` requests/s, billed to tenant ``small``;
@@ -92,7 +93,7 @@ def report(rate: float, phases: list[Phase], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="arrivals per phase")
+    parser.add_argument("--seconds", type=float, default=20.0, help="arrivals per phase")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the pod's sequences per step")
     parser.add_argument("--capacity-requests", type=int, default=32, help="requests of the closed-loop capacity run")
@@ -105,7 +106,7 @@ def main() -> None:
         (Path(tmp) / "pod").mkdir()
         pod = PodProcess(Path(tmp) / "pod", "--max-loras", "12", "--max-cpu-loras", "12", "--max-lora-rank", "16",
                          "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", "1024",
-                         "--adapter-root", str(root)).start()
+                         "--max-queue-delay", "0", "--adapter-root", str(root)).start()
         try:
             rate, phases = asyncio.run(run(pod, args))
         finally:

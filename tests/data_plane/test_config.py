@@ -135,3 +135,9 @@ def test_the_folded_cpu_matmul_flag_is_refused_with_the_dtype_that_says_the_same
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--cpu-matmul was folded into --dtype" in err and f"{new} " in err and f"was --cpu-matmul {old})" in err
+
+
+def test_a_reader_token_needs_the_control_planes_token(token_file):
+    assert config("--admin-token-file", str(token_file), "--reader-token-file", str(token_file)).reader_token_file
+    with pytest.raises(ValueError, match="--reader-token-file needs --admin-token-file"):
+        config("--reader-token-file", str(token_file))
