@@ -44,7 +44,11 @@ class FairShare:
         accounts = self._in_flow.get(flow)
         if not accounts:
             return self._served.get(account_of(flow, None), self._floor)
-        return min(self._served.get(a, self._floor) for a in accounts)
+        return min(self.account_served(a) for a in accounts)
+
+    def account_served(self, account: Account) -> float:
+        """The account's counter (the floor for one with no requests)."""
+        return self._served.get(account, self._floor)
 
     def weight(self, flow: Flow) -> float:
         return self._weights.get(flow, 1.0)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from data_plane.engine.admission import Ahead, Load
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.fair_share import FairShare
+from data_plane.engine.fair_share import FairShare, account_of
 from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
@@ -236,12 +236,14 @@ class Scheduler:
         taken; returns that tenant (whose head then takes the seat first), or _NOBODY."""
         if len(self.running) < self.limits.max_num_seqs:
             return _NOBODY
-        seats = Counter(seq.adapter for seq in self.running)
-        seatless = [t for t in self._queues if t not in seats and self._can_run_now(t)]
-        holder = max(seats, key=lambda t: (seats[t], self.shares.served(t)), default=None)
+        # Seats are counted per account (fair_share.py): a tenant's seats across its adapters are its own.
+        seats = Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
+        seatless = [t for t, queue in self._queues.items()
+                    if account_of(t, queue[0].tenant) not in seats and self._can_run_now(t)]
+        holder = max(seats, key=lambda a: (seats[a], self.shares.account_served(a)), default=None)
         if not seatless or seats[holder] < 2:
             return _NOBODY
-        self._preempt(next(seq for seq in reversed(self.running) if seq.adapter == holder))
+        self._preempt(next(seq for seq in reversed(self.running) if account_of(seq.adapter, seq.tenant) == holder))
         return min(seatless, key=lambda t: (self.shares.served(t), self._queues[t][0].arrival))
 
     def _can_run_now(self, tenant: Tenant) -> bool:

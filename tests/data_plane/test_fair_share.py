@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from data_plane.engine.fair_share import FairShare
 from data_plane.engine.sequence import SamplingParams, Sequence
-from tests.data_plane.test_scheduler import admission_order, scheduler
+from tests.data_plane.test_scheduler import admission_order, scheduler, step
 
 
 def flood_and_trickle(tenants: bool) -> list[str]:
@@ -50,3 +50,24 @@ def test_a_tenant_is_charged_once_whatever_adapter_and_a_flow_ranks_by_its_least
     assert shares.served("b") == 9.0
     shares.join("c")  # no tenant: its own account, starting at the floor (big's 9, the least served)
     assert shares.served("c") == 9.0
+
+
+def seats_after_a_trickle_arrives(tenants: bool) -> list[str]:
+    """Four seats held by tenant "big", one request on each of four adapters; tenant "small" then queues one
+    on a fifth adapter: who runs at the next step."""
+    s = scheduler(max_num_seqs=4, max_loras=5, adapters="abcde")
+    for adapter in "abcd":
+        seq = Sequence(f"big-{adapter}", adapter, list(range(4)), SamplingParams(max_tokens=50), 54)
+        seq.tenant = "big" if tenants else None
+        s.add(seq)
+    step(s)
+    small = Sequence("small-e", "e", list(range(4)), SamplingParams(max_tokens=1), 5)
+    small.tenant = "small" if tenants else None
+    s.add(small)
+    return sorted(name for name, _ in step(s))
+
+
+def test_a_tenant_without_a_seat_takes_one_from_a_tenant_whose_seats_are_spread_over_adapters():
+    assert seats_after_a_trickle_arrives(tenants=True) == ["big-a", "big-b", "big-c", "small-e"]
+    # Per adapter, each of a-d holds one seat only, and none gives it up: small waits for one to finish.
+    assert seats_after_a_trickle_arrives(tenants=False) == ["big-a", "big-b", "big-c", "big-d"]
