@@ -89,11 +89,11 @@ class Phase:
 
 
 async def one_request(stub, adapter: str | None, text: str, max_tokens: int, phase: Phase,
-                      gaps: list[tuple[float, float]] | None = None) -> None:
-    """One streamed request; its TTFT into ``phase``, and (when ``gaps`` is given) every inter-token gap
-    as (time of the later token, gap)."""
+                      gaps: list[tuple[float, float]] | None = None, billed_to: str = "") -> None:
+    """One streamed request, timed into ``phase`` under its adapter's name, and (when ``gaps`` is given)
+    every inter-token gap as (time of the later token, gap); ``billed_to``: its GenerateRequest.tenant."""
     tenant = adapter or "base"
-    req = g.GenerateRequest(adapter=adapter or "", prompt=text,
+    req = g.GenerateRequest(adapter=adapter or "", prompt=text, tenant=billed_to,
                             sampling=g.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     start = time.perf_counter()
     first = last = None
@@ -116,14 +116,15 @@ async def one_request(stub, adapter: str | None, text: str, max_tokens: int, pha
 
 
 async def poisson(stub, streams: list[tuple[float, list[str | None]]], seconds: float, max_tokens: int,
-                  phase: Phase, seed: int) -> None:
+                  phase: Phase, seed: int, billed_to: tuple[str, ...] = ()) -> None:
     """Open loop: each (rate, adapters) stream sends Poisson arrivals at ``rate`` per second for
-    ``seconds``, cycling over ``adapters``; waits for every request to end."""
+    ``seconds``, cycling over ``adapters``, billed to the stream's tenant in ``billed_to`` (none if absent);
+    waits for every request to end."""
     rng = random.Random(seed)
     tasks: list[asyncio.Task] = []
     start = time.perf_counter()
 
-    async def arrivals(rate: float, adapters: list[str | None]) -> None:
+    async def arrivals(rate: float, adapters: list[str | None], tenant: str) -> None:
         at, i = time.perf_counter(), 0
         end = at + seconds
         while True:
@@ -132,15 +133,17 @@ async def poisson(stub, streams: list[tuple[float, list[str | None]]], seconds: 
                 return
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
             tasks.append(asyncio.create_task(one_request(stub, adapters[i % len(adapters)], prompt(rng), max_tokens,
-                                                         phase)))
+                                                         phase, billed_to=tenant)))
             i += 1
 
-    await asyncio.gather(*(arrivals(rate, adapters) for rate, adapters in streams if rate > 0))
+    tenants = [*billed_to, *[""] * (len(streams) - len(billed_to))]
+    await asyncio.gather(*(arrivals(rate, adapters, tenant)
+                           for (rate, adapters), tenant in zip(streams, tenants, strict=True) if rate > 0))
     await asyncio.gather(*tasks)
     phase.wall_s = time.perf_counter() - start
 
 
-async def capacity(stub, n: int, max_tokens: int, adapters: list[str | None], seed: int) -> float:
+async def capacity(stub, n: int, max_tokens: int, adapters: list[str | None], seed: int = 0) -> float:
     """Completed requests per second with ``n`` requests sent at once."""
     phase = Phase("capacity")
     rng = random.Random(seed)

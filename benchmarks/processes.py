@@ -221,12 +221,13 @@ class RouterProcess:
     """``python -m router.server`` reading the fleet from ``control_plane``, its OpenAI HTTP API on
     ``http_port``; stderr (JSON logs) goes to ``log_path``."""
 
-    def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str) -> None:
+    def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str,
+                 token_flag: str = "--admin-token-file") -> None:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "router.log"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
                      "--http-port", str(self.http_port),
-                     "--control-plane", control_plane, "--admin-token-file", str(token_file), *extra_args]
+                     "--control-plane", control_plane, token_flag, str(token_file), *extra_args]
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from control_plane.errors import ConfigError
 from control_plane.replication import Policy
 from conventions import defaults
+from conventions.auth import Role, read_token
 from conventions.flag_help import DefaultsShown
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
@@ -22,7 +23,9 @@ class ControlPlaneConfig:
     """Everything one control-plane replica needs; validated on construction."""
 
     redis_url: str
-    admin_token_file: Path
+    admin_token_file: Path  # the registry's writers (lorafleet adapters ...); they may read too
+    reader_token_file: Path | None = None  # readers (routers, dashboards): Get/List/Route only; None = none
+    pod_token_file: Path | None = None  # between the control plane and its pods, both ways; None = the admin token
     host: str = defaults.HOST
     port: int = defaults.CONTROL_PLANE_PORT
     metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT  # 0 disables the /metrics endpoint
@@ -70,7 +73,8 @@ class ControlPlaneConfig:
             raise ConfigError(f"--replica-id {self.replica_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
-        for path in (self.admin_token_file, self.tls_cert_file, self.tls_key_file):
+        for path in (self.admin_token_file, self.reader_token_file, self.pod_token_file, self.tls_cert_file,
+                     self.tls_key_file):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{path} is not a readable file; check the path given on the command line")
         for name in ("pod_lease_ttl_s", "leader_lease_ttl_s", "reconcile_interval_s", "command_timeout_s",
@@ -106,6 +110,14 @@ class ControlPlaneConfig:
             return None
         return Policy(self.replica_high_rate, self.replica_low_rate, self.replica_hold_s, self.max_replicas)
 
+    def role_tokens(self) -> dict[Role, str]:
+        """Each role's token, read from its file now."""
+        admin = read_token(self.admin_token_file)
+        tokens = {Role.ADMIN: admin, Role.POD: read_token(self.pod_token_file) if self.pod_token_file else admin}
+        if self.reader_token_file is not None:
+            tokens[Role.READER] = read_token(self.reader_token_file)
+        return tokens
+
     @property
     def replica(self) -> str:
         """This replica's identity in the leader lease: replica_id, or hostname-pid."""
@@ -126,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
     p.add_argument("--admin-token-file", type=Path, required=True,
-                   help="file holding the bearer token that admin tools and pods must send")
+                   help="file holding the bearer token of admin tools: register, pin, unpin, unregister and reads")
+    p.add_argument("--reader-token-file", type=Path,
+                   help="file holding the readers' token (routers, dashboards): GetAdapter, ListAdapters, ListPods,"
+                        " Route only (default: no reader token)")
+    p.add_argument("--pod-token-file", type=Path,
+                   help="file holding the token between the control plane and its pods: sent to pods' DataPlaneAdmin"
+                        " and the only one PodMembership accepts (default: the admin token)")
     p.add_argument("--key-prefix", default=d.key_prefix, help=f"prefix of every Redis key (default {d.key_prefix})")
     p.add_argument("--base-model", default=d.base_model,
                    help="the fleet's base model id; registrations and pods must match it (default: not enforced)")
@@ -173,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
     return ControlPlaneConfig(
-        redis_url=args.redis_url, admin_token_file=args.admin_token_file, host=args.host, port=args.port,
+        redis_url=args.redis_url, admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
+        pod_token_file=args.pod_token_file, host=args.host, port=args.port,
         metrics_port=args.metrics_port, key_prefix=args.key_prefix, base_model=args.base_model,
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
         pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace,

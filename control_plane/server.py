@@ -33,7 +33,7 @@ from control_plane.reconciler import Reconciler
 from control_plane.registry import Registry
 from control_plane.store import Store
 from conventions import logs
-from conventions.auth import BearerAuthInterceptor, read_token
+from conventions.auth import CONTROL_PLANE_GRANTS, Role, RoleAuthInterceptor
 from conventions.health import LIVENESS
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
@@ -54,7 +54,7 @@ _POD_VIEW_CACHE_S = 0.25
 async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -> None:
     """Serves until ``stop`` is set or the process receives SIGTERM/SIGINT, then drains."""
     stop = stop or asyncio.Event()
-    token = read_token(config.admin_token_file)
+    tokens = config.role_tokens()
     metrics = ControlPlaneMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
@@ -62,10 +62,11 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     fleet = Fleet(store, config.base_model, config.pod_lease_ttl_s, config.pod_grace_s, _POD_VIEW_CACHE_S)
     registry = Registry(store, fleet, config.base_model)
     lease = LeaderLease(store, config.replica, config.leader_lease_ttl_s, metrics)
-    pods = PodClients(token, config.command_timeout_s, config.pod_probe_timeout_s)
+    pods = PodClients(tokens[Role.POD], config.command_timeout_s, config.pod_probe_timeout_s)
     reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
 
-    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc), BearerAuthInterceptor(token)])
+    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc),
+                                           RoleAuthInterceptor(tokens, CONTROL_PLANE_GRANTS)])
     adapter_admin_pb2_grpc.add_AdapterAdminServicer_to_server(AdapterAdminService(registry), server)
     membership_pb2_grpc.add_PodMembershipServicer_to_server(PodMembershipService(fleet, registry), server)
     health_servicer = health.aio.HealthServicer()

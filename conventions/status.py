@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -39,6 +40,27 @@ def retry_after_s(metadata) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+class CallOutcome:
+    """The status name a ``with`` block of a call ends with, for metrics and logs: ``OK`` when it completes,
+    a domain error's own status, ``CANCELLED`` when the caller went away (a generator closed early, a
+    task cancelled), ``INTERNAL`` for anything else. Read ``name`` after the block."""
+
+    def __init__(self) -> None:
+        self.name = "CANCELLED"
+
+    def __enter__(self) -> CallOutcome:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None:
+            self.name = "OK"
+        elif isinstance(error, LorafleetError):
+            self.name = error.status
+        elif not isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+            self.name = "INTERNAL"
+        return False
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:

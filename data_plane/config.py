@@ -40,7 +40,10 @@ class DataPlaneConfig:
     pod_id: str = ""
     endpoint: str = ""  # what the pod tells the control plane to dial; default host:port
     adapter_roots: tuple[Path, ...] = ()
+    # The control plane's token (its --pod-token-file): the only one DataPlaneAdmin's commands accept, and the
+    # one this pod sends to the control plane. None: DataPlaneAdmin is open (a pod on its own).
     admin_token_file: Path | None = None
+    reader_token_file: Path | None = None  # readers' token (routers): GetState only
     allow_pickle_adapters: bool = False
     max_adapter_bytes: int = 2 << 30
     adapter_cache_dir: Path | None = None  # None = $LORAFLEET_HOME/adapter-cache (see pod.build_engine)
@@ -90,6 +93,8 @@ class DataPlaneConfig:
             raise ValueError(f"--max-lora-rank must be within 1..512, got {self.max_lora_rank}")
         if self.control_plane and not self.admin_token_file:
             raise ValueError("--control-plane needs --admin-token-file (the control plane's bearer token)")
+        if self.reader_token_file is not None and self.admin_token_file is None:
+            raise ValueError("--reader-token-file needs --admin-token-file: without it DataPlaneAdmin is open to all")
         if self.control_plane_ca is not None:
             if not self.control_plane:
                 raise ValueError("--control-plane-ca needs --control-plane (the control plane to dial over TLS)")
@@ -176,6 +181,7 @@ class DataPlaneConfig:
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
             adapter_roots=tuple(Path(p) for p in args.adapter_root or ()),
             admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
+            reader_token_file=Path(args.reader_token_file) if args.reader_token_file else None,
             allow_pickle_adapters=args.allow_pickle_adapters, max_adapter_bytes=args.max_adapter_bytes,
             adapter_cache_dir=Path(args.adapter_cache_dir) if args.adapter_cache_dir else None,
             adapter_download_timeout_s=args.adapter_download_timeout,
@@ -246,7 +252,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-root", action="append",
                    help="directory adapters may be loaded from (repeatable; none by default); "
                         "its subdirectories load by name")
-    p.add_argument("--admin-token-file", help="file holding the bearer token DataPlaneAdmin callers must send")
+    p.add_argument("--admin-token-file",
+                   help="file holding the control plane's token: the only one DataPlaneAdmin's commands accept, and"
+                        " the one sent to the control plane (default: DataPlaneAdmin open)")
+    p.add_argument("--reader-token-file",
+                   help="file holding the readers' token (routers): DataPlaneAdmin GetState only (default: none)")
     p.add_argument("--allow-pickle-adapters", action="store_true",
                    help="accept adapter_model.bin (loaded with torch.load(weights_only=True))")
     p.add_argument("--max-adapter-bytes", type=int, default=d.max_adapter_bytes, help="largest adapter file")

@@ -16,7 +16,7 @@ from lorafleet.v1 import data_plane_admin_pb2, data_plane_admin_pb2_grpc, genera
 from prometheus_client import start_http_server
 
 from conventions import logs
-from conventions.auth import BearerAuthInterceptor, read_token
+from conventions.auth import POD_GRANTS, Role, RoleAuthInterceptor, read_token
 from conventions.status import ErrorStatusInterceptor
 from data_plane.config import DataPlaneConfig, build_parser
 from data_plane.demand import DemandMeter
@@ -36,8 +36,10 @@ async def serve(config: DataPlaneConfig) -> None:
     """Runs the pod until SIGTERM/SIGINT, then drains in-flight requests and exits."""
     interceptors = [ErrorStatusInterceptor()]
     if config.admin_token_file:
-        interceptors.insert(0, BearerAuthInterceptor(read_token(config.admin_token_file),
-                                                     protected=("/lorafleet.v1.DataPlaneAdmin/",)))
+        tokens = {Role.POD: read_token(config.admin_token_file)}
+        if config.reader_token_file:
+            tokens[Role.READER] = read_token(config.reader_token_file)
+        interceptors.insert(0, RoleAuthInterceptor(tokens, POD_GRANTS))
     server = grpc.aio.server(interceptors=interceptors)
     pod_health = PodHealth(config.stall_timeout_s)
     health_pb2_grpc.add_HealthServicer_to_server(pod_health.servicer, server)

@@ -136,13 +136,15 @@ render model-none-no-persistence \
   --set dataPlane.persistence.enabled=false --set dataPlane.clientService.enabled=true \
   --set redis.auth.enabled=false --set networkPolicy.enabled=true \
   --set 'networkPolicy.clientsFrom[0].podSelector.matchLabels.role=gateway' \
-  --set 'networkPolicy.adminFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=ops'
+  --set 'networkPolicy.adminFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=ops' \
+  --set router.tenants.existingSecret=lorafleet-tenants --set auth.reader.existingSecret=lorafleet-reader
 # $MODEL_DIR is for the init container's shell, not this one.
 # shellcheck disable=SC2016
 render model-custom-existing-secrets-cpu \
   --set model.fetch=custom --set model.name=my-model \
   --set 'model.custom.command={sh,-c,cp -r /seed/my-model "$MODEL_DIR"}' \
   --set auth.existingSecret=lorafleet-token --set redis.auth.existingSecret=lorafleet-redis-password \
+  --set auth.pod.existingSecret=lorafleet-pod-token --set auth.pod.existingSecretKey=pod \
   --set dataPlane.sharedAdapters.existingClaim=lorafleet-adapters \
   --set dataPlane.device=cpu --set dataPlane.gpus=0 --set dataPlane.dtype=float32 \
   --set controlPlane.image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef \

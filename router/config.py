@@ -19,11 +19,22 @@ def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_api_keys(text: str, source: str) -> frozenset[str]:
+    """The keys of an --api-key-file's text: one a line; blank lines and ``#`` comments skipped."""
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not keys or any(any(c.isspace() for c in key) for key in keys):
+        raise ConfigError(f"--api-key-file {source} must hold one key a line, each without spaces")
+    return keys
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything one router process needs; validated on construction."""
 
-    admin_token_file: Path  # the control plane's bearer token; pods' DataPlaneAdmin takes the same one
+    # The token the router reads the registry and pods' state with: the readers' (least privilege), or the
+    # admin token of a fleet with one token for everything. Exactly one of the two.
+    admin_token_file: Path | None = None
+    reader_token_file: Path | None = None
     control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
     control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
     host: str = defaults.HOST
@@ -31,6 +42,10 @@ class RouterConfig:
     metrics_port: int = defaults.ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
     http_port: int = defaults.ROUTER_HTTP_PORT  # the OpenAI-compatible HTTP API; 0 disables it
     api_key_file: Path | None = None  # bearer keys the HTTP API accepts, one a line; None = no keys asked
+    tenants_file: Path | None = None  # tenants, their hashed keys, adapters and limits (router/tenants.py)
+    limits_redis_url: str | None = None  # the Redis that counts tenants' limits for every replica
+    keys_reload_interval_s: float = 1.0  # how often the keys file is re-read: a revoked key's longest life
+    http_timeout_s: float = 600.0  # deadline of an HTTP request that names none
     # Largest HTTP request body: far above any prompt a pod's context holds, small enough to refuse a flood.
     http_max_body_bytes: int = 4 * 1024 * 1024
     # How often the registry and every pod's state are re-read: the staleness bound of routing.
@@ -50,11 +65,26 @@ class RouterConfig:
         if not 1024 <= self.http_max_body_bytes <= 1024 ** 3:
             raise ConfigError(f"--http-max-body-bytes must be within 1 KiB-1 GiB, got {self.http_max_body_bytes}")
         parse_endpoint(self.control_plane, "--control-plane")
+        if (self.admin_token_file is None) == (self.reader_token_file is None):
+            raise ConfigError("give --reader-token-file (the readers' token; or --admin-token-file on a fleet with one"
+                              " token), exactly one")
         for flag, path in (("--admin-token-file", self.admin_token_file),
+                           ("--reader-token-file", self.reader_token_file),
                            ("--control-plane-ca", self.control_plane_ca),
-                           ("--api-key-file", self.api_key_file)):
+                           ("--api-key-file", self.api_key_file), ("--tenants-file", self.tenants_file)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path} is not a readable file; check the path")
+        if self.api_key_file is not None and self.tenants_file is not None:
+            raise ConfigError("give --tenants-file or --api-key-file, not both: a tenants file holds every key")
+        if self.limits_redis_url is not None and not self.limits_redis_url.startswith(("redis://", "rediss://",
+                                                                                        "unix://")):
+            raise ConfigError(f"--limits-redis-url {self.limits_redis_url!r} must be a redis://, rediss:// or"
+                              " unix:// URL")
+        if not 0.1 <= self.keys_reload_interval_s <= 300:
+            raise ConfigError(f"--keys-reload-interval must be within [0.1, 300] seconds, got"
+                              f" {self.keys_reload_interval_s}")
+        if not 0 < self.http_timeout_s <= 24 * 3600:
+            raise ConfigError(f"--http-timeout must be within (0, 86400] seconds, got {self.http_timeout_s}")
         if not 0 < self.refresh_interval_s <= 60:
             raise ConfigError(f"--refresh-interval must be within (0, 60] seconds, got {self.refresh_interval_s}")
         if not 0 < self.state_timeout_s <= 60:
@@ -68,13 +98,15 @@ class RouterConfig:
         if self.api_key_file is None:
             return frozenset()
         try:
-            lines = Path(self.api_key_file).read_text().splitlines()
+            text = Path(self.api_key_file).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read --api-key-file {self.api_key_file}: {e.strerror}") from e
-        keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-        if not keys or any(any(c.isspace() for c in key) for key in keys):
-            raise ConfigError(f"--api-key-file {self.api_key_file} must hold one key a line, each without spaces")
-        return keys
+        return parse_api_keys(text, str(self.api_key_file))
+
+    @property
+    def token_file(self) -> Path:
+        """The file of the token the router reads with."""
+        return self.reader_token_file or self.admin_token_file
 
     def control_plane_root_cert(self) -> bytes | None:
         """The PEM bytes of --control-plane-ca, or None for a plaintext control plane."""
@@ -97,14 +129,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help=f"OpenAI-compatible HTTP API port; 0 disables it (default {d.http_port})")
     p.add_argument("--api-key-file", type=Path,
-                   help="file of bearer keys the HTTP API accepts, one a line (default: no key asked)")
+                   help="file of bearer keys the HTTP API accepts, one a line, each for every adapter; the gRPC door"
+                        " stays open (default: no key asked; --tenants-file guards both doors)")
+    p.add_argument("--tenants-file", type=Path,
+                   help="JSON file of tenants: hashed keys, adapters each may use, limits; guards both the gRPC and"
+                        " the HTTP door, re-read when it changes (default: no tenants, both doors open)")
+    p.add_argument("--limits-redis-url",
+                   help="Redis URL where tenants' limits are counted, shared by every router replica"
+                        " (default: none; then tenants may have no limits)")
+    p.add_argument("--keys-reload-interval", type=float, default=d.keys_reload_interval_s,
+                   help="seconds between re-reads of --tenants-file / --api-key-file"
+                        f" (default {d.keys_reload_interval_s})")
+    p.add_argument("--http-timeout", type=float, default=d.http_timeout_s,
+                   help="deadline in seconds of an HTTP request without an X-Request-Timeout header or timeout field")
     p.add_argument("--http-max-body-bytes", type=int, default=d.http_max_body_bytes,
                    help=f"largest HTTP request body; larger ones get 413 (default {d.http_max_body_bytes})")
     p.add_argument("--control-plane", default=d.control_plane,
                    help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
     p.add_argument("--control-plane-ca", type=Path, help="PEM CA to dial the control plane over TLS")
-    p.add_argument("--admin-token-file", type=Path, required=True,
-                   help="file holding the control plane's bearer token (pods accept the same one)")
+    p.add_argument("--reader-token-file", type=Path,
+                   help="file holding the readers' token, to read the registry and pods' state with (it cannot load,"
+                        " pin or unload anything)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="file holding the control plane's one token, on a fleet that has no reader token"
+                        " (instead of --reader-token-file)")
     p.add_argument("--refresh-interval", type=float, default=d.refresh_interval_s,
                    help=f"seconds between re-reads of the registry and pod states (default {d.refresh_interval_s})")
     p.add_argument("--state-timeout", type=float, default=d.state_timeout_s,
@@ -117,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        admin_token_file=args.admin_token_file, control_plane=args.control_plane,
+        admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
+        control_plane=args.control_plane,
         control_plane_ca=args.control_plane_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
-        http_port=args.http_port, api_key_file=args.api_key_file, http_max_body_bytes=args.http_max_body_bytes,
+        http_port=args.http_port, api_key_file=args.api_key_file, tenants_file=args.tenants_file,
+        limits_redis_url=args.limits_redis_url, keys_reload_interval_s=args.keys_reload_interval,
+        http_timeout_s=args.http_timeout, http_max_body_bytes=args.http_max_body_bytes,
         refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries)

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from lorafleet.v1 import generation_pb2
 
 from conventions.errors import LorafleetError
-from conventions.status import retry_after_s
+from conventions.status import CallOutcome, retry_after_s
 from router.channels import PodChannels
 from router.errors import InvalidRequest
 from router.metrics import RouterMetrics
@@ -89,22 +89,16 @@ class Forwarder:
         early cancels the pod's call, which frees the request there. Both front ends call this."""
         arrived = time.perf_counter()
         adapter_class = "adapter" if adapter else "base"
-        outcome = "CANCELLED"  # unless the stream ends or fails first: the caller went away
+        outcome = CallOutcome()
         try:
-            # aclosing: when our caller stops early, the pod's call is cancelled now, not at garbage collection
-            async with contextlib.aclosing(self._forward(request, adapter, adapter_class, timeout,
-                                                         arrived)) as messages:
-                async for message in messages:
-                    yield message
-            outcome = "OK"
-        except LorafleetError as e:
-            outcome = e.status
-            raise
-        except Exception:
-            outcome = "INTERNAL"
-            raise
+            with outcome:
+                # aclosing: when our caller stops early, the pod's call is cancelled now, not at garbage collection
+                async with contextlib.aclosing(self._forward(request, adapter, adapter_class, timeout,
+                                                             arrived)) as messages:
+                    async for message in messages:
+                        yield message
         finally:
-            self._metrics.requests.labels(adapter_class, outcome).inc()
+            self._metrics.requests.labels(adapter_class, outcome.name).inc()
 
     async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:

@@ -1,14 +1,16 @@
 """The router's OpenAI-compatible HTTP API (aiohttp): ``POST /v1/completions``, ``POST /v1/chat/completions``
 (whole or as server-sent events) and ``GET /v1/models``. Each request becomes one GenerateRequest that goes
-through the same Forwarder as a gRPC call (picking, retries before the first message, cancellation); the
-pod's messages are decoded into OpenAI's JSON. Errors are OpenAI's error JSON with the matching status."""
+through the same Door and Forwarder as a gRPC call (the tenants' gate, picking, retries before the first
+message, cancellation, usage); the pod's messages are decoded into OpenAI's JSON. Errors are OpenAI's error
+JSON with the matching status. A request's deadline is its ``X-Request-Timeout`` header or ``timeout`` body
+field (seconds), else the router's --http-timeout: it goes to the pod as the gRPC deadline."""
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,7 +19,8 @@ from aiohttp import web
 from lorafleet.v1 import generation_pb2 as g
 
 from conventions.errors import LorafleetError
-from router.forwarder import Forwarder
+from router.access import Access
+from router.door import Door
 from router.metrics import RouterMetrics
 from router.openai_errors import ApiError, from_domain, invalid, retry_after_header
 from router.openai_requests import ApiRequest, Endpoint, parse_chat, parse_completion
@@ -30,18 +33,20 @@ _ROUTES = "POST /v1/completions, POST /v1/chat/completions and GET /v1/models"
 _ID_PREFIX = {Endpoint.COMPLETIONS: "cmpl-", Endpoint.CHAT: "chatcmpl-"}
 # How long a stopping router lets HTTP requests in flight finish before cancelling them (and their pod calls).
 _SHUTDOWN_GRACE_S = 5.0
+TIMEOUT_HEADER = "X-Request-Timeout"
+TENANT = web.RequestKey("tenant", object)  # the caller's Tenant, or None while the doors are open
+_MAX_TIMEOUT_S = 24 * 3600.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpApi:
     """Serves the API on one port. ``view`` returns the router's latest FleetView (None before the first
-    read); ``api_keys`` empty means no key is asked."""
+    read); ``access`` says who may call what; ``timeout_s`` is the deadline of a request that names none."""
 
-    def __init__(self, forwarder: Forwarder, view: Callable[[], FleetView | None], metrics: RouterMetrics,
-                 api_keys: frozenset[str], max_body_bytes: int) -> None:
-        self._forwarder, self._view, self._metrics = forwarder, view, metrics
-        self._keys = [k.encode() for k in api_keys]
-        self._max_body = max_body_bytes
+    def __init__(self, door: Door, view: Callable[[], FleetView | None], metrics: RouterMetrics,
+                 access: Access, max_body_bytes: int, timeout_s: float = 600.0) -> None:
+        self._door, self._view, self._metrics, self._access = door, view, metrics, access
+        self._max_body, self._timeout_s = max_body_bytes, timeout_s
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -63,14 +68,24 @@ class HttpApi:
             await self._runner.cleanup()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion(await _json(request)))
+        body = await _json(request)
+        timeout = self._deadline(request, body)
+        return await self._generate(request, parse_completion(body), timeout)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat(await _json(request)))
+        body = await _json(request)
+        timeout = self._deadline(request, body)
+        return await self._generate(request, parse_chat(body), timeout)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        """The base model and the adapters, each only if the caller's tenant may use it."""
         view = self._live_view()
-        return web.json_response(models(view.base_model, list(view.adapters), int(time.time())))
+        tenant = request.get(TENANT)
+        listed = models(view.base_model, [a for a in view.adapters if tenant is None or tenant.may_use(a)],
+                        int(time.time()))
+        if tenant is not None and not tenant.may_use(""):
+            listed["data"] = listed["data"][1:]  # the adapters still name the base model as their parent
+        return web.json_response(listed)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -91,17 +106,25 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._keys:
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                               "authentication_error", code="invalid_api_key")
-            presented = key.strip().encode()
-            # Every key compared, in constant time each, so that timing reveals neither a key nor its index.
-            if not sum(hmac.compare_digest(presented, k) for k in self._keys):
-                raise ApiError(401, "invalid API key: use a key from the router's --api-key-file",
-                               "authentication_error", code="invalid_api_key")
+        request[TENANT] = self._access.tenant(request.headers.get("Authorization"))
         return await handler(request)
+
+    def _deadline(self, request: web.Request, body) -> float:
+        """The request's timeout in seconds: the header, else the body's ``timeout`` (taken out of the body,
+        which OpenAI's fields are then checked against), else the router's default."""
+        given, param = request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER
+        if isinstance(body, dict) and "timeout" in body:
+            from_body = body.pop("timeout")
+            given, param = (given, param) if given is not None else (from_body, "timeout")
+        if given is None:
+            return self._timeout_s
+        try:
+            seconds = float(given)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if isinstance(given, bool) or not 0 < seconds <= _MAX_TIMEOUT_S:
+            raise invalid(param, f"{param} must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}], got {given!r}")
+        return seconds
 
     def _live_view(self) -> FleetView:
         view = self._view()
@@ -110,23 +133,25 @@ class HttpApi:
                            "service_unavailable_error")
         return view
 
-    def _adapter(self, model: str) -> str:
-        """The adapter ``model`` names: "" for the base model id; 404 for neither."""
+    def _adapter(self, model: str, tenant) -> str:
+        """The adapter ``model`` names: "" for the base model id; 404 for neither. A model the caller's tenant
+        may not use is left to the gate (403), so that the answer says nothing of whether it exists."""
         view = self._live_view()
         if model == view.base_model:
             return ""
-        if model not in view.adapters:
+        if model not in view.adapters and (tenant is None or tenant.may_use(model)):
             raise ApiError(404, f"the model {model!r} does not exist: use the base model {view.base_model!r} or a"
                            " registered adapter (GET /v1/models lists them)", "not_found_error", "model",
                            "model_not_found")
         return model
 
-    async def _generate(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
-        adapter = self._adapter(api.model)
+    async def _generate(self, request: web.Request, api: ApiRequest, timeout: float) -> web.StreamResponse:
+        adapter = self._adapter(api.model, request.get(TENANT))
         response_id = _ID_PREFIX[api.endpoint] + uuid.uuid4().hex
         body = api.generate_request(adapter, response_id).SerializeToString()
         builder = ResponseBuilder(api, response_id, int(time.time()))
-        async with contextlib.aclosing(self._forwarder.stream(body, adapter, None)) as messages:
+        async with contextlib.aclosing(self._door.stream(body, adapter, request.get(TENANT), timeout,
+                                                         "http")) as messages:
             if not api.stream:
                 async for raw in messages:
                     builder.add(g.GenerateResponse.FromString(raw))

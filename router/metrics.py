@@ -32,6 +32,19 @@ class RouterMetrics:
         self.state_read_failures = Counter("lorafleet_router_state_read_failures",
                                            "Failed reads of fleet state, by source (control_plane or pod)",
                                            ["source"], registry=r)
+        # Usage to bill: ``tenant`` is the key's tenant ("none" when the router asks for no key), ``adapter``
+        # the adapter's name ("" = base model reads "base").
+        usage = ["tenant", "adapter"]
+        self.tenant_requests = Counter("lorafleet_router_tenant_requests", "Requests by tenant, adapter and outcome",
+                                       [*usage, "outcome"], registry=r)
+        self.tenant_prompt_tokens = Counter("lorafleet_router_tenant_prompt_tokens",
+                                            "Prompt tokens of finished requests, by tenant and adapter", usage,
+                                            registry=r)
+        self.tenant_completion_tokens = Counter("lorafleet_router_tenant_completion_tokens",
+                                                "Completion tokens sent, by tenant and adapter", usage, registry=r)
+        self.limits_store_errors = Counter("lorafleet_router_limits_store_errors",
+                                           "Requests let through unlimited because the limits store failed",
+                                           registry=r)
         self.pods_routable = Gauge("lorafleet_router_pods_routable", "Pods ready, serving and read", registry=r)
         self.adapters_registered = Gauge("lorafleet_router_adapters_registered", "Adapters in the registry",
                                          registry=r)

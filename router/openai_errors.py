@@ -12,6 +12,7 @@ _BY_STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "OUT_OF_RANGE": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
     "NOT_FOUND": (404, "not_found_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "UNAVAILABLE": (503, "service_unavailable_error"),

@@ -16,13 +16,17 @@ from conventions import logs
 from conventions.auth import read_token
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
+from router.access import Access, KeysFile, needs_limiter
 from router.channels import PodChannels
-from router.config import RouterConfig, build_parser, config_from_args
+from router.config import RouterConfig, build_parser, config_from_args, parse_api_keys
+from router.door import Door
 from router.forwarder import SERVICE, Forwarder
 from router.http_api import HttpApi
+from router.limits import RateLimiter
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
 from router.refresher import StateRefresher
+from router.tenants import open_book, parse_tenants
 
 log = logging.getLogger("lorafleet.router")
 
@@ -33,15 +37,18 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     """Serves until ``stop`` is set or the process receives SIGTERM/SIGINT. Health is NOT_SERVING until
     the first read of the control plane, and again while shutting down."""
     stop = stop or asyncio.Event()
-    token = read_token(config.admin_token_file)
+    token = read_token(config.token_file)
     metrics = RouterMetrics()
     channels = PodChannels()
     refresher = StateRefresher(config, token, channels, metrics)
     forwarder = Forwarder(PodPicker(lambda: refresher.view), channels, metrics, config.retries)
-    http_api = HttpApi(forwarder, lambda: refresher.view, metrics, config.api_keys(), config.http_max_body_bytes)
+    access = build_access(config, metrics)
+    door = Door(forwarder, access, metrics)
+    http_api = HttpApi(door, lambda: refresher.view, metrics, access, config.http_max_body_bytes,
+                       config.http_timeout_s)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
-    server.add_generic_rpc_handlers((forwarder.handler(),))
+    server.add_generic_rpc_handlers((door.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -65,6 +72,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     refreshing = asyncio.create_task(refresher.run(stop))
+    reloading = asyncio.create_task(access.run(stop, config.keys_reload_interval_s))
     log.info("router listening", extra={"address": address, "http_port": config.http_port,
                                         "control_plane": config.control_plane})
     try:
@@ -83,9 +91,31 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         await http_api.stop()
         await server.stop(_SHUTDOWN_GRACE_S)
         await refreshing
+        await reloading
+        await access.close()
         await refresher.close()
         await channels.close()
         log.info("router stopped")
+
+
+def build_access(config: RouterConfig, metrics: RouterMetrics) -> Access:
+    """The gate of both doors, as the flags say; logs which doors are open."""
+    limiter = None
+    if config.limits_redis_url:
+        limiter = RateLimiter(config.limits_redis_url, on_error=metrics.limits_store_errors.inc)
+    if config.tenants_file is not None:
+        keys = KeysFile(config.tenants_file, parse_tenants, (lambda book: None) if limiter else needs_limiter)
+        log.info("tenants guard both doors", extra={"tenants": [t.name for t in keys.book.tenants],
+                                                    "limits": limiter is not None})
+        return Access(keys, limiter, grpc_guarded=True)
+    if config.api_key_file is not None:
+        keys = KeysFile(config.api_key_file, lambda text, source: open_book(parse_api_keys(text, source)))
+        log.warning("no tenants configured: --api-key-file keys guard the HTTP API and may use every adapter;"
+                    " the gRPC door is open to anyone (--tenants-file guards both)")
+        return Access(keys, limiter, grpc_guarded=False)
+    log.warning("no tenants configured: both doors are open, every caller may use every adapter with no limit"
+                " (give --tenants-file to require keys)")
+    return Access(None, limiter, grpc_guarded=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,14 +145,17 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                       request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[StepOutput]:
+                       request_id: str | None = None, timeout_s: float | None = None,
+                       tenant: str | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
         output for a bad request, or for one the pod cannot start within ``timeout_s`` (the caller's
         deadline; None: none) or --max-queue-delay (Overloaded, with a retry hint); a request still
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
-        request and frees its blocks."""
+        request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
+        fair share whatever their adapters."""
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
+        seq.tenant = tenant or None
         stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
         if adapter is not None:
             await self.adapters.ensure(adapter)  # NOT_FOUND surfaces here, before anything is queued

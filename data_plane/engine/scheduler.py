@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from data_plane.engine.admission import Ahead, Load
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.fair_share import FairShare, Tenant
+from data_plane.engine.fair_share import FairShare, account_of
+from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.engine.step_cost import StepShape
 from data_plane.errors import CapacityExceeded
@@ -124,7 +125,7 @@ class Scheduler:
         if error is not None:
             raise error
         self._queues.setdefault(seq.adapter, deque()).append(seq)
-        self.shares.join(seq.adapter)
+        self.shares.join(seq.adapter, seq.tenant)
 
     def refusal(self, adapter: str | None) -> CapacityExceeded | None:
         """The error a request for ``adapter`` ends with because it can never run here (every slot
@@ -276,10 +277,10 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self._release(seq)
-            self.shares.leave(seq.adapter)
+            self.shares.leave(seq.adapter, seq.tenant)
         elif seq in self._queues.get(seq.adapter, ()):
             self._dequeue(seq)
-            self.shares.leave(seq.adapter)
+            self.shares.leave(seq.adapter, seq.tenant)
         seq.status = SequenceStatus.FINISHED
 
     # ---- admission -------------------------------------------------------------------------
@@ -296,12 +297,14 @@ class Scheduler:
         taken; returns that tenant (whose head then takes the seat first), or _NOBODY."""
         if len(self.running) < self.limits.max_num_seqs:
             return _NOBODY
-        seats = Counter(seq.adapter for seq in self.running)
-        seatless = [t for t in self._queues if t not in seats and self._can_run_now(t)]
-        holder = max(seats, key=lambda t: (seats[t], self.shares.served(t)), default=None)
+        # Seats are counted per account (fair_share.py): a tenant's seats across its adapters are its own.
+        seats = Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
+        seatless = [t for t, queue in self._queues.items()
+                    if account_of(t, queue[0].tenant) not in seats and self._can_run_now(t)]
+        holder = max(seats, key=lambda a: (seats[a], self.shares.account_served(a)), default=None)
         if not seatless or seats[holder] < 2:
             return _NOBODY
-        self._preempt(next(seq for seq in reversed(self.running) if seq.adapter == holder))
+        self._preempt(next(seq for seq in reversed(self.running) if account_of(seq.adapter, seq.tenant) == holder))
         return min(seatless, key=lambda t: (self.shares.served(t), self._queues[t][0].arrival))
 
     def _can_run_now(self, tenant: Tenant) -> bool:
@@ -340,7 +343,7 @@ class Scheduler:
     def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int, num_cached: int = 0) -> int:
         self.blocks.allocate(seq, num_cached + num_new)
         batch.append(ScheduledSeq(seq, num_new, num_cached))
-        self.shares.charge(seq.adapter, num_new)
+        self.shares.charge(seq.adapter, num_new, seq.tenant)
         return num_new
 
     def _dequeue(self, seq: Sequence) -> None:

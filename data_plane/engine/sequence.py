@@ -70,6 +70,7 @@ class Sequence:
     max_total: int  # prompt + completion never exceeds this (max_tokens or context limit)
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which nobody waits for the answer
+    tenant: str | None = None  # who the request is billed to (GenerateRequest.tenant); fair shares weigh it
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -29,7 +29,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         params = sampling_params(request.sampling)
         text_of = _token_text(engine) if request.sampling.token_text else None
         async for out in engine.generate(prompt_ids, params, request.adapter or None, request.request_id or None,
-                                         context.time_remaining()):
+                                         context.time_remaining(), request.tenant or None):
             yield _response(out, request.request_id, text_of)
 
 

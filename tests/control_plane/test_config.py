@@ -9,6 +9,7 @@ import pytest
 from control_plane.config import ControlPlaneConfig, build_parser, config_from_args
 from control_plane.errors import ConfigError
 from control_plane.server import main
+from conventions.auth import Role
 
 
 @pytest.fixture
@@ -69,3 +70,17 @@ def test_replica_flags_build_the_policy_and_a_high_rate_of_zero_turns_replicatio
 def test_main_reports_a_bad_flag_value_and_exits_2(token_file, capsys):
     assert main(["--redis-url", "localhost", "--admin-token-file", str(token_file)]) == 2
     assert "must start with redis://" in capsys.readouterr().err
+
+
+def test_each_role_reads_its_own_token_and_the_pod_token_defaults_to_the_admin_one(token_file, tmp_path):
+    (tmp_path / "reader").write_text("r\n"), (tmp_path / "pod").write_text("p\n")
+    one = ControlPlaneConfig(redis_url="redis://127.0.0.1:6379/0", admin_token_file=token_file)
+    admin = token_file.read_text().strip()
+    assert one.role_tokens() == {Role.ADMIN: admin, Role.POD: admin}
+    args = build_parser().parse_args(["--redis-url", "redis://127.0.0.1:6379/0", "--admin-token-file", str(token_file),
+                                      "--reader-token-file", str(tmp_path / "reader"), "--pod-token-file",
+                                      str(tmp_path / "pod")])
+    assert config_from_args(args).role_tokens() == {Role.ADMIN: admin, Role.READER: "r", Role.POD: "p"}
+    with pytest.raises(ConfigError, match="not a readable file"):
+        ControlPlaneConfig(redis_url="redis://127.0.0.1:6379/0", admin_token_file=token_file,
+                           pod_token_file=tmp_path / "absent")

@@ -158,3 +158,9 @@ def test_the_adapter_source_flags_build_the_fetch_settings(tmp_path):
 def test_bad_adapter_source_flags_are_refused_with_what_to_write(flags, words):
     with pytest.raises(ValueError, match=words):
         config(*flags)
+
+
+def test_a_reader_token_needs_the_control_planes_token(token_file):
+    assert config("--admin-token-file", str(token_file), "--reader-token-file", str(token_file)).reader_token_file
+    with pytest.raises(ValueError, match="--reader-token-file needs --admin-token-file"):
+        config("--reader-token-file", str(token_file))

@@ -97,3 +97,24 @@ def test_lorafleet_router_help_lists_the_flags(capsys):
     for flag in ("--host", "--port", "--metrics-port", "--control-plane", "--admin-token-file",
                  "--refresh-interval", "--retries", "--http-port", "--api-key-file", "--http-max-body-bytes"):
         assert flag in out
+
+
+def test_tenant_and_credential_flags_are_checked(token_file, tmp_path):
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text('{"tenants": []}')
+    args = build_parser().parse_args(["--reader-token-file", str(token_file), "--tenants-file", str(tenants),
+                                      "--limits-redis-url", "redis://127.0.0.1:6379/0", "--keys-reload-interval",
+                                      "0.5", "--http-timeout", "30"])
+    config = config_from_args(args)
+    assert (config.token_file, config.tenants_file, config.keys_reload_interval_s, config.http_timeout_s) == (
+        token_file, tenants, 0.5, 30.0)
+    bad = [({"admin_token_file": token_file, "reader_token_file": token_file}, "exactly one"),
+           ({}, "exactly one"),
+           ({"admin_token_file": token_file, "api_key_file": tenants, "tenants_file": tenants}, "not both"),
+           ({"admin_token_file": token_file, "tenants_file": tmp_path / "absent"}, "--tenants-file .* not a readable"),
+           ({"admin_token_file": token_file, "limits_redis_url": "127.0.0.1:6379"}, "--limits-redis-url"),
+           ({"admin_token_file": token_file, "keys_reload_interval_s": 0}, "--keys-reload-interval"),
+           ({"admin_token_file": token_file, "http_timeout_s": 0}, "--http-timeout")]
+    for fields, words in bad:
+        with pytest.raises(ConfigError, match=words):
+            RouterConfig(**fields)

@@ -10,17 +10,25 @@ import json
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from router.access import Access, KeysFile
+from router.config import parse_api_keys
+from router.door import Door
 from router.http_api import HttpApi
+from router.tenants import open_book
 from tests.router.test_forwarder import router, sample
 
 BODY = {"model": "pirate", "prompt": "hi", "max_tokens": 3}
 
 
 @contextlib.asynccontextmanager
-async def api(scripts, keys=frozenset(), fleet_read=True, **kwargs):
-    """(Front, aiohttp TestClient) over pods scripted by ``scripts``; the base model is ``base-m``."""
+async def api(scripts, keys_file=None, fleet_read=True, **kwargs):
+    """(Front, aiohttp TestClient) over pods scripted by ``scripts``; the base model is ``base-m``; with
+    ``keys_file``, an --api-key-file."""
     async with router(scripts, base_model="base-m", **kwargs) as f:
-        http = HttpApi(f.forwarder, (lambda: f.view) if fleet_read else (lambda: None), f.metrics, keys, 4096)
+        keys = keys_file and KeysFile(keys_file, lambda text, source: open_book(parse_api_keys(text, source)))
+        access = Access(keys, None, grpc_guarded=False)
+        http = HttpApi(Door(f.forwarder, access, f.metrics), (lambda: f.view) if fleet_read else (lambda: None),
+                       f.metrics, access, 4096)
         async with TestClient(TestServer(http.app())) as client:
             yield f, client
 
@@ -118,9 +126,11 @@ def test_unknown_routes_and_methods_are_openai_errors():
     assert "no route GET /v1/embeddings" in missing_text and "POST /v1/completions" in method_text
 
 
-def test_with_keys_a_request_needs_one_of_them_as_a_bearer_token():
+def test_with_keys_a_request_needs_one_of_them_as_a_bearer_token(tmp_path):
+    (tmp_path / "keys").write_text("k1\nk2\n")
+
     async def go():
-        async with api({"a": "ok"}, keys=frozenset({"k1", "k2"})) as (_, client):
+        async with api({"a": "ok"}, keys_file=tmp_path / "keys") as (_, client):
             statuses = []
             for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "Basic k2"},
                             {"Authorization": "Bearer k2"}):

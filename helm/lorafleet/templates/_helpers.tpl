@@ -101,9 +101,68 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
-{{/* Where the token is mounted in control-plane, data-plane and router containers. */}}
+{{/* Where the admin token is mounted (the control plane only). */}}
 {{- define "lorafleet.tokenDir" -}}/etc/lorafleet/token{{- end }}
 {{- define "lorafleet.tokenFile" -}}/etc/lorafleet/token/token{{- end }}
+
+{{/* The reader's and the pod's token (list . "reader"|"pod"): each from its own Secret, mounted in its own
+directory. */}}
+{{- define "lorafleet.roleSecretName" -}}
+{{- $root := index . 0 }}{{- $role := index . 1 }}
+{{- $auth := index $root.Values.auth $role }}
+{{- if $auth.existingSecret }}{{ $auth.existingSecret }}{{ else }}{{ printf "%s-%s-token" (include "lorafleet.fullname" $root) $role }}{{ end }}
+{{- end }}
+{{- define "lorafleet.roleSecretKey" -}}
+{{- $auth := index (index . 0).Values.auth (index . 1) }}
+{{- if $auth.existingSecret }}{{ $auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+{{- define "lorafleet.roleTokenDir" -}}/etc/lorafleet/{{ . }}-token{{- end }}
+{{- define "lorafleet.roleTokenFile" -}}/etc/lorafleet/{{ . }}-token/token{{- end }}
+{{/* The volume of one role's token (list . role). */}}
+{{- define "lorafleet.roleTokenVolume" -}}
+- name: {{ index . 1 }}-token
+  secret:
+    secretName: {{ include "lorafleet.roleSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "lorafleet.roleSecretKey" . }}
+        path: token
+{{- end }}
+{{- define "lorafleet.roleTokenMount" -}}
+- name: {{ . }}-token
+  mountPath: {{ include "lorafleet.roleTokenDir" . }}
+  readOnly: true
+{{- end }}
+
+{{/* The REDIS_URL (and REDIS_PASSWORD) environment of the containers that talk to Redis: the control plane,
+and the router when it counts tenants' limits there. */}}
+{{- define "lorafleet.redisEnv" -}}
+{{- if .Values.redis.enabled }}
+{{- $host := printf "%s:%d" (include "lorafleet.redis.fullname" .) (int .Values.redis.port) }}
+{{- if .Values.redis.auth.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "lorafleet.redis.secretName" . }}
+      key: {{ include "lorafleet.redis.secretKey" . }}
+- name: REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s/%d" $host (int .Values.redis.database) | quote }}
+{{- else }}
+- name: REDIS_URL
+  value: {{ printf "redis://%s/%d" $host (int .Values.redis.database) | quote }}
+{{- end }}
+{{- else }}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "lorafleet.externalRedis.secretName" . }}
+      key: {{ include "lorafleet.externalRedis.secretKey" . }}
+{{- end }}
+{{- end }}
+
+{{/* Where the router's tenants file is mounted (router.tenants.existingSecret). */}}
+{{- define "lorafleet.router.tenantsDir" -}}/etc/lorafleet/tenants{{- end }}
+{{- define "lorafleet.router.tenantsFile" -}}/etc/lorafleet/tenants/tenants.json{{- end }}
 
 {{/* Where the router's HTTP API keys are mounted (router.apiKeys.existingSecret). */}}
 {{- define "lorafleet.router.apiKeyDir" -}}/etc/lorafleet/api-keys{{- end }}

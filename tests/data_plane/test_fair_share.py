@@ -1,0 +1,73 @@
+"""Fair shares weigh accounts, not adapters: a tenant's requests share one counter whatever adapters they
+name, so a tenant flooding several adapters gets one turn for each turn of a tenant on one adapter; a
+request without a tenant is its adapter's own account, as before tenants existed."""
+
+from __future__ import annotations
+
+from data_plane.engine.fair_share import FairShare
+from data_plane.engine.sequence import SamplingParams, Sequence
+from tests.data_plane.test_scheduler import admission_order, scheduler, step
+
+
+def flood_and_trickle(tenants: bool) -> list[str]:
+    """One seat; tenant "big" queues 4 one-token requests on each of a, b and c, then tenant "small" 4 on d;
+    the order in which they run."""
+    s = scheduler(max_num_seqs=1, max_loras=4, adapters="abcd")
+    for i in range(4):
+        for adapter in "abc":
+            seq = Sequence(f"big-{adapter}{i}", adapter, list(range(4)), SamplingParams(max_tokens=1), 5)
+            seq.tenant = "big" if tenants else None
+            s.add(seq)
+    for i in range(4):
+        seq = Sequence(f"small-d{i}", "d", list(range(4)), SamplingParams(max_tokens=1), 5)
+        seq.tenant = "small" if tenants else None
+        s.add(seq)
+    return admission_order(s)
+
+
+def test_a_tenant_flooding_three_adapters_gets_one_turn_per_turn_of_a_tenant_on_one():
+    order = flood_and_trickle(tenants=True)
+    assert len(order) == 16
+    # Every second request is small's until small has none left: 4 of the first 8.
+    assert [name.split("-")[0] for name in order[:8]].count("small") == 4
+    assert all(order[i].startswith("small") != order[i + 1].startswith("small") for i in range(7))
+
+
+def test_without_tenants_each_adapter_is_its_own_share():
+    order = flood_and_trickle(tenants=False)
+    # Four accounts (a, b, c, d): small's adapter d gets one turn in four.
+    assert [name.split("-")[0] for name in order[:8]].count("small") == 2
+
+
+def test_a_tenant_is_charged_once_whatever_adapter_and_a_flow_ranks_by_its_least_served_account():
+    shares = FairShare({"a": 2.0})
+    shares.join("a", "big"), shares.join("b", "big"), shares.join("b", "small")
+    shares.charge("a", 10, "big")  # 10 tokens at weight 2: 5
+    shares.charge("b", 4, "big")
+    assert shares.served("a") == 9.0  # big's one counter
+    assert shares.served("b") == 0.0  # small, also waiting on b, has had nothing yet
+    shares.leave("b", "small")
+    assert shares.served("b") == 9.0
+    shares.join("c")  # no tenant: its own account, starting at the floor (big's 9, the least served)
+    assert shares.served("c") == 9.0
+
+
+def seats_after_a_trickle_arrives(tenants: bool) -> list[str]:
+    """Four seats held by tenant "big", one request on each of four adapters; tenant "small" then queues one
+    on a fifth adapter: who runs at the next step."""
+    s = scheduler(max_num_seqs=4, max_loras=5, adapters="abcde")
+    for adapter in "abcd":
+        seq = Sequence(f"big-{adapter}", adapter, list(range(4)), SamplingParams(max_tokens=50), 54)
+        seq.tenant = "big" if tenants else None
+        s.add(seq)
+    step(s)
+    small = Sequence("small-e", "e", list(range(4)), SamplingParams(max_tokens=1), 5)
+    small.tenant = "small" if tenants else None
+    s.add(small)
+    return sorted(name for name, _ in step(s))
+
+
+def test_a_tenant_without_a_seat_takes_one_from_a_tenant_whose_seats_are_spread_over_adapters():
+    assert seats_after_a_trickle_arrives(tenants=True) == ["big-a", "big-b", "big-c", "small-e"]
+    # Per adapter, each of a-d holds one seat only, and none gives it up: small waits for one to finish.
+    assert seats_after_a_trickle_arrives(tenants=False) == ["big-a", "big-b", "big-c", "big-d"]
