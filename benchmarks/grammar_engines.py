@@ -34,7 +34,8 @@ OUTPUT = '{"name": "Bob", "age": 42, "tags": ["a", "b"], "color": "red", "addres
 FEATURES = {  # schema keywords to probe: does the engine compile, refuse by name, or accept silently?
     "format": {"type": "string", "format": "email"},
     "patternProperties": {"type": "object", "patternProperties": {"^a": {"type": "string"}}},
-    "recursive $ref": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"n": {"$ref": "#/$defs/a"}}}}},
+    "recursive $ref": {"$ref": "#/$defs/a",
+                       "$defs": {"a": {"type": "object", "properties": {"n": {"$ref": "#/$defs/a"}}}}},
     "oneOf": {"type": "object", "properties": {"x": {"oneOf": [{"type": "integer"}, {"type": "string"}]}}},
     "not": {"not": {"type": "string"}},
     "if/then": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
@@ -60,7 +61,8 @@ def llguidance_engine(tokenizer_json: str, ids: list[int], vocab: int) -> None:
     import llguidance.numpy
 
     tok, init_s = _timed(lambda: llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=EOS))
-    matcher, compile_s = _timed(lambda: llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
+    matcher, compile_s = _timed(lambda: llguidance.LLMatcher(tok, grammar))
     mask = llguidance.numpy.allocate_token_bitmask(1, vocab)
     times = []
     for t in ids:
@@ -111,7 +113,7 @@ def outlines_core_engine(tokenizer_json: str, ids: list[int], vocab: int) -> Non
     index, compile_s = _timed(lambda: Index(build_regex_from_schema(json.dumps(SCHEMA)), voc))
     state, times = index.get_initial_state(), []
     for t in ids:
-        _, s = _timed(lambda: index.get_allowed_tokens(state))
+        _, s = _timed(lambda st=state: index.get_allowed_tokens(st))
         times.append(s)
         state = index.get_next_state(state, t)
     features = {}

@@ -45,6 +45,11 @@ class PodMetrics:
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.step_duration = Histogram("lorafleet_engine_step_seconds", "Duration of one engine step.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.grammar_compile = Histogram("lorafleet_grammar_compile_seconds",
+                                         "Time to compile a structured-output constraint (cache misses only).",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.constrained_requests = Counter("lorafleet_constrained_requests",
+                                            "Requests with structured output, by kind.", ["kind"], registry=r)
         self.precision = Gauge("lorafleet_precision_info",
                                "1 for the precision the pod computes in (its --dtype, auto resolved): float32, "
                                "bfloat16, float16 or bfloat16-matmul.", ["precision"], registry=r)
