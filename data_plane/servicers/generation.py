@@ -42,14 +42,43 @@ def _prompt_ids(engine: Engine, request: generation_pb2.GenerateRequest) -> list
     if kind == "prompt":
         return tokenizer.encode(request.prompt)
     if kind == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        messages = [_message(m) for m in request.messages.messages]
         if not messages:
             raise InvalidRequest("messages is empty; send at least one chat message")
         bad = [m["role"] for m in messages if m["role"] not in _ROLES]
         if bad:
             raise InvalidRequest(f"unknown chat role {bad[0]!r}; use one of {', '.join(_ROLES)}")
-        return tokenizer.encode(tokenizer.render_chat(messages))
+        tools = _json_list(request.tools_json, "tools_json") if request.tools_json else None
+        return tokenizer.encode(tokenizer.render_chat(messages, tools=tools))
+    if request.tools_json:
+        raise InvalidRequest("tools_json needs messages: tools are rendered by the chat template")
     raise InvalidRequest("the request has neither prompt nor messages; send one of them")
+
+
+def _message(m: generation_pb2.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        calls = _json_list(m.tool_calls_json, "tool_calls_json")
+        if not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                   and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                   for c in calls):
+            raise InvalidRequest('each of tool_calls_json must be {"function": {"name": str, "arguments": str}, ...}')
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _json_list(text: str, field: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{field} is not valid JSON ({e}); send a JSON array") from None
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{field} must be a JSON array")
+    return value
 
 
 def sampling_params(p: generation_pb2.SamplingParams, structured: Constraint | None = None) -> SamplingParams:
