@@ -262,6 +262,9 @@ def _gumbel(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tens
     h = torch.bitwise_xor(key[:, None], spread[None, :])  # [draws, vocab]
     h = _mix32_(h)  # a bijection of the id within each row
     u = h.bitwise_right_shift_(32 - _UNIFORM_BITS).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    # float32 rounds the top cell's 1 - 2**-25 up to 1.0, whose noise would be +inf: that id would win any
+    # draw, and beside a -inf (a masked or truncated id) it would give NaN, which max() picks.
+    u.clamp_(max=1.0 - 2.0**-_UNIFORM_BITS)
     return u.log_().neg_().log_().neg_()
 
 

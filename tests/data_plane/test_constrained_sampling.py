@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_plane.engine.grammar import Constraint, ConstraintKind, GrammarCompiler, TokenMasks
-from data_plane.engine.sampler import SamplingBatch, sample
+from data_plane.engine.sampler import SamplingBatch, _gumbel, sample
 from data_plane.errors import InvalidRequest
 from tests.data_plane.test_sampler import NoHostSync, sequence
 
@@ -46,6 +46,18 @@ def test_a_masked_row_chooses_only_allowed_tokens_greedy_and_drawn_and_keeps_the
     greedy = sample(logits, SamplingBatch.build([sequence(str(r)) for r in range(4)], "cpu"), packed(allowed))
     expected = [max(ids, key=lambda j: logits[r, j].item()) for r, ids in enumerate(allowed)]
     assert greedy.ids.tolist() == expected
+
+
+def test_draw_noise_is_never_infinite_so_a_masked_or_truncated_token_never_wins():
+    # seed 330 at position 5 hits the top cell of the uniform grid at id 47665 (found by search): float32
+    # rounded it to 1.0, and its noise to +inf, which won any draw and beside -inf made NaN.
+    assert torch.isfinite(_gumbel(torch.tensor([330]), torch.tensor([5]), 49152)).all()
+    seq = sequence(temperature=1.0, seed=330, top_k=1)
+    seq.output_ids += [0, 0]  # the token at position 5
+    logits = torch.zeros(1, 49152)
+    logits[0, 7] = 1.0
+    assert sample(logits, SamplingBatch.build([seq], "cpu"), packed([{7, 8}], 49152)).ids.tolist() == [7]
+    assert sample(logits, SamplingBatch.build([seq], "cpu")).ids.tolist() == [7]  # top_k 1: the top token only
 
 
 def test_logit_bias_forces_and_bans_tokens_and_the_logprobs_stay_the_models():
