@@ -54,6 +54,11 @@ class PodMetrics:
         self.prefill_budget = Gauge("lorafleet_step_prefill_budget_tokens",
                                     "Prefill tokens the last step could carry beside its decodes (the step budget).",
                                     registry=r)
+        self.grammar_compile = Histogram("lorafleet_grammar_compile_seconds",
+                                         "Time to compile a structured-output constraint (cache misses only).",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.constrained_requests = Counter("lorafleet_constrained_requests",
+                                            "Requests with structured output, by kind.", ["kind"], registry=r)
         self.precision = Gauge("lorafleet_precision_info",
                                "1 for the precision the pod computes in (its --dtype, auto resolved): float32, "
                                "bfloat16, float16 or bfloat16-matmul.", ["precision"], registry=r)

@@ -173,15 +173,13 @@ class HttpApi:
 
 async def _stream(response: web.StreamResponse, builder: ResponseBuilder, raw: bytes | None, messages,
                   include_usage: bool) -> None:
-    last = g.GenerateResponse()
     while raw is not None:
-        last = g.GenerateResponse.FromString(raw)
-        chunk = builder.chunk(last)
+        chunk = builder.chunk(g.GenerateResponse.FromString(raw))
         if chunk is not None:
             await response.write(sse(chunk))
         raw = await anext(messages, None)
     if include_usage:
-        await response.write(sse(builder.usage_chunk(last)))
+        await response.write(sse(builder.usage_chunk()))
     await response.write(sse("[DONE]"))
 
 

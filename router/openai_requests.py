@@ -4,6 +4,7 @@ changes nothing (OpenAI clients send some by default), or refused with a 400 tha
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -12,12 +13,16 @@ from typing import Any
 from lorafleet.v1 import generation_pb2 as g
 
 from router.openai_errors import invalid
+from router.openai_structured import structured_output
+from router.openai_tools import Tools, parse_tools
 
 MAX_LOGPROBS = 20  # the most alternatives a pod returns per token
 MAX_STOP = 16
+MAX_CHOICES = 16  # n; as the pods allow
+MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 _UINT32, _UINT64 = 2 ** 32 - 1, 2 ** 64 - 1
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Endpoint(Enum):
@@ -33,11 +38,17 @@ class ApiRequest:
     endpoint: Endpoint
     model: str
     prompt: str | None
-    messages: tuple[tuple[str, str], ...]  # (role, content), oldest first
+    messages: tuple[g.ChatMessage, ...]  # oldest first
     sampling: g.SamplingParams
     stream: bool
     include_usage: bool
     logprobs: int | None
+    structured: g.StructuredOutput | None = None  # the output's constraint (a forced tool call's included)
+    tools: Tools | None = None  # tools the model may (or must) call; None: none, or tool_choice "none"
+
+    @property
+    def n(self) -> int:
+        return max(self.sampling.n, 1)
 
     def generate_request(self, adapter: str, request_id: str) -> g.GenerateRequest:
         """The GenerateRequest a pod serves for this request, for ``adapter`` ("" = base model)."""
@@ -45,7 +56,11 @@ class ApiRequest:
         if self.prompt is not None:
             req.prompt = self.prompt
         else:
-            req.messages.messages.extend(g.ChatMessage(role=r, content=c) for r, c in self.messages)
+            req.messages.messages.extend(self.messages)
+        if self.structured is not None:
+            req.structured_output.CopyFrom(self.structured)
+        if self.tools is not None:
+            req.tools_json = self.tools.tools_json()
         return req
 
 
@@ -140,12 +155,9 @@ def parse_chat(body: Any) -> ApiRequest:
     top = f.integer("top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not wants_logprobs:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    f.neutral("response_format", {"type": "text"})
-    f.neutral("tools", [])
-    f.neutral("tool_choice", "none", "auto")
+    tools = parse_tools(f)
     f.neutral("functions", [])
     f.neutral("function_call", "none", "auto")
-    f.boolean("parallel_tool_calls")  # harmless without tools
     f.neutral("store", False)
     f.neutral("service_tier", "auto", "default")
     f.neutral("modalities", ["text"])
@@ -153,12 +165,18 @@ def parse_chat(body: Any) -> ApiRequest:
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata", "'metadata' must be an object")
     logprobs = (top or 0) if wants_logprobs else None
-    return _finish(f, Endpoint.CHAT, model, None, messages, max_tokens or 0, logprobs)
+    return _finish(f, Endpoint.CHAT, model, None, messages, max_tokens or 0, logprobs, tools)
 
 
 def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, messages: tuple,
-            max_tokens: int, logprobs: int | None) -> ApiRequest:
+            max_tokens: int, logprobs: int | None, tools: Tools | None = None) -> ApiRequest:
     """The fields both endpoints share, then the request."""
+    structured = structured_output(f)
+    if tools is not None and tools.forced:
+        if structured is not None:
+            raise invalid("tool_choice", "a forced tool call already constrains the output; drop the"
+                          " response_format / guided_* field or set 'tool_choice' to \"auto\"")
+        structured = tools.constraint()
     sampling = g.SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs or 0, token_text=logprobs is not None,
         temperature=f.number("temperature", 0.0, 2.0, 1.0),
@@ -169,10 +187,13 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
     seed = f.integer("seed", 0, _UINT64)
     if seed is not None:
         sampling.seed = seed
-    f.neutral("n", 1)
+    n = f.integer("n", 1, MAX_CHOICES, 1)
+    if n > 1:  # unset is one choice: a request without n reads as it always did
+        sampling.n = n
+    for token, bias in _logit_bias(f.take("logit_bias")).items():
+        sampling.logit_bias[token] = bias
     f.neutral("frequency_penalty", 0)
     f.neutral("presence_penalty", 0)
-    f.neutral("logit_bias", {})
     f.string("user")  # an end-user id for abuse tracking upstream; nothing to do with it here
     stream = f.boolean("stream")
     options = f.take("stream_options")
@@ -185,7 +206,25 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
             raise invalid("stream_options", "'stream_options' must be {\"include_usage\": true|false}")
         include_usage = options.get("include_usage", False)
     f.done()
-    return ApiRequest(endpoint, model, prompt, messages, sampling, stream, include_usage, logprobs)
+    return ApiRequest(endpoint, model, prompt, messages, sampling, stream, include_usage, logprobs, structured, tools)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}``, checked; the pod checks the ids against its vocabulary."""
+    if value is None:
+        return {}
+    rule = (f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids (as strings) to numbers within"
+            " [-100, 100]")
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", rule)
+    out = {}
+    for key, bias in value.items():
+        ok = isinstance(key, str) and key.isdigit() and int(key) <= _UINT32 and not isinstance(bias, bool) \
+            and isinstance(bias, int | float) and math.isfinite(bias) and -100 <= bias <= 100
+        if not ok:
+            raise invalid("logit_bias", f"{rule}; got {key!r}: {bias!r}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _stop(value: Any) -> list[str]:
@@ -195,20 +234,38 @@ def _stop(value: Any) -> list[str]:
     return stops
 
 
-def _messages(value: Any) -> tuple[tuple[str, str], ...]:
+def _messages(value: Any) -> tuple[g.ChatMessage, ...]:
     if not isinstance(value, list) or not value:
         raise invalid("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
     out = []
     for i, message in enumerate(value):
         param = f"messages[{i}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-            raise invalid(param, f"'{param}' must be an object with 'role' and 'content' (and an optional 'name')")
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
+            raise invalid(param, f"'{param}' must be an object with 'role' and 'content' (and an optional 'name';"
+                          " 'tool_calls' on an assistant turn, 'tool_call_id' on a tool turn)")
         role = _ROLES.get(message.get("role"))
         if role is None:
             raise invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(_ROLES)};"
                           f" got {message.get('role')!r}")
-        out.append((role, _content(message.get("content"), f"{param}.content")))
+        calls = message.get("tool_calls")
+        if calls is not None and (role != "assistant" or not _tool_calls_ok(calls)):
+            raise invalid(f"{param}.tool_calls", f"'{param}.tool_calls' belongs to an assistant turn: a list of "
+                          "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\" (a string)}}")
+        call_id = message.get("tool_call_id")
+        if (role == "tool") != isinstance(call_id, str):
+            raise invalid(f"{param}.tool_call_id", f"'{param}': a tool turn, and only a tool turn, carries"
+                          " 'tool_call_id' (a string)")
+        content = "" if calls and message.get("content") is None else _content(message.get("content"),
+                                                                               f"{param}.content")
+        out.append(g.ChatMessage(role=role, content=content, tool_calls_json=json.dumps(calls) if calls else "",
+                                 tool_call_id=call_id or "", name=message.get("name") or "" if role == "tool" else ""))
     return tuple(out)
+
+
+def _tool_calls_ok(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str) for c in calls)
 
 
 def _content(value: Any, param: str) -> str:

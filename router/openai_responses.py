@@ -8,6 +8,7 @@ form vLLM's ``--return-tokens-as-token-ids`` uses) and ``bytes`` null."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from lorafleet.v1 import generation_pb2 as g
 
@@ -48,54 +49,85 @@ def models(base_model: str, adapters: list[str], created: int) -> dict:
 
 class ResponseBuilder:
     """Turns the pod's messages for one request into OpenAI bodies: ``chunk`` per message when streaming,
-    else ``add`` each and ``complete`` once."""
+    else ``add`` each and ``complete`` once. Messages of several choices (``n``) interleave; each carries its
+    choice's index. With tools, a choice's text is read for calls once it is whole, so a streamed choice
+    comes as one chunk at its end."""
 
     def __init__(self, request: ApiRequest, response_id: str, created: int) -> None:
         self._request, self._id, self._created = request, response_id, created
         self._chat = request.endpoint is Endpoint.CHAT
-        self._text: list[str] = []
-        self._tokens: list[g.Token] = []
-        self._last = g.GenerateResponse()
-        self._role_sent = False
+        self._choices: dict[int, _Choice] = {}
 
     def add(self, message: g.GenerateResponse) -> None:
-        self._text.append(message.text)
-        self._tokens.extend(message.tokens)
-        self._last = message
+        choice = self._choices.setdefault(message.index, _Choice())
+        choice.text.append(message.text)
+        choice.tokens.extend(message.tokens)
+        choice.last = message
 
     def complete(self) -> dict:
         """The non-streaming body, once every message was added."""
-        text = "".join(self._text)
-        choice = {"index": 0, "logprobs": self._logprobs(self._tokens), "finish_reason": self._finish(self._last)}
-        if self._chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return self._envelope("chat.completion" if self._chat else "text_completion", [choice],
-                              usage=usage(self._last.usage))
+        choices = []
+        for index, c in sorted(self._choices.items()):
+            text = "".join(c.text)
+            body = {"index": index, "logprobs": self._logprobs(c.tokens), "finish_reason": self._finish(c.last)}
+            if self._chat:
+                body["message"] = {"role": "assistant", "content": text}
+                self._read_calls(body, body["message"], text)
+            else:
+                body["text"] = text
+            choices.append(body)
+        return self._envelope("chat.completion" if self._chat else "text_completion", choices, usage=self._usage())
 
     def chunk(self, message: g.GenerateResponse) -> dict | None:
-        """The streamed chunk of one message; None for a message that carries nothing."""
+        """The streamed chunk of one message; None for a message that carries nothing (yet)."""
         finish = self._finish(message) if message.finish_reason else None
-        if not (message.text or message.tokens or finish or (self._chat and not self._role_sent)):
+        first = message.index not in self._choices
+        self.add(message)
+        if self._request.tools is not None:  # the choice's calls are known only once its text is whole
+            return self._tool_chunk(message.index) if finish else None
+        if not (message.text or message.tokens or finish or (self._chat and first)):
             return None
-        choice = {"index": 0, "logprobs": self._logprobs(message.tokens), "finish_reason": finish}
+        choice = {"index": message.index, "logprobs": self._logprobs(message.tokens), "finish_reason": finish}
         if self._chat:
             choice["delta"] = {"content": message.text}
-            if not self._role_sent:
+            if first:
                 choice["delta"]["role"] = "assistant"
-                self._role_sent = True
         else:
             choice["text"] = message.text
+        return self._chunk_body(choice)
+
+    def usage_chunk(self) -> dict:
+        """The chunk after the last when ``stream_options.include_usage``: no choices, the request's usage."""
+        return self._envelope("chat.completion.chunk" if self._chat else "text_completion", [], usage=self._usage())
+
+    def _tool_chunk(self, index: int) -> dict:
+        c = self._choices[index]
+        text = "".join(c.text)
+        choice = {"index": index, "logprobs": self._logprobs(c.tokens), "finish_reason": self._finish(c.last),
+                  "delta": {"role": "assistant", "content": text}}
+        self._read_calls(choice, choice["delta"], text)
+        return self._chunk_body(choice)
+
+    def _read_calls(self, choice: dict, message: dict, text: str) -> None:
+        """Turns ``message``'s text into tool calls where the request has tools and the text holds calls."""
+        if self._request.tools is None:
+            return
+        content, calls = self._request.tools.read(text)
+        if calls:
+            message["content"], message["tool_calls"] = content, calls
+            choice["finish_reason"] = "tool_calls"
+
+    def _chunk_body(self, choice: dict) -> dict:
         body = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [choice])
         if self._request.include_usage:
             body["usage"] = None  # OpenAI's form: every chunk but the usage chunk has a null usage
         return body
 
-    def usage_chunk(self, message: g.GenerateResponse) -> dict:
-        """The chunk after the last when ``stream_options.include_usage``: no choices, the request's usage."""
-        return self._envelope("chat.completion.chunk" if self._chat else "text_completion", [],
-                              usage=usage(message.usage))
+    def _usage(self) -> dict:
+        """The prompt once, and the completion tokens of every choice."""
+        lasts = [c.last.usage for c in self._choices.values()] or [g.Usage()]
+        return usage(g.Usage(prompt_tokens=lasts[0].prompt_tokens,
+                             completion_tokens=sum(u.completion_tokens for u in lasts)))
 
     def _envelope(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self._id, "object": kind, "created": self._created, "model": self._request.model,
@@ -115,3 +147,10 @@ class ResponseBuilder:
                                 for t in tokens]}
         return {"tokens": [token_name(t) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [{token_name(a): a.logprob for a in t.top_logprobs} for t in tokens]}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: list[g.Token] = field(default_factory=list)
+    last: g.GenerateResponse = field(default_factory=g.GenerateResponse)

@@ -24,7 +24,7 @@ FORWARD_PATH = {
     "kernels/lora_shrink.py": ["*"],
     "kernels/lora_expand.py": ["*"],
     "kernels/lora_launch.py": ["*"],
-    "data_plane/engine/sampler.py": ["sample", "_draw", "_nucleus", "_gumbel", "_mix32_"],
+    "data_plane/engine/sampler.py": ["sample", "_allowed", "_draw", "_nucleus", "_gumbel", "_mix32_"],
     "data_plane/engine/step_runner.py": ["EagerRunner.forward", "GraphRunner.forward", "GraphRunner._bounded",
                                          "forward_batch"],
 }

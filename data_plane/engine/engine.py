@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
 from data_plane.engine.admission import DelayEstimator, retry_after
 from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
@@ -107,6 +108,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
                                    self._prefix_salt, self.costs.prefill_budget)
+        self.grammars = GrammarCompiler(tokenizer.to_json, model.config.vocab_size, tokenizer.eos_token_ids,
+                                        metrics.grammar_compile.observe)
         self.delays = DelayEstimator(limits.max_num_seqs, self.costs)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
@@ -156,6 +159,9 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
         seq.tenant = tenant or None
+        if params.constraint is not None:  # INVALID_ARGUMENT for what the grammar engine cannot honour, here
+            seq.grammar = await asyncio.get_running_loop().run_in_executor(None, self.grammars.state, params.constraint)
+            self.metrics.constrained_requests.labels(params.constraint.kind.value).inc()
         stream = _Stream(seq, OutputText(self.tokenizer, params.stop), asyncio.Queue())
         if adapter is not None:
             await self.adapters.ensure(adapter)  # NOT_FOUND surfaces here, before anything is queued
@@ -203,6 +209,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                 f"(0..{self.model.config.vocab_size - 1})")
         wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), self.scheduler.load())
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
@@ -307,7 +317,8 @@ class Engine:
             stream = self._streams[seq.request_id]
             text, stopped = stream.text.push(tok.id)
             reason = None
-            if stopped or (tok.id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos):
+            complete = seq.grammar is not None and seq.grammar.advance(tok.id)  # a constrained output is whole
+            if stopped or complete or (tok.id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos):
                 reason = FinishReason.STOP
             elif seq.num_tokens >= seq.max_total:
                 reason = FinishReason.LENGTH

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.grammar import TokenMasks
 from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import TokenOut
@@ -30,6 +31,7 @@ class ModelRunner:
         meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras,
                     max_rank=lora.limits.max_rank) if lora is not None else {}
         self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
+        self.masks = TokenMasks(max_seqs, model.config.vocab_size, self.device)
         # A graph's attention covers the longest context a sequence can have: the model's, the cache's, or
         # what a block-table row holds.
         max_context = min(model.config.max_position_embeddings,
@@ -78,9 +80,12 @@ class ModelRunner:
         out: list[TokenOut | None] = [None] * len(step.order)
         if step.sampling is None:
             return out
+        # Grammar masks are computed on the host here, after the forward was launched: on a GPU, while it runs.
+        grammars = step.sampling.grammar_rows
+        masks = self.masks.fill(grammars, step.sampling.num_rows) if grammars else None
         logits = self.model.logits(hidden.index_select(0, step.inputs.sample_rows))
         # The one device->host copy of the step: the chosen tokens and the asked-for log-probabilities.
-        for k, tok in zip(step.sampled_positions, sample(logits, step.sampling).to_host(), strict=True):
+        for k, tok in zip(step.sampled_positions, sample(logits, step.sampling, masks).to_host(), strict=True):
             out[k] = tok
         return out
 

@@ -6,15 +6,18 @@ Contract:
   position of the token it samples, and makes the per-row tensors with at most one host->device copy
   (none when every row is greedy). Its host facts (which rows draw, their top-k values, how many use
   top-p, how many logprobs each row wants) are all that ``sample`` branches on.
-- ``sample(logits, batch)`` takes ``logits`` [rows, vocab] float32 on any device and returns a
-  ``Sampled`` of device tensors. It never synchronises with the host: no ``.item()``, ``.tolist()``,
+- ``sample(logits, batch, masks)`` takes ``logits`` [rows, vocab] float32 on any device and returns a
+  ``Sampled`` of device tensors. Each row's ``logit_bias`` is added to its logits first, then the
+  row's grammar mask (``masks`` [rows, ceil(vocab / 32)] int32, bit ``j % 32`` of word ``j // 32`` set
+  when token ``j`` may come next; see grammar.py) sets every token it forbids to ``-inf``; the choice
+  below is made on what results. It never synchronises with the host: no ``.item()``, ``.tolist()``,
   ``.cpu()``, ``nonzero`` or shape that depends on values. Greedy rows (temperature 0) take the
   argmax (the lowest id among equal logits). The others divide by their temperature; keep their
   top-k logits (0 or k >= vocab: all; ties with the k-th kept); then keep the smallest prefix of the
   distribution sorted by probability (ties: lower id first) whose mass reaches top_p, the token that
   crosses it included (0 or 1: all; mass counted exactly in units of 2**-40); and draw from what is
   left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the chosen
-  token's, and each row's top-n alternatives (most likely first).
+  token's, and each row's top-n alternatives (most likely first), before any bias or mask.
 - ``Sampled.to_host()`` is the step's one device->host copy; it gives the engine's ``TokenOut`` list.
 
 Draws are counter-based, so a request's tokens do not depend on what shares its step, on which row it
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from data_plane.engine.grammar import GrammarState
 from data_plane.engine.sequence import Sequence, TokenOut
 
 _MASK32 = 0xFFFFFFFF
@@ -52,8 +56,10 @@ _MIN_TEMPERATURE = 1e-5
 _MASS_BITS = 40  # top-p counts mass in units of 2**-40: a vocabulary's sum stays far below 2**63
 
 # Rows of the packed per-row host tensor, one host->device copy. Floats travel as float64 bit patterns.
-# The top-p rows come first in their two rows, padded to the number of drawing rows.
+# The top-p rows come first in their two rows, padded to the number of drawing rows. The logit biases
+# follow in three rows of their own length: logits row, token id, bias.
 _ROW, _TOP_K, _SEED, _COUNTER, _TOP_P_ROW, _TEMPERATURE, _TOP_P = range(7)
+_DRAW_FIELDS, _BIAS_FIELDS = 7, 3
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,14 @@ class SamplingBatch:
     top_p: torch.Tensor  # [num_top_p] float64, within (0, 1)
     seed: torch.Tensor  # [draws] int64: the request's 64-bit seed in two's complement
     counter: torch.Tensor  # [draws] int64: position of the token being sampled
+    bias_rows: torch.Tensor  # [biases] int64: logits row of each (row, token) bias
+    bias_ids: torch.Tensor  # [biases] int64
+    bias_values: torch.Tensor  # [biases] float32
+    grammar_rows: tuple[tuple[GrammarState, int], ...] = ()  # each constrained row's matcher and logits row
+
+    @property
+    def num_biases(self) -> int:
+        return self.bias_rows.shape[0]
 
     @property
     def num_draws(self) -> int:
@@ -93,13 +107,23 @@ class SamplingBatch:
                 for (i, s), (j, _) in zip(draws, top_p + pad, strict=True)]
         floats = [[max(s.params.temperature, _MIN_TEMPERATURE), p]
                   for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
-        if draws:  # [7, draws]: one copy, then views; pinned on CUDA so the copy need not wait for the host
-            host = torch.empty(7, len(draws), dtype=torch.int64, pin_memory=device.type == "cuda")
-            host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
-            host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
-            packed = host.to(device, non_blocking=True)
-        else:  # every row greedy: nothing to copy
-            packed = torch.empty(7, 0, dtype=torch.int64, device=device)
+        biases = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias]
+        d, nb = len(draws), len(biases)
+        if draws or biases:  # one copy, then views; pinned on CUDA so the copy need not wait for the host
+            host = torch.empty(_DRAW_FIELDS * d + _BIAS_FIELDS * nb, dtype=torch.int64,
+                               pin_memory=device.type == "cuda")
+            draw_host, bias_host = host[: _DRAW_FIELDS * d].view(_DRAW_FIELDS, d), host[_DRAW_FIELDS * d:].view(3, nb)
+            if draws:
+                draw_host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
+                draw_host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
+            if biases:
+                bias_host[:2] = torch.tensor([b[:2] for b in biases], dtype=torch.int64).T
+                bias_host[2].view(torch.float64).copy_(torch.tensor([b[2] for b in biases], dtype=torch.float64))
+            flat = host.to(device, non_blocking=True)
+        else:  # every row greedy, no biases: nothing to copy
+            flat = torch.empty(0, dtype=torch.int64, device=device)
+        packed = flat[: _DRAW_FIELDS * d].view(_DRAW_FIELDS, d)
+        bias = flat[_DRAW_FIELDS * d:].view(_BIAS_FIELDS, nb)
         floats_dev = packed[_TEMPERATURE:].view(torch.float64)  # [2, draws]
         return cls(
             num_rows=len(seqs),
@@ -113,6 +137,10 @@ class SamplingBatch:
             top_p=floats_dev[1, : len(top_p)],
             seed=packed[_SEED],
             counter=packed[_COUNTER],
+            bias_rows=bias[0],
+            bias_ids=bias[1],
+            bias_values=bias[2].view(torch.float64).float(),
+            grammar_rows=tuple((s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None),
         )
 
 
@@ -138,19 +166,27 @@ class Sampled:
         return out
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
-    """The next token of each row of ``logits`` [rows, vocab] float32 under ``batch``'s parameters
-    (see the module's contract), with no host synchronisation."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, masks: torch.Tensor | None = None) -> Sampled:
+    """The next token of each row of ``logits`` [rows, vocab] float32 under ``batch``'s parameters and the
+    grammar ``masks`` [rows, ceil(vocab / 32)] int32 (None: none), as the module's contract says, with no
+    host synchronisation."""
     rows, vocab = logits.shape
     if rows != batch.num_rows:
         raise ValueError(f"logits have {rows} rows but the sampling batch was built for {batch.num_rows}")
     if logits.dtype != torch.float32:
         raise TypeError(f"sample takes float32 logits, got {logits.dtype}: convert with .float() first")
-    ids = logits.argmax(dim=-1, keepdim=True)  # [rows, 1]: greedy's choice, ties to the lowest id
+    choice = logits  # what the choice is made on: the logits, biased and masked where asked
+    if batch.num_biases or masks is not None:
+        choice = logits.clone()
+        if batch.num_biases:  # one (row, id) pair per bias: no two writes land on one element
+            choice.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        if masks is not None:
+            choice.masked_fill_(_allowed(masks, vocab).logical_not_(), float("-inf"))
+    ids = choice.argmax(dim=-1, keepdim=True)  # [rows, 1]: greedy's choice, ties to the lowest id
     if 0 < batch.num_draws == rows:  # draw_rows is every row, in order
-        ids = _draw(logits, batch, vocab)[:, None]
+        ids = _draw(choice, batch, vocab)[:, None]
     elif batch.num_draws:
-        drawn = _draw(logits.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
+        drawn = _draw(choice.index_select(0, batch.draw_rows), batch, vocab)[:, None]  # [draws, 1]
         ids = ids.index_copy_(0, batch.draw_rows, drawn)
     # The whole row's log_softmax: its kernel sums each row alone, the same way whatever the number of rows,
     # where a plain sum over the vocabulary splits a lone row across threads (another order, other bits).
@@ -158,6 +194,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     chosen = logprobs.gather(1, ids)[:, 0]  # [rows]
     top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1).indices  # [rows, max_logprobs]
     return Sampled(ids[:, 0], chosen, top_ids, logprobs.gather(1, top_ids), batch.num_logprobs)
+
+
+def _allowed(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool from the packed ``masks`` [rows, words] int32: bit ``j % 32`` of word ``j // 32``."""
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)  # [32]
+    bits = masks[:, :, None].bitwise_right_shift(shifts).bitwise_and_(1)  # [rows, words, 32]
+    return bits.view(masks.shape[0], -1)[:, :vocab].bool()
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> torch.Tensor:
@@ -219,6 +262,9 @@ def _gumbel(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tens
     h = torch.bitwise_xor(key[:, None], spread[None, :])  # [draws, vocab]
     h = _mix32_(h)  # a bijection of the id within each row
     u = h.bitwise_right_shift_(32 - _UNIFORM_BITS).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    # float32 rounds the top cell's 1 - 2**-25 up to 1.0, whose noise would be +inf: that id would win any
+    # draw, and beside a -inf (a masked or truncated id) it would give NaN, which max() picks.
+    u.clamp_(max=1.0 - 2.0**-_UNIFORM_BITS)
     return u.log_().neg_().log_().neg_()
 
 

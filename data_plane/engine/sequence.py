@@ -7,7 +7,11 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from data_plane.engine.grammar import Constraint, GrammarState
 from data_plane.errors import InvalidRequest
+
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+MAX_CHOICES = 16
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +36,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    n: int = 1  # choices for the prompt
+    constraint: Constraint | None = None  # structured output; None = free text
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
@@ -48,6 +55,13 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be within [0, 2**64), got {self.seed}")
         if self.max_tokens < 0:
             raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias names {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        bad = [(t, b) for t, b in self.logit_bias if not -100.0 <= b <= 100.0]
+        if bad:
+            raise InvalidRequest(f"logit_bias of token {bad[0][0]} is {bad[0][1]}; biases lie within [-100, 100]")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be within [1, {MAX_CHOICES}], got {self.n}")
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +94,7 @@ class Sequence:
     prefix_ids: list[int] = field(default_factory=list)  # content id of each leading full block in the prefix cache
     slot: int = -1  # adapter slot while running, -1 = base model
     finish_reason: FinishReason | None = None
+    grammar: GrammarState | None = None  # a constrained request's matcher; advanced by postprocess only
     # The key of every draw this request makes (with the token's position as the counter): its seed if
     # given, else a random one, so that a recomputation after preemption draws the same tokens again.
     sampling_seed: int = field(init=False)

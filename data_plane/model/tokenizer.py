@@ -10,6 +10,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from conventions import tool_calls
 from data_plane.errors import InvalidRequest, ModelLoadError
 
 
@@ -33,6 +34,8 @@ class Tokenizer:
         if jinja_file.is_file():
             template = jinja_file.read_text()
         self._template = _compile_template(template) if isinstance(template, str) else None
+        # A template that reads `tools` renders them (and calls) in its own format; others get them as text.
+        self.template_has_tools = isinstance(template, str) and "tools" in template
 
     @property
     def vocab_size(self) -> int:
@@ -49,6 +52,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what the grammar engine reads its token table from)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -56,14 +63,22 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model was trained to read it (its Jinja chat template)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The conversation as the model was trained to read it (its Jinja chat template). ``tools``
+        (OpenAI's list) and assistant turns' ``tool_calls`` go to a template that renders tools; with
+        any other template they are written as text (conventions/tool_calls.py)."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template; send a raw prompt instead of messages")
+        extra = {}
+        if self.template_has_tools:
+            extra = {"tools": tools} if tools else {}
+        elif tools or any(m.get("tool_calls") for m in messages):
+            messages = tool_calls.inline(messages, tools or [])
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
             )
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from None

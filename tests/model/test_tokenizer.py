@@ -66,3 +66,42 @@ def test_our_kernels_package_is_not_mistaken_for_the_hub_kernels_library():
     from transformers.utils.import_utils import is_kernels_available
 
     assert not is_kernels_available()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+WITH_CALLS = [{"role": "user", "content": "Weather in Oslo?"},
+              {"role": "assistant", "content": "", "tool_calls": [CALL]},
+              {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "call {{ c.function.name }} {{ c.function.arguments }}{% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_gives_them(demo_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from data_plane.model.tokenizer import Tokenizer
+
+    shutil.copy(demo_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((demo_model_dir / "tokenizer_config.json").read_text()) | {"chat_template": TOOL_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer(tmp_path).render_chat(WITH_CALLS, tools=TOOLS)
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(WITH_CALLS, tools=TOOLS, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert ours == theirs and "Tools: get_weather" in ours and 'call get_weather {"city": "Oslo"}' in ours
+
+
+def test_a_template_without_a_tool_format_gets_the_tools_and_calls_as_text(demo_tokenizer):
+    rendered = demo_tokenizer.render_chat(WITH_CALLS, tools=TOOLS)
+    assert rendered.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "get_weather", "description": "Weather in a city"' in rendered
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in rendered
+    assert "<|im_start|>tool\nsunny<|im_end|>" in rendered

@@ -123,7 +123,7 @@ GOOD = json.dumps({"model": FLEET_BASE_MODEL, "prompt": "Hi", "max_tokens": 2, "
      "within [0.0, 2.0]"),
     (json.dumps({"model": FLEET_BASE_MODEL, "prompt": "Hi", "best_of_n": 2}), API_KEY, 400, "best_of_n",
      "unsupported field"),
-    (json.dumps({"model": FLEET_BASE_MODEL, "prompt": "Hi", "n": 2}), API_KEY, 400, "n", "not supported"),
+    (json.dumps({"model": FLEET_BASE_MODEL, "prompt": "Hi", "n": 17}), API_KEY, 400, "n", "within [1, 16]"),
     (json.dumps({"model": FLEET_BASE_MODEL, "prompt": "x" * 70_000}), API_KEY, 413, None, "limit of 65536 bytes"),
     (GOOD, None, 401, None, "missing API key"),
     (GOOD, "sk-wrong", 401, None, "invalid API key"),

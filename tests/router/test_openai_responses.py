@@ -73,7 +73,7 @@ def test_streamed_chat_chunks_carry_the_role_first_skip_empty_messages_and_end_w
                                                           {"content": " matey"}]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
-    last = builder.usage_chunk(MESSAGES[-1])
+    last = builder.usage_chunk()
     assert (last["choices"], last["usage"]["total_tokens"]) == ([], 7)
 
 
