@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
 
@@ -15,6 +18,10 @@ class Command(enum.Enum):
     UNLOAD = "unload"
     LOAD = "load"  # LoadAdapter only: an extra replica of a hot adapter (control_plane/replicator.py)
     RELEASE = "release"  # UnloadAdapter of an extra replica gone cold; refused while in use, tried again later
+    PREFETCH = "prefetch"  # PrefetchAdapter: a copy on a standby pod's disk, ahead of demand (prefetch_actions)
+
+
+REMOTE_SCHEMES = ("http", "https", "s3", "hf")  # sources a pod downloads into its disk tier
 
 
 @dataclass(frozen=True)
@@ -79,4 +86,25 @@ def plan_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned:
                 continue
             loads.append(Action(pod.id, pod.endpoint, Command.LOAD_AND_PIN, name, rec.source, rec.sha256))
         actions += unpins + unloads + loads
+    return actions
+
+
+def prefetch_actions(adapters: list[AdapterRecord], pods: list[PodRecord], assigned: dict[str, tuple[str, ...]],
+                     skip: Callable[[str, str, str], bool]) -> list[Action]:
+    """PREFETCH commands that put each pinned adapter with a replica count (``pin_replicas`` >= 1) and a
+    remote source on the disks of as many ready pods beyond its holders, so that the pod its pin moves
+    to when a holder goes usually loads it from disk instead of from storage. The standbys of an adapter
+    are picked by rendezvous hashing of (adapter, pod): spread over the fleet, and the same picks while
+    the fleet changes little. Placement after a loss may still choose another pod, which then downloads.
+
+    ``skip(adapter, pod, sha256)`` leaves out what was already prefetched or is not due again."""
+    actions = []
+    for a in adapters:
+        if not a.pinned or a.pin_replicas < 1 or urlparse(a.source).scheme not in REMOTE_SCHEMES:
+            continue
+        holders = set(assigned.get(a.name, ()))
+        others = [p for p in pods if p.id not in holders and p.resident(a.name) is None]
+        others.sort(key=lambda p, n=a.name: hashlib.sha256(f"{n}/{p.id}".encode()).digest())
+        actions += [Action(p.id, p.endpoint, Command.PREFETCH, a.name, a.source, a.sha256)
+                    for p in others[:a.pin_replicas] if not skip(a.name, p.id, a.sha256)]
     return actions

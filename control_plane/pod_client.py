@@ -101,6 +101,9 @@ class PodClients:
                 await stub.UnpinAdapter(pb.PodUnpinAdapterRequest(name=name, fencing_token=token), **kw)
             elif action.command in (Command.UNLOAD, Command.RELEASE):
                 await stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name, fencing_token=token), **kw)
+            elif action.command is Command.PREFETCH:
+                await stub.PrefetchAdapter(pb.PrefetchAdapterRequest(name=name, source=action.source,
+                                                                     sha256=action.sha256, fencing_token=token), **kw)
         except grpc.aio.AioRpcError as e:
             return read_answer(action.command, e.code(), e.details())
         return read_answer(action.command, grpc.StatusCode.OK)

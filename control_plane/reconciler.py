@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict
 
@@ -14,7 +15,7 @@ from control_plane.fleet import Fleet, PodView
 from control_plane.leader import LeaderLease
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
-from control_plane.plan import Action, Command, plan_actions
+from control_plane.plan import Action, Command, plan_actions, prefetch_actions
 from control_plane.pod_client import PodClients, Probe
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
 from control_plane.replicator import Replicator
@@ -25,6 +26,7 @@ _MAX_POD_BACKOFF_S = 60.0
 _NO_PASS_NEEDED = frozenset({"registered"})  # change events that cannot alter placement
 _LOADS = (Command.LOAD_AND_PIN, Command.LOAD)
 _REPLICA_CHANGE = {Command.LOAD: "added", Command.RELEASE: "released"}
+_PREFETCH_RETRY_S = 60.0  # a prefetch that failed (storage down, a pod without the RPC) is asked again after this
 
 
 class Reconciler:
@@ -46,6 +48,9 @@ class Reconciler:
         self._metrics = metrics
         # pod id -> (consecutive failed passes, monotonic time before which it is left alone)
         self._pod_retry: dict[str, tuple[int, float]] = {}
+        # (adapter, pod) -> (sha256, monotonic time before which it is not asked again): prefetches this
+        # leader sent. A new leader asks once more; the pod answers from its disk.
+        self._prefetched: dict[tuple[str, str], tuple[str, float]] = {}
         self._unsatisfied_logged: dict[str, str] = {}
         self._probe_logged: dict[str, Probe] = {}
         self._indexed_token = 0  # the lease under which the pinned index was last rebuilt
@@ -132,11 +137,13 @@ class Reconciler:
         actions = plan_actions(adapters, ready, assignment.pods, placements, self._store.now(),
                                cfg.max_load_attempts, cfg.retry_backoff_s)
         actions += self._replica_actions(adapters, ready, assignment.pods, placements)
+        actions += prefetch_actions(pinned, ready, assignment.pods, self._prefetch_done)  # last on each pod
         by_pod: dict[str, list[Action]] = defaultdict(list)
         for a in actions:
             if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:
                 by_pod[a.pod].append(a)
         self._pod_retry = {p: r for p, r in self._pod_retry.items() if p in {v.pod.id for v in views}}
+        self._prefetched = {k: r for k, r in self._prefetched.items() if k[1] in {v.pod.id for v in views}}
         attempts = {(r.adapter, r.pod): r.attempts for recs in placements.values() for r in recs}
         await asyncio.gather(*(self._drive(pod_actions, attempts) for pod_actions in by_pod.values()))
         await self._pods.forget({v.pod.endpoint for v in views})
@@ -160,6 +167,10 @@ class Reconciler:
                                            cfg.max_load_attempts, cfg.retry_backoff_s)
         self._metrics.adapters_replicated.set(len(self._replicator.last.targets))
         return actions
+
+    def _prefetch_done(self, adapter: str, pod: str, sha256: str) -> bool:
+        sent = self._prefetched.get((adapter, pod))
+        return sent is not None and sent[0] == sha256 and time.monotonic() < sent[1]
 
     async def _remove_lost(self, views: list[PodView], token: int) -> set[str]:
         """Probes every pod silent for more than ``pod_probe_after_s`` and removes, with its placements,
@@ -222,6 +233,10 @@ class Reconciler:
             if result.stale:
                 self._lease.step_down(f"pod {action.pod} has seen a newer fencing token than {token}")
                 return
+            if action.command is Command.PREFETCH:  # no placement: a copy on disk serves nothing yet
+                retry_at = math.inf if result.ok else time.monotonic() + _PREFETCH_RETRY_S
+                self._prefetched[(action.adapter, action.pod)] = (action.sha256, retry_at)
+                continue
             if result.ok and action.command in _REPLICA_CHANGE:
                 self._metrics.replica_changes.labels(_REPLICA_CHANGE[action.command]).inc()
             if action.command in (*_LOADS, Command.PIN):

@@ -31,6 +31,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+QUIET_LOGGERS = ("httpx2", "httpx", "httpcore", "urllib3", "botocore", "boto3", "s3transfer", "huggingface_hub")
+
+
 def configure(level: str, replica: str = "") -> None:
     """Sends every log record of the process to stderr as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
@@ -38,3 +41,7 @@ def configure(level: str, replica: str = "") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # The HTTP clients of the storage libraries log every request's full URL at INFO, and a download
+    # URL may be presigned (a signature in its query is a credential for as long as it lasts).
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))

@@ -98,24 +98,28 @@ class HubServer:
             return None
         return r
 
-    def _info(self, h, repo: str, revision: str, body: bool) -> None:
+    def _commit(self, h, repo: str, revision: str, body: bool) -> tuple[Repo, str] | None:
+        """The repository and the commit ``revision`` names, or None once the error is sent."""
         if (r := self._repo(h, repo, body)) is None:
-            return
+            return None
         commit = r.commit_of(revision)
         if commit is None:
             _error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}", body)
+            return None
+        return r, commit
+
+    def _info(self, h, repo: str, revision: str, body: bool) -> None:
+        if (found := self._commit(h, repo, revision, body)) is None:
             return
+        r, commit = found
         info = {"_id": repo, "id": repo, "modelId": repo, "sha": commit, "private": bool(r.token),
                 "siblings": [{"rfilename": f} for f in sorted(r.commits[commit])]}
         _send(h, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
 
     def _resolve(self, h, repo: str, revision: str, filename: str, body: bool) -> None:
-        if (r := self._repo(h, repo, body)) is None:
+        if (found := self._commit(h, repo, revision, body)) is None:
             return
-        commit = r.commit_of(revision)
-        if commit is None:
-            _error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}", body)
-            return
+        r, commit = found
         data = r.commits[commit].get(filename)
         if data is None:
             _error(h, 404, "EntryNotFound", f"{filename} does not exist on {revision}", body,

@@ -71,6 +71,12 @@ class AdapterLoader:
             task = self._start(name, source, sha256)
         return await asyncio.shield(task)
 
+    async def prefetch(self, name: str, source: str, sha256: str) -> bool:
+        """Downloads ``name``'s remote source into the disk tier, in a worker thread, without loading
+        it (the control plane asks this ahead of demand); whether it downloaded."""
+        check_adapter_name(name)
+        return await asyncio.to_thread(self._lora.prefetch, name, source, sha256)
+
     def reload_missing(self, names: Iterable[str]) -> None:
         """Loads again, in the background, each of ``names`` that is neither resident nor loading:
         adapters that requests still wait for but that the full CPU tier evicted meanwhile."""

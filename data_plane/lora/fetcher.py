@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_plane.errors import DigestMismatch
+from data_plane.errors import DigestMismatch, InvalidAdapter
 from data_plane.lora.disk_tier import WEIGHTS_FILE, DiskTier
 from data_plane.lora.http_source import HttpSource, redact
 from data_plane.lora.hub_source import HubSettings, HubSource
@@ -97,6 +97,29 @@ class AdapterFetcher:
                                                       "resolved": resolved, "seconds": round(seconds, 3)})
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def prefetch(self, name: str, source: str, sha256: str) -> bool:
+        """Brings the adapter at ``source`` into the disk tier without reading it as an adapter: only
+        its digest is checked (the registered one, required). Returns whether it was downloaded (False:
+        already on disk). Raises like ``fetched``."""
+        scheme = self.policy.check(name, source, shown(source))
+        expected = sha256.lower()
+        if not expected:
+            raise InvalidAdapter(f"adapter {name!r}: a prefetch needs the registered sha256 of its weights")
+        with self._lock(expected):
+            if self.tier.lookup(expected) is not None:
+                self.tier.release(expected)
+                return False
+            staging = self.tier.new_staging()
+            try:
+                resolved, digest, seconds = self._download(name, scheme, source, expected, staging)
+                self.tier.install(staging, digest, {"source": shown(source), "resolved": resolved})
+                self.tier.release(digest)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        log.info("adapter prefetched", extra={"adapter": name, "source": shown(source), "sha256": digest,
+                                              "resolved": resolved, "seconds": round(seconds, 3)})
+        return True
 
     def _download(self, name: str, scheme: str, source: str, expected: str,
                   staging: Path) -> tuple[str, str, float]:

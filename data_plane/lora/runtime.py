@@ -51,6 +51,16 @@ class LoraRuntime:
             return load_peft_adapter(name, str(adapter_dir), (adapter_dir,), sha256, self._shapes, self.limits,
                                      self.dtype, self._pin)
 
+    def prefetch(self, name: str, source: str, sha256: str) -> bool:
+        """Downloads a remote source into the disk tier without loading it; False for a local source
+        (nothing to fetch) or a copy already on disk. Touches no adapter cache."""
+        if not is_remote(source):
+            return False
+        if self.downloads is None:
+            raise InvalidAdapter(f"adapter {name!r}: this pod has no download cache (--adapter-cache-dir), "
+                                 "so it cannot prefetch remote sources")
+        return self.downloads.prefetch(name, source, sha256)
+
     def step_metadata(self, token_slots: list[int]) -> LoraMeta:
         """LoRA metadata for a step built by hand; the engine's steps get theirs from its step builder."""
         if self._meta is None:

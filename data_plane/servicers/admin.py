@@ -40,6 +40,12 @@ class DataPlaneAdminServicer(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
         self._guard.check(request.fencing_token)
         return residency_pb(await engine.adapters.unpin(request.name))
 
+    async def PrefetchAdapter(self, request: pb.PrefetchAdapterRequest, context) -> pb.PrefetchAdapterResponse:
+        engine = self._handle.get()
+        self._guard.check(request.fencing_token)
+        downloaded = await engine.adapters.prefetch(request.name, request.source, request.sha256)
+        return pb.PrefetchAdapterResponse(downloaded=downloaded)
+
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.PodState:
         return pod_state(self._handle.get(), self._pod_id, self._base_model)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from control_plane.plan import Command, plan_actions, retry_due
+from control_plane.plan import Command, plan_actions, prefetch_actions, retry_due
 from control_plane.records import REPORT_LAG_S, AdapterRecord, PlacementRecord, PlacementState, PodRecord, Residency
 
 SHA, OTHER = "ab" * 32, "cd" * 32
@@ -82,3 +82,31 @@ def test_each_pod_gets_only_its_own_commands():
     pods = [pod(pod_id="p0"), pod(Residency("a", pinned=True), pod_id="p1")]
     assert plan(registered("a"), pods, {"a": ("p0",)}) == [
         ("p0", Command.LOAD_AND_PIN, "a"), ("p1", Command.UNPIN, "a")]
+
+
+def _remote(name: str, replicas: int, source: str = "", pinned: bool = True) -> AdapterRecord:
+    return AdapterRecord(name, source or f"s3://adapters/{name}", SHA, "m", 1, pinned, replicas)
+
+
+def _prefetches(adapters, pods, assigned, skip=lambda a, p, s: False):
+    return sorted((a.pod, a.adapter, a.source, a.sha256) for a in prefetch_actions(adapters, pods, assigned, skip)
+                  if a.command is Command.PREFETCH)
+
+
+def test_a_pin_with_replicas_from_storage_is_prefetched_on_as_many_other_pods():
+    pods = [pod(pod_id=f"p{i}") for i in range(5)]
+    got = _prefetches([_remote("a", 2), _remote("h", 1, "hf://acme/h")], pods, {"a": ("p0", "p1"), "h": ("p2",)})
+    standbys_a = [p for p, name, _, _ in got if name == "a"]
+    assert len(standbys_a) == 2 and not {"p0", "p1"} & set(standbys_a)  # never a holder
+    assert [(p != "p2", src, sha) for p, name, src, sha in got if name == "h"] == [(True, "hf://acme/h", SHA)]
+    assert got == _prefetches([_remote("a", 2), _remote("h", 1, "hf://acme/h")], pods,
+                              {"a": ("p0", "p1"), "h": ("p2",)})  # the same picks every pass
+
+
+def test_no_prefetch_for_every_pod_pins_local_sources_unpinned_adapters_residents_or_what_was_done():
+    pods = [pod(pod_id="p0"), pod(Residency("r", sha256=SHA), pod_id="p1"), pod(pod_id="p2")]
+    assert _prefetches([_remote("all", 0), _remote("f", 1, "file:///a/f"), _remote("u", 1, pinned=False)], pods,
+                       {"all": ("p0", "p1", "p2"), "f": ("p0",)}) == []
+    assert [p for p, *_ in _prefetches([_remote("r", 1)], pods, {"r": ("p0",)})] == ["p2"]  # p1 holds it already
+    assert _prefetches([_remote("r", 1)], pods, {"r": ("p0",)}, skip=lambda a, p, s: (a, p, s) == ("r", "p2", SHA)) \
+        == []

@@ -32,6 +32,8 @@ INVALID_REGISTRATIONS = {
     "s3 source without a bucket": (register(source="s3:///a"), C.INVALID_ARGUMENT, "s3://BUCKET/PREFIX"),
     "s3 source with credentials": (register(source="s3://AKIAKEY:s3cr3t@bucket/a"), C.INVALID_ARGUMENT,
                                    r"source s3://…@bucket/a carries credentials"),
+    "http source with credentials": (register(source="https://reader:pw@host/a"), C.INVALID_ARGUMENT,
+                                     "source https://…@host/a carries credentials"),
     "relative file source": (register(source="file://adapters/a"), C.INVALID_ARGUMENT, "file:///absolute/path"),
     "http source without host": (register(source="http:///a"), C.INVALID_ARGUMENT, "http(s)://host/path"),
     "empty source": (register(source=""), C.INVALID_ARGUMENT, "must be a file:///"),

@@ -2,8 +2,9 @@
 (huggingface_hub's routes) on loopback, a redis-server, a control plane, two CPU pods on the demo model
 with their credentials in the standard AWS variables, and a router. s3:// and hf:// adapters are
 registered and pinned through the control plane, serve through the router with the tokens their local
-copies give, move to the survivor when their pod is killed, and the killed pod, started again alone on
-its disk tier, loads them through DataPlaneAdmin without a download. No credential shows anywhere."""
+copies give, are prefetched to the other pod's disk, move to it from there when their pod is killed,
+and the killed pod, started again alone on its disk tier, loads them through DataPlaneAdmin without a
+download. No credential shows anywhere."""
 
 from __future__ import annotations
 
@@ -82,13 +83,16 @@ def test_s3_and_hub_adapters_serve_through_the_router_move_when_their_pod_dies_a
 
     (holder,) = fleet.placements("pirate-s3")
     survivor = next(p for p in fleet.pods if p != holder)
-    downloads_before = fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3")
+    s3_downloads = lambda: fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3")
+    # The leader asks the other pod to prefetch the pinned adapter to its disk ahead of demand.
+    downloads_before = wait_until(s3_downloads, READY_WITHIN_S, "pirate-s3 prefetched to the other pod's disk")
+    hits_before = fleet.pods[survivor].metric("lorafleet_adapter_disk_cache_hits_total")
     fleet.pods[holder].signal(signal.SIGKILL)
     fleet.pods[holder].proc.wait(timeout=10)
     for name in ("pirate-s3", "signoff-hf"):
         wait_until(lambda n=name: fleet.pinned_on(n) == {survivor}, READY_WITHIN_S, f"{name} pinned on the survivor")
-    assert fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3") \
-        == downloads_before + 1  # from storage: the survivor had no copy
+    assert s3_downloads() == downloads_before  # restored from its disk tier, not from storage
+    assert fleet.pods[survivor].metric("lorafleet_adapter_disk_cache_hits_total") > hits_before
     assert collect(router, request(question, "pirate-s3", max_tokens=4))[2].usage.completion_tokens > 0
 
     # The killed pod again, alone (no control plane), on the disk tier it left behind.

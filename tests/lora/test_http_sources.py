@@ -268,24 +268,23 @@ def test_stalled_server_times_out(runtime, web):
     _refused(runtime, web.url("/r8"), SourceUnavailable, f"stalled for {TIMEOUT_S:g}s")
 
 
-def test_redirect_to_http_is_followed(runtime, web, tiny_adapters):
-    def moved(h):
+def _redirect(location: str):
+    def answer(h):
         h.send_response(302)
-        h.send_header("Location", "/r8/adapter_model.safetensors")
+        h.send_header("Location", location)
         h.end_headers()
 
-    web.rules["/old/adapter_model.safetensors"] = moved
+    return answer
+
+
+def test_redirect_to_http_is_followed(runtime, web, tiny_adapters):
+    web.rules["/old/adapter_model.safetensors"] = _redirect("/r8/adapter_model.safetensors")
     web.files["/old/adapter_config.json"] = web.files["/r8/adapter_config.json"]
     assert runtime.read("web", web.url("/old"), _sha(tiny_adapters, "r8")).rank == 8
 
 
 def test_redirect_to_another_scheme_is_refused(runtime, web):
-    def to_ftp(h):
-        h.send_response(302)
-        h.send_header("Location", "ftp://127.0.0.1/adapter_model.safetensors")
-        h.end_headers()
-
-    web.rules["/r8/adapter_model.safetensors"] = to_ftp
+    web.rules["/r8/adapter_model.safetensors"] = _redirect("ftp://127.0.0.1/adapter_model.safetensors")
     _refused(runtime, web.url("/r8"), InvalidAdapter, "redirected .302. to ftp://127.0.0.1/adapter_model.safetensors")
 
 
@@ -317,12 +316,7 @@ def test_loopback_is_refused_unless_an_entry_names_the_host(tiny_base, web, tmp_
 
 
 def test_a_redirect_to_a_host_the_allow_list_leaves_out_is_refused(runtime, web):
-    def away(h):
-        h.send_response(302)
-        h.send_header("Location", "http://elsewhere.invalid/r8/adapter_model.safetensors")
-        h.end_headers()
-
-    web.rules["/r8/adapter_model.safetensors"] = away
+    web.rules["/r8/adapter_model.safetensors"] = _redirect("http://elsewhere.invalid/r8/adapter_model.safetensors")
     _refused(runtime, web.url("/r8"), InvalidAdapter, "redirected .302. to http://elsewhere.invalid/.* does not admit")
 
 

@@ -143,3 +143,21 @@ def test_malformed_s3_sources_are_invalid(model, store, tmp_path, monkeypatch, s
     rt = _runtime(model, tmp_path, monkeypatch, store.reader, store.endpoint)
     err = pytest.raises(InvalidAdapter, rt.read, "remote", source, "").value
     assert "secret" not in str(err)
+
+
+def test_a_prefetch_puts_the_verified_copy_on_disk_for_the_next_load(model, store, tiny_adapters, tmp_path,
+                                                                      monkeypatch):
+    rt = _runtime(model, tmp_path, monkeypatch, store.reader, store.endpoint)
+    sha = _sha(tiny_adapters, "r8")
+    assert rt.prefetch("remote", "s3://adapters/r8", sha) is True
+    assert rt.prefetch("remote", "s3://adapters/r8", sha) is False  # on disk already: no request
+    assert rt.prefetch("local", "r8", sha) is False  # a local source: nothing to fetch
+    assert "remote" not in rt.cache  # fetched, not loaded
+    assert rt.read("remote", "s3://adapters/r8", sha).sha256 == sha
+    usage = rt.downloads.tier.usage()
+    assert (usage.downloads, usage.hits, usage.entries) == ({("s3", "ok"): 1}, 2, 1)
+    with pytest.raises(DigestMismatch):
+        rt.prefetch("cut", "s3://adapters/truncated", _sha(tiny_adapters, "r1"))
+    with pytest.raises(InvalidAdapter, match="a prefetch needs the registered sha256"):
+        rt.prefetch("remote", "s3://adapters/r1", "")
+    assert rt.downloads.tier.usage().entries == 1
