@@ -59,8 +59,10 @@ class DataPlaneConfig:
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
     # Longest estimated wait for a first token a new request is admitted with (0 = no limit); see
-    # engine/admission.py. A caller's shorter gRPC deadline tightens it per request.
-    max_queue_delay_s: float = 10.0
+    # engine/admission.py. A caller's shorter gRPC deadline tightens it per request. What a pod promises
+    # an admitted request: past it, a client is better served by another pod or a retry after the hint,
+    # and under overload the queue stays this short (benchmarks/overload.py).
+    max_queue_delay_s: float = 2.0
     # The step time prefill work may fill a step up to, beside its decodes; 0 = automatic: a step with
     # prefill lasts at most AUTO_ITL_GROWTH × its decodes alone (engine/step_cost.py).
     target_itl_s: float = 0.0
