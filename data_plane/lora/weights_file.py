@@ -18,6 +18,7 @@ from __future__ import annotations
 import _thread
 import hashlib
 import json
+import math
 import mmap
 import threading
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ DTYPES = {
     "U32": torch.uint32, "U64": torch.uint64,
 }
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound
+# Smaller files are hashed on the reading thread, before the header is parsed: their hash takes a
+# millisecond or two, less than handing it to another thread can cost on a busy machine. The pass
+# still reads the file (through the mapping) for the staging that follows.
+BACKGROUND_HASH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,12 @@ class HashedFile:
         self._hash = hashlib.sha256()
         self._hashed = threading.Event()
         self._error: BaseException | None = None
-        # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
-        # costs a scheduling round before any of the work that overlaps the hash can begin.
-        _thread.start_new_thread(self._run, ())
+        if size < BACKGROUND_HASH_BYTES:
+            self._run()
+        else:
+            # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
+            # costs a scheduling round before any of the work that overlaps the hash can begin.
+            _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         try:
@@ -119,13 +127,13 @@ def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
     for key, info in header.items():
         try:
             dtype, shape, (start, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
-            if not all(isinstance(v, int) and v >= 0 for v in (*shape, start, end)):
+            numel = math.prod(shape)
+            # type() rather than isinstance(): JSON's true and false must not pass for numbers.
+            if type(numel) is not int or type(start) is not int or type(end) is not int or \
+                    min(shape, default=0) < 0 or start < 0:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise corrupt(f"the header entry {key!r} is malformed: {info!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
         if end - start != numel * dtype.itemsize:
             raise corrupt(f"{key!r} has shape {list(shape)} of {info['dtype']}, but {end - start} bytes of data")
         spans.append((start, end, key, dtype, shape))
