@@ -58,7 +58,6 @@ class HashedFile:
             with open(path, "rb") as f:
                 # A private mapping: writable for torch.frombuffer, and never written, so never copied.
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._map.madvise(mmap.MADV_SEQUENTIAL)  # read ahead generously: both passes go front to back
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [size]
         else:
             self._map = b""
