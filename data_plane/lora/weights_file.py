@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import _thread
 import hashlib
+import io
 import json
 import math
 import mmap
+import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +156,14 @@ def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
     return {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
 
 
-def tensor_entries(tensors: dict[str, torch.Tensor]) -> dict[str, Entry]:
-    """Entries of already loaded tensors (a pickle's)."""
+def pickle_entries(name: str, file: HashedFile) -> dict[str, Entry]:
+    """The tensors of a pickled state dict (``adapter_model.bin``), loaded with ``weights_only``."""
+    try:
+        tensors = torch.load(io.BytesIO(file.bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin was refused by the safe loader: {e}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin must hold a dict of tensors")
     return {key: Entry(t.dtype, tuple(t.shape), t.reshape(-1)) for key, t in tensors.items()}
 
 
