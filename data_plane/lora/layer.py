@@ -62,11 +62,7 @@ class LoRAProjection(nn.Module):
         self.backend.slot_changed(slot)
 
     def clear_slot(self, slot: int) -> None:
-        """Zeroes what ``slot`` holds (its written ranks; the padding past them is never written)."""
-        held = max(ranks[slot] for ranks in self.host_ranks)
-        if held:
-            self.lora_a[:, slot, :held].zero_()
-            self.lora_b[slot, :, :held].zero_()
+        """Empties ``slot``: rank 0 for every slice, so its bytes are never read again."""
         self.ranks[:, slot] = 0
         self.slot_written(slot, [0] * len(self.slice_names))
 

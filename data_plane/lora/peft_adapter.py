@@ -15,7 +15,6 @@ buffer, and only a failing adapter is searched tensor by tensor for the culprit.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -28,7 +27,7 @@ import torch
 from data_plane.errors import InvalidAdapter
 from data_plane.lora.lora_adapter import LoraAdapter, SliceDelta, SliceGroup
 from data_plane.lora.sources import contained_file, resolve_adapter_dir
-from data_plane.lora.weights_file import Entry, HashedFile, open_weights, safetensors_entries, tensor_entries
+from data_plane.lora.weights_file import Entry, HashedFile, open_weights, pickle_entries, safetensors_entries
 
 __all__ = ["AdapterLimits", "LoraAdapter", "SliceDelta", "SliceGroup", "load_peft_adapter"]
 
@@ -79,7 +78,7 @@ def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_
     config = _read_config(name, adapter_dir, roots)
     file, is_pickle = _open_weights(name, adapter_dir, roots, limits)
     try:
-        entries = _pickle_entries(name, file) if is_pickle else safetensors_entries(name, file.bytes)
+        entries = pickle_entries(name, file) if is_pickle else safetensors_entries(name, file.bytes)
         groups, buffer, max_rank = _stage(name, config, _pair_tensors(name, entries), projections, limits, dtype,
                                           pin_memory)
     except InvalidAdapter:
@@ -257,18 +256,6 @@ def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits) ->
             "refused unless the pod is started with --allow-pickle-adapters; convert it to safetensors"
         )
     return open_weights(name, contained_file(name, adapter_dir, pickle.name, roots), limits.max_bytes), True
-
-
-def _pickle_entries(name: str, file: HashedFile) -> dict[str, Entry]:
-    import pickle
-
-    try:
-        tensors = torch.load(io.BytesIO(file.bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin was refused by the safe loader: {e}") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin must hold a dict of tensors")
-    return tensor_entries(tensors)
 
 
 def _pair_tensors(name: str, entries: dict[str, Entry]) -> dict[tuple[int, str, str], list[Entry]]:

@@ -4,8 +4,9 @@ one buffer per role, allocated once at start-up.
 Each layer's ``LoRAProjection`` owns a contiguous view of these buffers (``layer_buffers``), in the
 layout the kernels read; the pool writes a whole adapter's groups of its kind into a slot with one
 copy per group (``write``), instead of two per layer and slice. Only the first ``rank`` columns of
-a slot are ever read (``kernels.reference``), so a write copies the adapter's ranks and no padding,
-and a clear zeroes what was written: a free slot is all zeros, as it was allocated.
+a slot are ever read (``kernels.reference``, the Triton kernels, ``kernels.cpu_lora``), so a write
+copies the adapter's ranks and no padding, and a clear sets the slot's ranks to 0 and leaves its
+bytes: an empty slot is one of rank 0 everywhere, whatever its buffers hold.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class SlotPool:
     def write(self, slot: int, groups: list[SliceGroup]) -> None:
         """Puts ``groups`` (an adapter's groups of this kind) into ``slot`` of every layer; slices and
         layers they lack get rank 0. Copies are asynchronous from pinned memory on a GPU."""
-        self.clear(slot)
         table = [[0] * len(self.slice_index) for _ in self.owners]  # [layers][S] the slot's new ranks
         for g in groups:
             s, r = self.slice_index[g.slice], g.rank
@@ -68,17 +68,9 @@ class SlotPool:
         self._tell_owners(slot, table)
 
     def clear(self, slot: int) -> None:
-        """Zeroes what ``slot`` holds (up to the largest rank written there) and sets its ranks to 0."""
-        held = [max((o.host_ranks[s][slot] for o in self.owners if o is not None), default=0)
-                for s in range(len(self.slice_index))]
-        if not any(held):
-            return
-        for s, r in enumerate(held):
-            if r:
-                self.a[:, s, slot, :r].zero_()
-        self.b[:, slot, :, : max(held)].zero_()
+        """Empties ``slot`` in every layer: its ranks become 0 (its bytes are then never read)."""
         self.ranks[:, :, slot] = 0
-        self._tell_owners(slot, [[0] * len(held) for _ in self.owners])
+        self._tell_owners(slot, [[0] * len(self.slice_index) for _ in self.owners])
 
     def _tell_owners(self, slot: int, table: list[list[int]]) -> None:
         for owner, ranks in zip(self.owners, table, strict=True):

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import _thread
 import hashlib
+import io
 import json
+import math
 import mmap
+import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,10 @@ DTYPES = {
     "U32": torch.uint32, "U64": torch.uint64,
 }
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound
+# Smaller files are hashed on the reading thread, before the header is parsed: their hash takes a
+# millisecond or two, less than handing it to another thread can cost on a busy machine. The pass
+# still reads the file (through the mapping) for the staging that follows.
+BACKGROUND_HASH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,6 @@ class HashedFile:
             with open(path, "rb") as f:
                 # A private mapping: writable for torch.frombuffer, and never written, so never copied.
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._map.madvise(mmap.MADV_SEQUENTIAL)  # read ahead generously: both passes go front to back
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [size]
         else:
             self._map = b""
@@ -61,9 +67,12 @@ class HashedFile:
         self._hash = hashlib.sha256()
         self._hashed = threading.Event()
         self._error: BaseException | None = None
-        # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
-        # costs a scheduling round before any of the work that overlaps the hash can begin.
-        _thread.start_new_thread(self._run, ())
+        if size < BACKGROUND_HASH_BYTES:
+            self._run()
+        else:
+            # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
+            # costs a scheduling round before any of the work that overlaps the hash can begin.
+            _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         try:
@@ -119,13 +128,13 @@ def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
     for key, info in header.items():
         try:
             dtype, shape, (start, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
-            if not all(isinstance(v, int) and v >= 0 for v in (*shape, start, end)):
+            numel = math.prod(shape)
+            # type() rather than isinstance(): JSON's true and false must not pass for numbers.
+            if type(numel) is not int or type(start) is not int or type(end) is not int or \
+                    min(shape, default=0) < 0 or start < 0:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise corrupt(f"the header entry {key!r} is malformed: {info!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
         if end - start != numel * dtype.itemsize:
             raise corrupt(f"{key!r} has shape {list(shape)} of {info['dtype']}, but {end - start} bytes of data")
         spans.append((start, end, key, dtype, shape))
@@ -147,8 +156,14 @@ def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
     return {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
 
 
-def tensor_entries(tensors: dict[str, torch.Tensor]) -> dict[str, Entry]:
-    """Entries of already loaded tensors (a pickle's)."""
+def pickle_entries(name: str, file: HashedFile) -> dict[str, Entry]:
+    """The tensors of a pickled state dict (``adapter_model.bin``), loaded with ``weights_only``."""
+    try:
+        tensors = torch.load(io.BytesIO(file.bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin was refused by the safe loader: {e}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin must hold a dict of tensors")
     return {key: Entry(t.dtype, tuple(t.shape), t.reshape(-1)) for key, t in tensors.items()}
 
 

@@ -107,7 +107,10 @@ def test_pool_writes_hold_what_per_layer_writes_would(tiny_base, tiny_adapters):
     for path, layer in pooled.layers.items():
         other = per_layer.layers[path]
         assert layer.host_ranks == other.host_ranks and torch.equal(layer.ranks, other.ranks), path
-        assert torch.equal(layer.lora_a, other.lora_a) and torch.equal(layer.lora_b, other.lora_b), path
+        for s in range(len(layer.slice_names)):  # what the kernels read: each slice's first `rank` columns
+            r, lo, hi = layer.host_ranks[s][slot], layer.host_offsets[s], layer.host_offsets[s + 1]
+            assert torch.equal(layer.lora_a[s, slot, :r], other.lora_a[s, slot, :r]), (path, s)
+            assert torch.equal(layer.lora_b[slot, lo:hi, :r], other.lora_b[slot, lo:hi, :r]), (path, s)
 
 
 def test_adapter_of_some_layers_only(tiny_base, tiny_adapters, tmp_path):
