@@ -164,3 +164,29 @@ def test_under_auto_the_model_calls_a_tool_of_its_own_accord_and_the_call_is_rea
         calls, finish = choice.message.tool_calls, choice.finish_reason
     assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments)["city"] == "London"
+
+
+def bad(change) -> g.GenerateRequest:
+    req = request("Hi", "", max_tokens=2)
+    change(req)
+    return req
+
+
+@pytest.mark.parametrize(("req", "words"), [
+    (bad(lambda r: r.sampling.logit_bias.__setitem__(49152, 1.0)), "outside the vocabulary"),
+    (bad(lambda r: r.sampling.logit_bias.__setitem__(5, 150.0)), "within [-100, 100]"),
+    (bad(lambda r: setattr(r.sampling, "n", 17)), "n must be within [1, 16]"),
+    (bad(lambda r: setattr(r.structured_output, "regex", "")), "constraint is empty"),
+    (bad(lambda r: setattr(r.structured_output, "grammar", "start: nowhere")), "nowhere"),
+    (bad(lambda r: setattr(r, "tools_json", "{not json")), "tools_json is not valid JSON"),
+    (bad(lambda r: r.messages.messages.add(role="assistant", content="", tool_calls_json='[{"id": 1}]')),
+     "each of tool_calls_json"),
+    (g.GenerateRequest(prompt="Hi", tools_json="[]", sampling=g.SamplingParams(max_tokens=2)),
+     "tools_json needs messages"),
+])
+def test_bad_structured_fields_on_grpc_are_invalid_argument_naming_them(stack, req, words):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stack[1], req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
