@@ -116,15 +116,19 @@ def test_a_forced_tool_call_has_arguments_that_follow_the_functions_schema(clien
     kwargs = dict(model="pirate", max_tokens=60, temperature=0, tools=[WEATHER],
                   messages=[{"role": "user", "content": "What is the weather in Lisbon?"}],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    if stream:
+    if stream:  # the arguments come in pieces, the id and name with the first
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        pieces = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        assert len(pieces) > 1 and {p.index for p in pieces} == {0}
+        name, arguments = pieces[0].function.name, "".join(p.function.arguments for p in pieces)
         finish = chunks[-1].choices[0].finish_reason
     else:
         choice = client.chat.completions.create(**kwargs).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+        assert len(choice.message.tool_calls) == 1
+        name, arguments = choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments
+        finish = choice.finish_reason
+    assert finish == "tool_calls" and name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 def test_required_tool_choice_calls_one_of_the_tools(client):
