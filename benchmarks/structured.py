@@ -80,9 +80,13 @@ async def run_mode(engine, prompt: list[int], constrained: int, batch: int, max_
             last = now
             tokens[0] += len(step.tokens)
 
+    steps = engine.metrics.registry.get_sample_value
+    steps_before = (steps("lorafleet_engine_step_seconds_sum"), steps("lorafleet_engine_step_seconds_count"))
     started = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(batch)))
-    return {"wall": time.monotonic() - started, "tokens": tokens[0], "gaps": gaps}
+    return {"wall": time.monotonic() - started, "tokens": tokens[0], "gaps": gaps,
+            "step_s": steps("lorafleet_engine_step_seconds_sum") - steps_before[0],
+            "steps": steps("lorafleet_engine_step_seconds_count") - steps_before[1]}
 
 
 async def serve(args, model_dir) -> dict[int, dict]:
@@ -97,13 +101,12 @@ async def serve(args, model_dir) -> dict[int, dict]:
         tok = engine.tokenizer
         prompt = tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}]))
         await run_mode(engine, prompt, args.batch, args.batch, 4)  # compiles the schema, warms every path
-        results = {pct: {"wall": 0.0, "tokens": 0, "gaps": []} for pct in (0, 50, 100)}
+        results = {pct: {"wall": 0.0, "tokens": 0, "gaps": [], "step_s": 0.0, "steps": 0} for pct in (0, 50, 100)}
         for round_ in range(args.rounds):
             for pct in (order := list(results))[round_ % 3:] + order[: round_ % 3]:  # each round starts elsewhere
                 r = await run_mode(engine, prompt, args.batch * pct // 100, args.batch, args.max_tokens)
-                results[pct]["wall"] += r["wall"]
-                results[pct]["tokens"] += r["tokens"]
-                results[pct]["gaps"] += r["gaps"]
+                for key in results[pct]:
+                    results[pct][key] += r[key]
         return results
     finally:
         await engine.stop()
@@ -139,12 +142,13 @@ def main() -> None:
           f"new tokens each, greedy, {args.rounds} rounds\n")
     results = asyncio.run(serve(args, model_dir))
     base = results[0]["tokens"] / results[0]["wall"]
-    print("| constrained | tokens | output tok/s | vs 0% | ITL p50 ms | ITL p99 ms |")
-    print("|---|---|---|---|---|---|")
+    base_step = results[0]["step_s"] / results[0]["steps"]
+    print("| constrained | tokens | output tok/s | vs 0% | ITL p50 ms | ITL p99 ms | mean step ms | vs 0% |")
+    print("|---|---|---|---|---|---|---|---|")
     for pct, r in results.items():
-        rate = r["tokens"] / r["wall"]
+        rate, step = r["tokens"] / r["wall"], r["step_s"] / r["steps"]
         print(f"| {pct}% | {r['tokens']} | {rate:.1f} | {rate / base:.3f} | {percentile_ms(r['gaps'], 0.5)} | "
-              f"{percentile_ms(r['gaps'], 0.99)} |")
+              f"{percentile_ms(r['gaps'], 0.99)} | {step * 1e3:.1f} | {step / base_step:.3f} |")
     prep, times = compile_times(model_dir)
     print(f"\ntoken table of the tokenizer (once per pod, at the first constrained request): {prep * 1e3:.0f} ms\n")
     print("| constraint | compile ms (cold) |")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from lorafleet.v1 import generation_pb2 as g
 
 from router.openai_requests import ApiRequest, Endpoint
+from router.openai_tools import call_id
 
 OWNER = "lorafleet"
 _FINISH = {g.STOP: "stop", g.LENGTH: "length"}
@@ -83,7 +84,12 @@ class ResponseBuilder:
         finish = self._finish(message) if message.finish_reason else None
         first = message.index not in self._choices
         self.add(message)
-        if self._request.tools is not None:  # the choice's calls are known only once its text is whole
+        if self._request.tools is not None:
+            prefix = self._request.tools.call_prefix()
+            streamed = self._named_call_chunk(message, prefix, finish) if prefix is not None else None
+            if streamed is not None or self._choices[message.index].call_id is not None:
+                return streamed
+            # otherwise the choice's calls are known only once its text is whole
             return self._tool_chunk(message.index) if finish else None
         if not (message.text or message.tokens or finish or (self._chat and first)):
             return None
@@ -107,6 +113,31 @@ class ResponseBuilder:
                   "delta": {"role": "assistant", "content": text}}
         self._read_calls(choice, choice["delta"], text)
         return self._chunk_body(choice)
+
+    def _named_call_chunk(self, message: g.GenerateResponse, prefix: str, finish: str | None) -> dict | None:
+        """The next piece of a forced call's arguments, streamed as they come: the call's id and name with the
+        first piece, the object's closing brace held back until the end. None while nothing can be sent, or
+        for a text that does not begin as expected (then the call is read whole at the end)."""
+        c = self._choices[message.index]
+        text = "".join(c.text)
+        if not text.startswith(prefix) or (len(text) == len(prefix) and not finish):
+            return None
+        arguments = text[len(prefix):]
+        end = len(arguments) - (1 if arguments.endswith("}") else 0) if finish else len(arguments) - 1
+        piece = arguments[c.sent_arguments:max(end, c.sent_arguments)]
+        if not piece and c.call_id is not None and not finish:
+            return None
+        delta_call = {"index": 0, "function": {"arguments": piece}}
+        c.sent_arguments += len(piece)
+        delta: dict = {"tool_calls": [delta_call]}
+        if c.call_id is None:
+            c.call_id = call_id()
+            delta_call |= {"id": c.call_id, "type": "function"}
+            delta_call["function"]["name"] = self._request.tools.choice
+            delta |= {"role": "assistant", "content": None}
+        reason = "tool_calls" if finish == "stop" else finish
+        return self._chunk_body({"index": message.index, "logprobs": self._logprobs(message.tokens),
+                                 "finish_reason": reason, "delta": delta})
 
     def _read_calls(self, choice: dict, message: dict, text: str) -> None:
         """Turns ``message``'s text into tool calls where the request has tools and the text holds calls."""
@@ -154,3 +185,5 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     tokens: list[g.Token] = field(default_factory=list)
     last: g.GenerateResponse = field(default_factory=g.GenerateResponse)
+    call_id: str | None = None  # a streamed forced call's id, once its first piece went out
+    sent_arguments: int = 0  # characters of its arguments sent so far

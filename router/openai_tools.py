@@ -55,6 +55,13 @@ class Tools:
             schema["maxItems"] = 1
         return g.StructuredOutput(json_schema=json.dumps(schema))
 
+    def call_prefix(self) -> str | None:
+        """The text a forced call of one named function begins with, up to its arguments, as the pods write
+        JSON (on one line, ", " and ": " between items); None unless one named function is forced."""
+        if self.choice in ("auto", "required"):
+            return None
+        return '{"name": ' + json.dumps(self.choice, ensure_ascii=False) + ', "arguments": '
+
     def read(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of one choice's whole text, in OpenAI's response form; no calls: the text."""
         if self.forced:
@@ -78,8 +85,11 @@ def _call_schema(fn: dict) -> dict:
 
 
 def _call(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_tools(f) -> Tools | None:

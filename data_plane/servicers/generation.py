@@ -40,6 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 def _prompt_ids(engine: Engine, request: generation_pb2.GenerateRequest) -> list[int]:
     tokenizer = engine.tokenizer
     kind = request.WhichOneof("input")
+    if request.tools_json and kind != "messages":
+        raise InvalidRequest("tools_json needs messages: tools are rendered by the chat template")
     if kind == "prompt":
         return tokenizer.encode(request.prompt)
     if kind == "messages":
@@ -51,8 +53,6 @@ def _prompt_ids(engine: Engine, request: generation_pb2.GenerateRequest) -> list
             raise InvalidRequest(f"unknown chat role {bad[0]!r}; use one of {', '.join(_ROLES)}")
         tools = _json_list(request.tools_json, "tools_json") if request.tools_json else None
         return tokenizer.encode(tokenizer.render_chat(messages, tools=tools))
-    if request.tools_json:
-        raise InvalidRequest("tools_json needs messages: tools are rendered by the chat template")
     raise InvalidRequest("the request has neither prompt nor messages; send one of them")
 
 

@@ -154,3 +154,13 @@ def test_token_masks_allow_what_the_grammar_allows_and_leave_other_rows_free(com
 def test_what_the_grammar_engine_cannot_honour_is_refused_by_name(compiler, kind, spec, words):
     with pytest.raises(InvalidRequest, match=words.replace("[", r"\[")):
         compiler.state(Constraint(kind, spec))
+
+
+@pytest.mark.parametrize("grammar", ['start: "yes" | "no"', 'root ::= "yes" | "no"'])  # Lark, GBNF (EBNF)
+def test_a_lark_or_gbnf_grammar_constrains_the_output_to_its_sentences(compiler, demo_tokenizer, grammar):
+    state = compiler.state(Constraint(ConstraintKind.GRAMMAR, grammar))
+    ids = demo_tokenizer.encode("no")
+    assert [state.advance(t) for t in ids][-1]  # complete after "no"
+    refused = compiler.state(Constraint(ConstraintKind.GRAMMAR, grammar))
+    assert refused.advance(demo_tokenizer.encode("maybe")[0])  # refused: the request ends, nothing follows
+    assert refused.matcher.is_error()

@@ -103,6 +103,20 @@ def test_a_forced_calls_json_becomes_tool_calls_whole_and_streamed():
     assert delta["delta"]["tool_calls"][0]["function"]["name"] == "weather" and delta["finish_reason"] == "tool_calls"
 
 
+def test_a_forced_named_call_streams_its_arguments_as_they_come():
+    body = {**CHAT, "stream": True, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                       "function": {"name": "weather"}}}
+    builder = ResponseBuilder(parse_chat(body), "id", 0)
+    pieces = ['{"name": "wea', 'ther", "arguments": {"ci', 'ty": "Os', "", 'lo"}}']
+    chunks = [builder.chunk(g.GenerateResponse(text=p)) for p in pieces[:-1]] + [builder.chunk(finished(pieces[-1]))]
+    sent = [c["choices"][0] for c in chunks if c is not None]
+    calls = [c["delta"]["tool_calls"][0] for c in sent]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "weather"
+    assert sent[0]["delta"]["role"] == "assistant" and len(sent) == 3  # nothing before the arguments begin
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Oslo"}'
+    assert [c["finish_reason"] for c in sent] == [None, None, "tool_calls"]
+
+
 def test_auto_reads_tool_call_blocks_naming_declared_functions_and_leaves_other_text():
     api = parse_chat({**CHAT, "tools": [WEATHER]})
     text = 'Let me look. <tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>'

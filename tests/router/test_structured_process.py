@@ -116,15 +116,19 @@ def test_a_forced_tool_call_has_arguments_that_follow_the_functions_schema(clien
     kwargs = dict(model="pirate", max_tokens=60, temperature=0, tools=[WEATHER],
                   messages=[{"role": "user", "content": "What is the weather in Lisbon?"}],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    if stream:
+    if stream:  # the arguments come in pieces, the id and name with the first
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        pieces = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        assert len(pieces) > 1 and {p.index for p in pieces} == {0}
+        name, arguments = pieces[0].function.name, "".join(p.function.arguments for p in pieces)
         finish = chunks[-1].choices[0].finish_reason
     else:
         choice = client.chat.completions.create(**kwargs).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+        assert len(choice.message.tool_calls) == 1
+        name, arguments = choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments
+        finish = choice.finish_reason
+    assert finish == "tool_calls" and name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 def test_required_tool_choice_calls_one_of_the_tools(client):
@@ -164,3 +168,29 @@ def test_under_auto_the_model_calls_a_tool_of_its_own_accord_and_the_call_is_rea
         calls, finish = choice.message.tool_calls, choice.finish_reason
     assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments)["city"] == "London"
+
+
+def bad(change) -> g.GenerateRequest:
+    req = request("Hi", "", max_tokens=2)
+    change(req)
+    return req
+
+
+@pytest.mark.parametrize(("req", "words"), [
+    (bad(lambda r: r.sampling.logit_bias.__setitem__(49152, 1.0)), "outside the vocabulary"),
+    (bad(lambda r: r.sampling.logit_bias.__setitem__(5, 150.0)), "within [-100, 100]"),
+    (bad(lambda r: setattr(r.sampling, "n", 17)), "n must be within [1, 16]"),
+    (bad(lambda r: setattr(r.structured_output, "regex", "")), "constraint is empty"),
+    (bad(lambda r: setattr(r.structured_output, "grammar", "start: nowhere")), "nowhere"),
+    (bad(lambda r: setattr(r, "tools_json", "{not json")), "tools_json is not valid JSON"),
+    (bad(lambda r: r.messages.messages.add(role="assistant", content="", tool_calls_json='[{"id": 1}]')),
+     "each of tool_calls_json"),
+    (g.GenerateRequest(prompt="Hi", tools_json="[]", sampling=g.SamplingParams(max_tokens=2)),
+     "tools_json needs messages"),
+])
+def test_bad_structured_fields_on_grpc_are_invalid_argument_naming_them(stack, req, words):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stack[1], req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
