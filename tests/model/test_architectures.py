@@ -121,3 +121,15 @@ def test_gemma3_local_rope_and_qk_norm_match_transformers(tmp_path):
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
     hf = _save(tmp_path, Gemma3TextConfig(**GEMMA, rope_parameters=rope))
     _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+@pytest.mark.parametrize("family", ["Qwen3Config", "Phi3Config", "Gemma2Config", "Gemma3TextConfig"])
+def test_each_family_in_bfloat16_stays_close_to_float32(tmp_path, family):
+    import transformers
+
+    extra = dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0) if "Gemma" in family else {}
+    _save(tmp_path, getattr(transformers, family)(**COMMON | extra | {"pad_token_id": 0, "eos_token_id": 2}))
+    ids = list(range(1, 30))
+    full = run_chunks(load_model(tmp_path, "float32"), ids, [len(ids)])
+    half = run_chunks(load_model(tmp_path, "bfloat16"), ids, [20, 1, 8])
+    assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()
