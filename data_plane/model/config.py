@@ -35,7 +35,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors within the original context, and the factor
-    # cos and sin are scaled by. The long factors are not used: see ModelConfig.from_dict.
+    # cos and sin are scaled by. The long factors are not used: see _max_positions.
     short_factor: tuple[float, ...] | None = None
     attention_factor: float = 1.0
 
