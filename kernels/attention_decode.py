@@ -54,6 +54,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_ROWS: tl.constexpr,  # a power of two >= max(GROUP, 16)
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (Phi-3's 96 -> 128); pad columns read as 0
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (any positive int)
     BLOCK_N: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,  # a multiple of BLOCK_N
@@ -79,15 +80,16 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, GROUP_ROWS)
     heads = kv_head * GROUP + offs_g  # [GROUP_ROWS]
     g_mask = offs_g < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_PAD]
     offs_n = tl.arange(0, BLOCK_N)
     q_rows = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
+    q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask, other=0.0)  # [GROUP_ROWS, HEAD_PAD]
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full((GROUP_ROWS,), -1.0e30, dtype=tl.float32)  # finite: exp2(m_i - m_new) never sees -inf - -inf
     l_i = tl.zeros((GROUP_ROWS,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((GROUP_ROWS, HEAD_PAD), dtype=tl.float32)
     # Tiles start at multiples of BLOCK_N: a sequence's tiles depend on its own length only.
     for n0 in range(tl.maximum(split_lo, lo // BLOCK_N * BLOCK_N), split_hi, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] key positions
@@ -96,9 +98,9 @@ def _decode_split_kernel(
         n_mask = (pos >= lo) & (pos < split_hi)
         block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0)
         slots = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BLOCK_N]
-        kv_rows = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_ptr + kv_rows, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_rows, mask=n_mask[:, None], other=0.0)
+        kv_rows = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, HEAD_PAD]
+        k = tl.load(k_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
+        v = tl.load(v_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
         if UPCAST or k_ptr.dtype.element_ty == tl.float32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -121,7 +123,7 @@ def _decode_split_kernel(
     part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [GROUP_ROWS]
     tl.store(part_max_ptr + part, m_i, mask=g_mask)
     tl.store(part_sum_ptr + part, l_i, mask=g_mask)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -138,6 +140,7 @@ def _decode_merge_kernel(
     num_heads,
     num_splits,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,  # splits read at a time
     WINDOWED: tl.constexpr,
@@ -155,7 +158,8 @@ def _decode_merge_kernel(
     last = tl.minimum((seq_len + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits)  # one past the last split
     base = (seq.to(tl.int64) * num_heads + head) * num_splits
     offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_DIM  # [HEAD_PAD]
 
     m = tl.full((CHUNK,), float("-inf"), dtype=tl.float32)
     for c0 in range(first, last, CHUNK):
@@ -163,18 +167,20 @@ def _decode_merge_kernel(
         m = tl.maximum(m, tl.load(part_max_ptr + base + c, mask=c < last, other=float("-inf")))
     m_all = tl.max(m, axis=0)
     total = tl.zeros((CHUNK,), dtype=tl.float32)
-    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
     for c0 in range(first, last, CHUNK):
         c = c0 + offs_c
         c_mask = c < last
         w = tl.where(c_mask, tl.exp2(tl.load(part_max_ptr + base + c, mask=c_mask, other=0.0) - m_all), 0.0)
         total += w * tl.load(part_sum_ptr + base + c, mask=c_mask, other=0.0)
-        a = tl.load(part_acc_ptr + (base + c[:, None]) * HEAD_DIM + offs_d[None, :], mask=c_mask[:, None], other=0.0)
+        a = tl.load(part_acc_ptr + (base + c[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=c_mask[:, None] & d_mask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * a, axis=0)
     denom = tl.sum(total, axis=0)
     # A sequence of length 0 (a padding row of a CUDA-graph batch) has no split: zeros.
     o = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> DecodeTiles:
@@ -185,7 +191,9 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> DecodeTiles:
     share an SM and keep its loads in flight. Head_dim 256 takes 32 keys. float32 (no tensor cores:
     the dots' operands sit in registers) takes 32 keys, with 8 warps above head_dim 64: the
     tiles that compile without spills for sm_80 and sm_90 at every head_dim, with and without a
-    window (64 keys, or 4 warps at head_dim 128, spill at some)."""
+    window (64 keys, or 4 warps at head_dim 128, spill at some). A head_dim that is not a power of two
+    takes the next one's tiles."""
+    head_dim = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         return DecodeTiles(split=SPLIT, block_n=32, num_warps=8 if head_dim > 64 else 4)
     return DecodeTiles(split=SPLIT, block_n=64 if head_dim <= 128 else 32)
@@ -240,13 +248,15 @@ def decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), *attention_launch.score_scales(scale, softcap),
         window or 0, num_splits,
         NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group, GROUP_ROWS=attention_launch.group_rows(shape.group),
-        HEAD_DIM=shape.head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n, SPLIT_SIZE=tiles.split,
+        HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
+        SPLIT_SIZE=tiles.split,
         WINDOWED=window is not None, SOFTCAP=softcap is not None, UPCAST=not q.is_cuda,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[merge_grid](
         out, seq_lens, query_start, part_max, part_sum, part_acc,
         out.stride(0), out.stride(1), window or 0, shape.num_heads, num_splits,
-        HEAD_DIM=shape.head_dim, SPLIT_SIZE=tiles.split, CHUNK=MERGE_CHUNK, WINDOWED=window is not None,
+        HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad, SPLIT_SIZE=tiles.split, CHUNK=MERGE_CHUNK,
+        WINDOWED=window is not None,
         num_warps=4,
     )  # fmt: skip

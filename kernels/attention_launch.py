@@ -32,6 +32,11 @@ class AttentionShape:
     num_seqs: int
 
     @property
+    def head_pad(self) -> int:
+        """head_dim rounded up to a power of two: the kernels' tile width along a head (tl.arange)."""
+        return triton.next_power_of_2(self.head_dim)
+
+    @property
     def group(self) -> int:
         """Query heads per kv head: query head h reads kv head h // group."""
         return self.num_heads // self.num_kv_heads
@@ -95,8 +100,8 @@ def check_inputs(
             f"q must be [num_tokens, num_heads, head_dim] in one of {DTYPES}, got {q.dtype} {tuple(q.shape)}"
         )
     num_tokens, num_heads, head_dim = q.shape
-    if head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two from 16 to {MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 from 16 to {MAX_HEAD_DIM}, got {head_dim}")
     for name, t in (("q", q), ("out", out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have stride 1 along head_dim, got strides {t.stride()}")

@@ -45,6 +45,7 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (Phi-3's 96 -> 128); pad columns read as 0
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (any positive int)
     BLOCK_M: tl.constexpr,  # rows: BLOCK_Q tokens x GROUP heads, padded to a power of two
     BLOCK_Q: tl.constexpr,  # tokens per program
@@ -69,10 +70,11 @@ def _prefill_kernel(
     heads = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
     m_mask = (rows < BLOCK_Q * GROUP) & (tokens < end)
     q_pos = pos0 + tokens  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_PAD]
     offs_n = tl.arange(0, BLOCK_N)
     q_rows = q_ptr + tokens.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask, other=0.0)  # [BLOCK_M, HEAD_PAD]
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # Keys [lo, hi): from the first key in the window of the block's first query to its last query.
@@ -82,7 +84,7 @@ def _prefill_kernel(
         lo = tl.maximum(pos0 + first - window + 1, 0)
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: exp2(m_i - m_new) never sees -inf - -inf
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_PAD), dtype=tl.float32)
     # Tiles start at multiples of BLOCK_N: a query's tiles depend on its own sequence only.
     for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] key positions
@@ -91,9 +93,9 @@ def _prefill_kernel(
         n_mask = (pos >= lo) & (pos < hi)
         block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0)
         slots = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BLOCK_N]
-        kv_rows = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_ptr + kv_rows, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_rows, mask=n_mask[:, None], other=0.0)
+        kv_rows = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, HEAD_PAD]
+        k = tl.load(k_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
+        v = tl.load(v_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
         if UPCAST or k_ptr.dtype.element_ty == tl.float32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -119,7 +121,7 @@ def _prefill_kernel(
     # A row with no key (a sequence of length 0: padding of a CUDA-graph batch) is written as zeros.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_rows = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(out_rows + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(out_rows + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask)
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> PrefillTiles:
@@ -130,12 +132,16 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> PrefillTiles:
     K and V in shared memory (96 KiB at head_dim 128 on sm_90). Head_dim 256 takes half the rows
     and keys. float32 has no tensor cores: both operands of each dot sit in registers, so it takes
     32 rows, 32 keys (16 at head_dim 256) and 8 warps, which compile without spills for sm_80 and
-    sm_90 with and without a window (64 rows, or 4 warps, spill on sm_90 at some head_dims)."""
+    sm_90 with and without a window (64 rows, or 4 warps, spill on sm_90 at some head_dims). A head_dim
+    that is not a power of two (Phi-3's 96) runs in tiles of the next one with its columns masked, which
+    costs registers: 128 rows spilled on sm_80 at head_dim 96, so it takes 64."""
+    padded = head_dim != triton.next_power_of_2(head_dim)
+    head_dim = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         return PrefillTiles(block_m=32, block_n=32 if head_dim <= 128 else 16, num_warps=8, num_stages=2)
     if head_dim > 128:
         return PrefillTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    return PrefillTiles(block_m=128, block_n=64, num_warps=8 if head_dim >= 64 else 4, num_stages=3)
+    return PrefillTiles(block_m=64 if padded else 128, block_n=64, num_warps=8 if head_dim >= 64 else 4, num_stages=3)
 
 
 def prefill_attention(
@@ -181,7 +187,8 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *attention_launch.score_scales(scale, softcap), window or 0, shape.num_seqs,
         SEQ_BLOCK=triton.next_power_of_2(shape.num_seqs), NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group,
-        HEAD_DIM=shape.head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
+        HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=tiles.block_n,
         WINDOWED=window is not None, SOFTCAP=softcap is not None, UPCAST=not q.is_cuda,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

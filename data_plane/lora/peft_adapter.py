@@ -43,9 +43,15 @@ MODULE_SLICES = {
     "gate_up_proj": ("mlp.gate_up_proj", ("gate", "up")),
     "down_proj": ("mlp.down_proj", ("down",)),
 }
+# The language model of a vision-language base sits under `language_model` (Gemma 3: `model.language_model.`
+# from transformers 5, `language_model.model.` before).
 _TENSOR = re.compile(
-    r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.default)?\.weight"
+    r"base_model\.model\.(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"\.lora_(A|B)(?:\.default)?\.weight"
 )
+# An adapter of a vision-language base may adapt its vision side too; a pod serves text prompts only, which
+# never reach it, so those tensors are left out (the text answers are peft's with or without them).
+_VISION = re.compile(r"base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\..*")
 
 
 @dataclass(frozen=True)
@@ -261,6 +267,8 @@ def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits) ->
 def _pair_tensors(name: str, entries: dict[str, Entry]) -> dict[tuple[int, str, str], list[Entry]]:
     pairs: dict[tuple[int, str, str], list] = {}
     for key, entry in entries.items():
+        if _VISION.fullmatch(key):
+            continue
         m = _TENSOR.fullmatch(key)
         if not m:
             raise InvalidAdapter(

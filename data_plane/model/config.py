@@ -11,7 +11,13 @@ from data_plane.errors import ModelLoadError
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", *GEMMA)
+                           "Phi3ForCausalLM", *GEMMA, "Gemma3ForConditionalGeneration")
+# Vision-language checkpoints whose text model is served (text prompts only): the architecture it is read as,
+# and the fields its `text_config` may leave to transformers' defaults (the Hub's Gemma 3 configs do).
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", dict(
+    vocab_size=262_208, num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, hidden_activation="gelu_pytorch_tanh",
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, tie_word_embeddings=True))}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Layers per sliding/global cycle of Gemma configs written before `layer_types` existed (the last
@@ -29,7 +35,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors within the original context, and the factor
-    # cos and sin are scaled by. The long factors are not used: see ModelConfig.from_dict.
+    # cos and sin are scaled by. The long factors are not used: see _max_positions.
     short_factor: tuple[float, ...] | None = None
     attention_factor: float = 1.0
 
@@ -120,6 +126,10 @@ class ModelConfig:
                 f"config.json must name exactly one architecture, found {architectures!r}"
             )
         arch = architectures[0]
+        if arch in TEXT_MODELS:
+            arch, defaults = TEXT_MODELS[arch]
+            top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in raw}
+            raw = defaults | dict(raw.get("text_config") or {}) | top
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])

@@ -19,7 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # store the packed projections themselves (Phi-3's qkv_proj and gate_up_proj) fill every slice at once.
 _PACKED = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)")
 _PACKED_TARGET = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# The vision side of a vision-language checkpoint is not served (see config.TEXT_MODELS).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|(model\.)?(vision_tower|multi_modal_projector)\..*")
+# Where a checkpoint keeps the text model: its own top level, or a vision-language model's language model
+# (`language_model.model.` as the Hub stores Gemma 3, `model.language_model.` as transformers 5 names it).
+_TEXT_PREFIX = re.compile(r"^(language_model\.model\.|model\.language_model\.|language_model\.|model\.)")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -83,7 +87,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
 
 def _copy_tensor(model, params, hf_name: str, tensor: torch.Tensor, path: Path) -> set:
     """Copies one checkpoint tensor into the model; returns the (parameter, slice) keys it filled."""
-    name = hf_name.removeprefix("model.")
+    name = _TEXT_PREFIX.sub("", hf_name)
     if name == "lm_head.weight":
         name = "lm_head"
     if name == "lm_head" and model.lm_head is None:

@@ -90,7 +90,8 @@ def test_float32_named_equals_transformers_and_peft_in_float32(tiny_pod_files):
 def test_each_family_is_batch_invariant_and_float32_matches_peft(family_pod_files):
     # Qwen3, Phi-3 (adapters on its packed projections), Gemma 2, Gemma 3 (see conftest.FAMILIES).
     model_dir, root, hf_model = family_pod_files
-    for dtype in ("float32", "bfloat16-matmul", "bfloat16"):
+    # (bfloat16-matmul runs the same projections as for Llama, above)
+    for dtype in ("float32", "bfloat16"):
         precision, alone, together, shared = alone_and_together(model_dir, root, dtype)
         assert precision is Precision(dtype) and shared > 0
         same = sum(a == t for a, t in zip(alone, together, strict=True))

@@ -192,6 +192,9 @@ CASES = {
     "prefill-bs32-hd128": ([(17, 17), (3, 36)], (4, 1), 128, 32, F16, None),
     "prefill-gqa3-bs3": ([(10, 10), (4, 9)], (6, 2), 16, 3, F32, None),
     "mixed-hd256": ([(3, 5), (1, 9)], (2, 1), 256, 4, BF16, None),
+    # Phi-3-mini's head_dim 96: tiles of 128 columns, the last 32 masked (NaN-poisoned past each row).
+    "mixed-hd96-window": ([(6, 6), (1, 20), (3, 11)], (4, 1), 96, 8, BF16, 7),
+    "decode-hd48": ([(1, 9), (1, 30), PAD], (2, 2), 48, 16, F32, None),
 }
 
 
@@ -327,7 +330,7 @@ def test_launchers_reject_inputs_that_do_not_match():
     _, out = b.poisoned_out()
     kw = b.kwargs()
     bad = {
-        "head_dim must be a power of two": lambda: paged_attention(
+        "head_dim must be a multiple of 8": lambda: paged_attention(
             b.q[..., :12],
             b.k_cache[..., :12].contiguous(),
             b.v_cache[..., :12].contiguous(),

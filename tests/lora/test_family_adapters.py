@@ -10,6 +10,7 @@ import torch
 
 from data_plane.model import load_model
 from tests.lora.conftest import ALL, forward_rows, peft_row_logits, runtime_with_adapters, save_random_adapters
+from tests.model.conftest import gemma3_vision_language_config
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -32,6 +33,8 @@ def _config(family: str):
             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         "phi3": lambda: tf.Phi3Config(**COMMON, pad_token_id=0, eos_token_id=2),
+        # q/k/v of its SigLIP tower are adapted too: left out, as text prompts never reach them
+        "gemma3-vision-language": lambda: gemma3_vision_language_config(GEMMA),
     }[family]()
 
 
@@ -70,7 +73,8 @@ def _llama_layout(phi3):
 
 
 @pytest.mark.parametrize(("family", "layout"), [("qwen3", "split"), ("gemma2", "split"), ("gemma3", "split"),
-                                                ("phi3", "packed"), ("phi3", "split")])
+                                                ("gemma3-vision-language", "split"), ("phi3", "packed"),
+                                                ("phi3", "split")])
 def test_family_adapters_in_one_batch_match_peft(tmp_path, family, layout):
     hf = _random_model(_config(family))
     hf.save_pretrained(tmp_path / "base")

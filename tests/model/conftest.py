@@ -27,6 +27,17 @@ def run_chunks(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
+def gemma3_vision_language_config(text: dict):
+    """transformers' Gemma 3 vision-language config around the text model ``text``, with a tiny SigLIP tower."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    return Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                        boi_token_index=text["vocab_size"] - 3, eoi_token_index=text["vocab_size"] - 2,
+                        image_token_index=text["vocab_size"] - 1)
+
+
 @pytest.fixture
 def chunked():
     return run_chunks

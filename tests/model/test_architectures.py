@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from data_plane.model import load_model
-from tests.model.conftest import run_chunks
+from tests.model.conftest import gemma3_vision_language_config, run_chunks
 from tests.tolerances import logits_atol, longest_sum, magnitude
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -29,7 +29,8 @@ def _check(tmp_path, hf_model, length=40, chunks=None):
     ours = run_chunks(load_model(tmp_path, "float32"), ids, chunks or [length])
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0]
-    atol = logits_atol(longest_sum(hf_model.config, tokens=length), magnitude(ref))
+    config = getattr(hf_model.config, "text_config", hf_model.config)  # a vision-language model: its text model
+    atol = logits_atol(longest_sum(config, tokens=length), magnitude(ref))
     assert (ours - ref).abs().max().item() < atol
 
 
@@ -121,3 +122,23 @@ def test_gemma3_local_rope_and_qk_norm_match_transformers(tmp_path):
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
     hf = _save(tmp_path, Gemma3TextConfig(**GEMMA, rope_parameters=rope))
     _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+
+
+def test_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path):
+    # Gemma 3 4B-27B are saved as Gemma3ForConditionalGeneration: the language model is read, the vision side
+    # left out; a text prompt's logits are transformers' for that checkpoint.
+    hf = _save(tmp_path, gemma3_vision_language_config(GEMMA))
+    _check(tmp_path, hf, length=30, chunks=[10, 1, 19])
+    assert load_model(tmp_path).config.architecture == "Gemma3ForCausalLM"
+
+
+@pytest.mark.parametrize("family", ["Qwen3Config", "Phi3Config", "Gemma2Config", "Gemma3TextConfig"])
+def test_each_family_in_bfloat16_stays_close_to_float32(tmp_path, family):
+    import transformers
+
+    extra = dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0) if "Gemma" in family else {}
+    _save(tmp_path, getattr(transformers, family)(**COMMON | extra | {"pad_token_id": 0, "eos_token_id": 2}))
+    ids = list(range(1, 30))
+    full = run_chunks(load_model(tmp_path, "float32"), ids, [len(ids)])
+    half = run_chunks(load_model(tmp_path, "bfloat16"), ids, [20, 1, 8])
+    assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()

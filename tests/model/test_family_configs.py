@@ -64,3 +64,17 @@ def test_qwen3_sliding_window_only_when_enabled():
     # transformers slides from layer max_window_layers on
     enabled = raw | {"use_sliding_window": True, "max_window_layers": 1}
     assert ModelConfig.from_dict(enabled).sliding_windows == (None, 4096)
+
+
+def test_gemma3_vision_language_hub_config_reads_its_sparse_text_config():
+    # gemma-3-4b-it's config.json: the text_config leaves heads, head_dim, vocabulary and RoPE bases to
+    # transformers' defaults.
+    config = ModelConfig.from_dict(dict(
+        architectures=["Gemma3ForConditionalGeneration"], eos_token_id=[1, 106],
+        text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
+                         rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024),
+        vision_config=dict(hidden_size=1152, model_type="siglip_vision_model")))
+    assert config.architecture == "Gemma3ForCausalLM" and config.eos_token_ids == (1, 106)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (8, 4, 256, 262208)
+    assert (config.rope.theta, config.rope.factor, config.local_rope.theta) == (1000000.0, 8.0, 10000.0)
+    assert config.sliding_windows[:6] == (1024,) * 5 + (None,) and config.tie_word_embeddings

@@ -85,11 +85,11 @@ def test_unsupported_rope_scaling_is_named(tiny_llama):
         load_model(tiny_llama)
 
 
-def test_multimodal_gemma3_is_refused_by_name(tiny_llama):
-    # Gemma 3's 4B-27B checkpoints are vision-language models; only the text model (Gemma3ForCausalLM) is served.
-    _edit_config(tiny_llama, architectures=["Gemma3ForConditionalGeneration"])
+def test_other_vision_language_models_are_refused_by_name(tiny_llama):
+    # Gemma 3's is served (its text model); other vision-language architectures are not.
+    _edit_config(tiny_llama, architectures=["LlavaForConditionalGeneration"])
     with pytest.raises(ModelLoadError,
-                       match="unsupported architecture 'Gemma3ForConditionalGeneration'.*Gemma3ForCausalLM"):
+                       match="unsupported architecture 'LlavaForConditionalGeneration'.*Gemma3ForCondition"):
         load_model(tiny_llama)
 
 
