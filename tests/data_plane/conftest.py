@@ -115,11 +115,13 @@ def random_adapter_root(demo_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pod(demo_model_dir, random_adapter_root, tmp_path_factory):
     """One pod: 4 adapter slots, 8 CPU entries, up to 16 sequences per step, in float32 on every CPU
-    (named, as a user who compares it with transformers + peft in float32 would)."""
+    (named, as a user who compares it with transformers + peft in float32 would), admitting every
+    request (--max-queue-delay 0): these tests compare answers, and sixteen streams at once would
+    wait past the default first-token promise on a busy CPU (admission has its own tests)."""
     workdir = tmp_path_factory.mktemp("pod")
     process = PodProcess(workdir, "--dtype", "float32", "--max-loras", "4", "--max-cpu-loras", "8",
                          "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "192",
-                         "--max-lora-rank", "64",
+                         "--max-lora-rank", "64", "--max-queue-delay", "0",
                          "--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent),
                          "--adapter-root", str(random_adapter_root))
     try:

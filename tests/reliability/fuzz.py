@@ -94,7 +94,13 @@ def _build(cls: type, values: dict):
     for name, value in values.items():
         field = cls.DESCRIPTOR.fields_by_name[name]
         target = getattr(message, name) if field.type == FD.TYPE_MESSAGE or field.is_repeated else None
-        if field.is_repeated and field.type == FD.TYPE_MESSAGE:
+        if field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:  # map<K, V>: its entries
+            for entry in value:
+                if entry.DESCRIPTOR.fields_by_name["value"].type == FD.TYPE_MESSAGE:
+                    target[entry.key].CopyFrom(entry.value)
+                else:
+                    target[entry.key] = entry.value
+        elif field.is_repeated and field.type == FD.TYPE_MESSAGE:
             for item in value:
                 target.add().CopyFrom(item)
         elif field.is_repeated:
