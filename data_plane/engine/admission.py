@@ -12,10 +12,10 @@ the pod's own outcomes:
   to last token, an average over recent requests), so ``n`` extra seats take ``n × service / max_num_seqs``.
   Before any request has finished, a running request's service time is its remaining tokens (at most
   its ``max_tokens``) times the predicted decode step;
-- its prefill and the prefill work ahead of it (prompts being chunked, waiting requests): their
-  uncomputed tokens in steps of the prefill budget beside the decodes of the requests running and
-  ahead of it (by then all decoding, up to ``max_num_seqs``), each step of the predicted time for its
-  shape. Its first token comes with the step that ends its prompt.
+- its prefill and the prefill work ahead of it (prompts being chunked, waiting requests), followed
+  step by step: each step prefills what its budget allows beside that step's decodes (the requests
+  decoding now, and each request ahead once its prompt is done), in the predicted time for its shape.
+  Its first token comes with the step that ends its prompt.
 
 Which requests are ahead follows the scheduler's policy (``Scheduler.ahead_of``): under fair share a
 request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
@@ -30,7 +30,8 @@ estimate would fit.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from data_plane.engine.step_cost import StepCost, StepShape
 
@@ -39,18 +40,29 @@ _EWMA = 0.2
 # The estimate corrects itself by how late or early recent first tokens came: within these factors, and
 # from estimates of at least this long (shorter ones are mostly noise of one step).
 _MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
+# Steps of the prefill ahead that an estimate follows one by one; past them the wait is surely too long.
+_MAX_STEPS = 4096
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 
 
 @dataclass(frozen=True)
 class Ahead:
-    """What a new request would wait behind: requests admitted before it and their uncomputed tokens;
-    ``seat_now`` when it would not wait for a seat (its tenant has none and takes one at the next step)."""
+    """What a new request would wait behind: requests admitted before it (that still need a seat) and the
+    uncomputed tokens of the prefill work before it, ``sizes`` that work item by item in order (default:
+    ``tokens`` shared evenly by ``requests``); ``seat_now`` when it would not wait for a seat (its tenant
+    has none and takes one at the next step)."""
 
     requests: int
     tokens: int
     seat_now: bool = False
+    sizes: tuple[int, ...] = field(default=(), compare=False)
+
+    def items(self) -> list[int]:
+        if self.sizes:
+            return list(self.sizes)
+        n = max(1, self.requests)
+        return [t for t in (self.tokens // n + (i < self.tokens % n) for i in range(n)) if t]
 
 
 @dataclass(frozen=True)
@@ -92,21 +104,33 @@ class DelayEstimator:
         has been timed (an idle pod with nothing measured has nothing to wait for)."""
         if self.costs.coef is None:
             return 0.0
-        # while its prefill runs, the requests running now and those admitted before it decode beside it
-        decodes = min(self._max_num_seqs, load.running + ahead.requests)
-        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(ahead.tokens + prompt_tokens, decodes,
-                                                                              load.adapters)
+        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s([*ahead.items(), prompt_tokens], load)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short > 0 and not ahead.seat_now:
             wait += short * self._seat_turnover_s(load) / self._max_num_seqs
         return wait * self.bias
 
-    def _prefill_s(self, tokens: int, decodes: int, adapters: int) -> float:
-        """Seconds of steps that compute ``tokens`` of prefill beside ``decodes`` decoding requests."""
-        per_step = max(1, self.costs.prefill_budget(decodes, adapters))
-        full, rest = divmod(tokens, per_step)
-        last = self.costs.predict(StepShape(decodes, rest, 1, adapters)) if rest else 0.0
-        return full * self.costs.predict(StepShape(decodes, per_step, 1, adapters)) + last
+    def _prefill_s(self, work: list[int], load: Load) -> float:
+        """Seconds until the last item of prefill ``work`` (tokens, in order) is computed: step by step, each
+        step prefilling its budget beside the decodes of that step, in the predicted time for its shape;
+        a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``)."""
+        decodes, seconds = load.running_decodes, 0.0
+        left = deque(work)
+        for _ in range(_MAX_STEPS):
+            budget = max(1, self.costs.prefill_budget(decodes, load.adapters))
+            used = seqs = done = 0
+            while left and used < budget:
+                take = min(left[0], budget - used)
+                used, seqs = used + take, seqs + 1
+                left[0] -= take
+                if left[0] == 0:
+                    left.popleft()
+                    done += 1
+            seconds += self.costs.predict(StepShape(decodes, used, seqs, load.adapters))
+            if not left:
+                break
+            decodes = min(self._max_num_seqs, decodes + done)
+        return seconds
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:

@@ -155,7 +155,8 @@ class Scheduler:
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
         turns = len(self._queues.get(tenant, ())) + len(chunking.get(tenant, ())) + 1
-        requests = tokens = 0
+        requests = 0
+        sizes: list[int] = []
         for other in {*self._queues, *chunking}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
             if self.policy is Policy.FCFS or other == tenant:
@@ -163,8 +164,8 @@ class Scheduler:
             else:
                 count = min(len(queue), math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant)))
             requests += max(0, count - len(chunking.get(other, ())))  # those that still need a seat
-            tokens += sum(seq.num_uncomputed for seq in queue[:count])
-        return Ahead(requests, tokens, seat_now=self._would_take_a_seat(tenant))
+            sizes += [seq.num_uncomputed for seq in queue[:count]]
+        return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant), sizes=tuple(sizes))
 
     def _would_take_a_seat(self, tenant: Tenant) -> bool:
         """Whether a new request of ``tenant`` would take a seat at the next step (see Seats above)."""

@@ -36,13 +36,15 @@ def test_nothing_measured_yet_estimates_no_wait():
 def test_with_free_seats_the_wait_is_the_prefill_of_the_work_ahead_and_its_own():
     e = estimator()
     assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.13)  # one step of 30 tokens
-    # nothing decodes meanwhile: 280 tokens in steps of 100 (0.2 s), then one of 80 (0.18 s)
+    # one prompt of 250 ahead and nothing decoding: steps of 100 (0.2 s), 100, then its last 50 with our 30
     assert e.estimate(Ahead(0, 250), 30, IDLE) == pytest.approx(2 * 0.2 + 0.18)
-    # two requests ahead decode once their prompts are in: each step prefills 40 tokens beside them, in
-    # 0.14 s; 280 tokens take seven
-    assert e.estimate(Ahead(2, 250), 30, IDLE) == pytest.approx(7 * 0.14)
-    # and so do two running ones, whether they decode already or still prefill
-    assert e.estimate(Ahead(0, 250), 30, Load(2, 0, (5, 5))) == pytest.approx(7 * 0.14)
+    # two prompts of 125 ahead: the first is done in the second step and decodes from the third, when a
+    # step prefills only 40 tokens beside it (0.14 s): 100, 100 (25 + 75), 40, then the last 10 and our 30
+    assert e.estimate(Ahead(2, 250), 30, IDLE) == pytest.approx(2 * 0.2 + 2 * 0.14)
+    # the same work item by item as the scheduler lists it
+    assert e.estimate(Ahead(2, 250, sizes=(125, 125)), 30, IDLE) == e.estimate(Ahead(2, 250), 30, IDLE)
+    # two requests decoding already: every step prefills 40 tokens, 280 tokens take seven
+    assert e.estimate(Ahead(0, 250), 30, Load(2, 2, (5, 5))) == pytest.approx(7 * 0.14)
 
 
 def test_when_seats_are_full_each_missing_seat_waits_a_share_of_the_service_time():
