@@ -23,6 +23,7 @@ POD_CALLS = [
     ("PinAdapter", dpa.PodPinAdapterRequest(name=NAME)),
     ("UnpinAdapter", dpa.PodUnpinAdapterRequest(name=NAME)),
     ("UnloadAdapter", dpa.UnloadAdapterRequest(name=NAME)),
+    ("PrefetchAdapter", dpa.PrefetchAdapterRequest(name=NAME, source=NAME)),  # a local source: nothing to fetch
     ("GetState", dpa.GetStateRequest()),
 ]
 assert [n for n, _ in POD_CALLS] != [] and {n for n, _ in POD_CALLS} == set(
