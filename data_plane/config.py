@@ -11,7 +11,7 @@ from pathlib import Path
 from conventions import defaults
 from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
-from data_plane.engine.step_cost import AUTO_ITL_GROWTH
+from data_plane.engine.step_cost import AUTO_ITL_GROWTH, KNEE_EFFICIENCY
 from data_plane.lora.fetcher import FetchSettings
 from data_plane.lora.hub_source import HubSettings
 from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
@@ -295,9 +295,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request counts instead (0 = no limit)")
     p.add_argument("--target-itl", type=float, default=d.target_itl_s, metavar="SECONDS",
                    help="step time that prefill work may fill a step up to beside its running decodes, which always "
-                        f"get their token (default {d.target_itl_s}: automatic, a step that prefills lasts at most "
-                        f"{AUTO_ITL_GROWTH:g}x its decodes alone, from the step-time model the pod fits to its own "
-                        "steps; with nothing decoding a step prefills up to --max-num-batched-tokens)")
+                        f"get their token (default {d.target_itl_s}: automatic, from the step-time model the pod "
+                        "fits to its own steps, the larger of the step whose prefill runs at "
+                        f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate and {AUTO_ITL_GROWTH:g}x the "
+                        "step's decodes alone; with nothing decoding a step prefills up to "
+                        "--max-num-batched-tokens)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],
                    help="admission order of waiting requests: fair shares across adapters (the least-served "
                         "adapter's oldest request next) or first come, first served")

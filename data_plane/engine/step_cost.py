@@ -13,9 +13,19 @@ steps, redone every few steps, with coefficients kept non-negative.
 
 The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
 step, and prefill work fills what is left of a target step time. ``--target-itl`` gives that target in
-seconds; by default (0) the target is relative, ``AUTO_ITL_GROWTH`` × the time of the step's decodes
-alone, so a burst of new prompts slows running streams by at most that factor on any device, and a
-pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
+seconds. By default (0) it is derived from the fitted model, the larger of two step times:
+
+- the device's throughput knee: a step pays its fixed cost once whatever it computes, so a step of
+  ``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of
+  the device's peak rate ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. A
+  shorter target would spend most of each step on its fixed cost and prefill too slowly to keep up
+  with the prompts a pod at capacity receives (prompts are most of a chat workload's tokens);
+- ``AUTO_ITL_GROWTH`` × the step's decodes alone, so that with a full batch decoding, prefill still
+  gets room.
+
+Running streams' inter-token gap is then bounded on any device by the larger of the two, an absolute
+figure the start-up log prints; a pod with nothing decoding prefills at its full
+``--max-num-batched-tokens``.
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The default target: a step carrying prefill lasts at most this many times its decodes alone.
+# The default target (see above): at least the step whose prefill runs at this fraction of the device's
+# peak prefill rate, and at least this many times the step's decodes alone.
+KNEE_EFFICIENCY = 0.8
 AUTO_ITL_GROWTH = 1.4
 # Prefill tokens a step may always carry when prefill is waiting, whatever the target: prefill always
 # progresses, even when the decodes alone already exceed an explicit --target-itl.
@@ -53,8 +65,9 @@ class StepCost:
     """The fitted step-time model, and the prefill budget it implies under a target."""
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30) -> None:
-        """``target_itl_s``: the step time prefill may fill up to (0: ``AUTO_ITL_GROWTH`` × the decodes
-        alone); ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together)."""
+        """``target_itl_s``: the step time prefill may fill up to (0: derived from the model, see the
+        module's notes); ``max_batched_tokens``: the most tokens one step holds (decodes and prefill
+        together)."""
         if not 0 <= target_itl_s < math.inf:
             raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = automatic), got {target_itl_s}")
         self.target_itl_s = target_itl_s
@@ -99,7 +112,12 @@ class StepCost:
         decodes = self.predict(StepShape(decode_rows, adapters=adapters))
         if self.target_itl_s:
             return max(self.target_itl_s, decodes)
-        return AUTO_ITL_GROWTH * decodes
+        return max(AUTO_ITL_GROWTH * decodes, self.knee_step_s())
+
+    def knee_step_s(self) -> float:
+        """The shortest step whose prefill runs at ``KNEE_EFFICIENCY`` of the device's peak prefill rate:
+        its fixed part (a step, one prefilling sequence, one adapter) over ``1 - KNEE_EFFICIENCY``."""
+        return self.predict(StepShape(0, 0, 1, 1)) / (1.0 - KNEE_EFFICIENCY)
 
     def prefill_budget(self, decode_rows: int, adapters: int) -> int:
         """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry
@@ -111,7 +129,7 @@ class StepCost:
         per_token = float(self.coef[2])
         spare = self.step_target(decode_rows, adapters) - self.predict(
             StepShape(decode_rows, 0, 1, adapters))
-        fits = room if per_token <= 0 else int(spare / per_token)
+        fits = room if per_token <= 0 else int(spare / per_token + 1e-6)  # a token that fits to rounding fits
         return min(room, max(MIN_PREFILL_TOKENS, fits))
 
     def summary(self) -> str:
@@ -119,7 +137,9 @@ class StepCost:
         if self.coef is None:
             return "not measured"
         names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter")
-        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True))
+        target = (f"--target-itl {self.target_itl_s:g} s" if self.target_itl_s else
+                  f"automatic step target at least {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)")
+        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True)) + "; " + target
 
 
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

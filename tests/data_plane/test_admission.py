@@ -14,8 +14,8 @@ IDLE = Load(running=0, running_decodes=0, running_remaining=())
 
 def device_costs() -> StepCost:
     """A device where every step costs 100 ms plus 1 ms per prefill token, and nothing else costs; a step
-    holds at most 100 tokens. Beside decodes a step may then prefill 40 tokens (1.4 × 100 ms)."""
-    costs = StepCost(max_batched_tokens=100)
+    holds at most 100 tokens. With a 140 ms step target, a step beside decodes may prefill 40 tokens."""
+    costs = StepCost(target_itl_s=0.14, max_batched_tokens=100)
     for shape, s in ((StepShape(1), 0.1), (StepShape(2), 0.1), (StepShape(1, adapters=1), 0.1),
                      (StepShape(0, 100, 1), 0.2), (StepShape(0, 50, 1), 0.15), (StepShape(0, 100, 2), 0.2)):
         costs.observe_prior(shape, s)

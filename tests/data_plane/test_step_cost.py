@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_plane.engine.step_cost import AUTO_ITL_GROWTH, MIN_PREFILL_TOKENS, StepCost, StepShape
+from data_plane.engine.step_cost import AUTO_ITL_GROWTH, KNEE_EFFICIENCY, MIN_PREFILL_TOKENS, StepCost, StepShape
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
 # sequence and 4 ms per adapter.
@@ -47,27 +47,42 @@ def test_coefficients_are_never_negative():
     assert costs.predict(StepShape(64)) > 0
 
 
-def test_auto_budget_keeps_a_step_within_its_growth_over_the_decodes_alone():
+def test_auto_budget_fills_a_step_to_the_larger_of_the_knee_and_the_growth_over_the_decodes_alone():
     costs = fitted()
-    for rows, adapters in ((8, 2), (16, 3), (32, 4)):
+    for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
         budget = costs.prefill_budget(rows, adapters)
         assert budget > MIN_PREFILL_TOKENS
         decodes = costs.predict(StepShape(rows, adapters=adapters))
-        assert costs.predict(StepShape(rows, budget, 1, adapters)) <= AUTO_ITL_GROWTH * decodes + 1e-12
+        target = max(AUTO_ITL_GROWTH * decodes, costs.knee_step_s())
+        assert costs.predict(StepShape(rows, budget, 1, adapters)) <= target + 1e-9
         # one more token would pass the target: the budget is the most that fits
-        assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > AUTO_ITL_GROWTH * decodes
+        assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > target
+
+
+def test_the_knee_is_the_step_whose_prefill_runs_at_the_chosen_fraction_of_the_peak_rate():
+    costs = fitted()
+    knee = costs.knee_step_s()
+    # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 ms; at the knee its prompt tokens take
+    # KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
+    assert knee == pytest.approx(0.027 / (1 - KNEE_EFFICIENCY))
+    tokens = (knee - 0.027) / TRUE[2]
+    assert tokens / knee == pytest.approx(KNEE_EFFICIENCY / TRUE[2])
+    # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (135 ms: 106 tokens)
+    assert costs.prefill_budget(1, 1) == 106  # (135 - 29) ms of the step left at 1 ms per token
+    # a full batch: 1.4x its decodes is longer than the knee and sets the step
+    assert AUTO_ITL_GROWTH * costs.predict(StepShape(120, adapters=4)) > knee
 
 
 def test_an_explicit_target_sets_the_step_time():
     costs = fitted(target_itl_s=0.2)
     budget = costs.prefill_budget(8, 2)
-    assert costs.predict(StepShape(8, budget, 1, 2)) <= 0.2 < costs.predict(StepShape(8, budget + 1, 1, 2))
+    assert costs.predict(StepShape(8, budget, 1, 2)) <= 0.2 + 1e-9 < costs.predict(StepShape(8, budget + 1, 1, 2))
 
 
 def test_prefill_always_progresses_even_when_the_target_leaves_no_room():
     assert fitted(target_itl_s=0.001).prefill_budget(32, 4) == MIN_PREFILL_TOKENS
-    # one decode of 26 ms leaves 0.4 × 26 - 3 = 7.4 ms, seven tokens: the floor still gives eight
-    assert fitted().prefill_budget(1, 1) == MIN_PREFILL_TOKENS
+    # one decode of 26 ms beside a 30 ms target leaves 30 - 26 - 3 = 1 ms, one token: the floor gives eight
+    assert fitted(target_itl_s=0.030).prefill_budget(1, 1) == MIN_PREFILL_TOKENS
 
 
 def test_with_nothing_decoding_a_step_prefills_up_to_its_token_limit():
