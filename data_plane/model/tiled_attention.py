@@ -4,18 +4,21 @@ Each query's output must be the same bits whatever else shares its step (other s
 lengths, a prefill chunk beside it) and however its own prompt was cut into chunks. A fused
 attention kernel does not promise that: PyTorch's CPU flash attention sizes its query and key
 blocks by the longest sequence of the call, and a padded batch changes how each row's sums are
-split. So attention is written here with plain matmuls, each of which keeps a row's sums in an
-order set by its own inputs (measured with torch 2.13 / MKL on a 2-core Xeon, every case below):
+split. A BLAS matmul does not promise it either: it picks its kernel by the shape of the call, and
+which shapes share a kernel differs by CPU. Measured with torch 2.13 / MKL: on a 2-core Xeon only a
+lone row took another kernel; on a 2-core AMD EPYC calls of 1-3, 5-7 and 9-11 rows summed a row
+differently from a call of 150, while every multiple of 8 rows (8 to 776, any offset of the rows, 64
+to 2048 keys) gave each row the bits an 8-row call gives it. So:
 
-- scores ``q @ kᵀ``: a matmul whose reduction is the head dimension; a row's result does not depend
-  on how many rows or keys share the call (at 2 or more rows: one row alone takes another kernel,
-  so a lone query row is computed twice over);
+- each matmul computes a multiple of ``ROW_MULTIPLE`` query rows (padded with zero rows whose output
+  is dropped): a row's scores ``q @ kᵀ`` (a reduction over the head dimension) and its sums
+  ``p @ v`` are then the same bits whether it is a decode, one token of a chunk, or one of a long
+  prefill;
 - softmax over the keys, padded with -inf to the longest context of the group: PyTorch's row
   softmax sums each key into the same lane whatever the row's length, and padding adds exact zeros;
-- ``p @ v``: a matmul whose reduction is over keys changes its blocking with the number of keys
-  (1500 and 1504 keys sum differently), so it runs in fixed tiles of ``KEY_TILE`` keys, one small
-  matmul each (at 64 to 256 keys a row's sums did not change with the rows or tiles beside it), and
-  the tiles' partial sums are added in tile order; tiles past a query's context add exact zeros.
+- ``p @ v``, whose reduction is over keys, runs in fixed tiles of ``KEY_TILE`` keys (a reduction
+  over the whole context changes its blocking with the number of keys), one small matmul per tile,
+  and the tiles' partial sums are added in tile order; tiles past a query's context add exact zeros.
 
 Sequences are grouped by their number of new tokens (rounded up to a power of two) and each group
 is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length; a
@@ -34,6 +37,9 @@ from typing import Protocol
 import torch
 
 KEY_TILE = 64
+# Every matmul computes a multiple of this many query rows (query heads of a key/value head, times
+# queries); a decode's rows (its query heads per key/value head) are padded to it.
+ROW_MULTIPLE = 8
 # A long prefill's queries are taken this many at a time, each block over the keys its last query sees
 # (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
 QUERY_BLOCK = 128
@@ -138,10 +144,7 @@ def tiled_attention(
         # rows of one key/value head: its (query, head) pairs, [kv_heads, n, max_new * per_kv, head_dim]
         qg = q.index_select(0, g.query_index.reshape(-1)).float().mul_(scale)
         qg = qg.view(n, max_new, num_kv, per_kv, head_dim).permute(2, 0, 1, 3, 4)
-        lone = max_new * per_kv == 1
-        if lone:  # one row alone takes another matmul kernel: compute it as the first of two equal rows
-            qg, hidden = qg.expand(num_kv, n, 2, 1, head_dim), hidden.expand(n, 2, keys)
-        rows = qg.shape[2] * per_kv
+        rows = max_new * per_kv
         qg = qg.reshape(num_kv, n, rows, head_dim)
         # keys and values as gathered, [n, keys, kv_heads, head_dim]: each head is a strided view, not a copy
         k = k_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
@@ -153,8 +156,6 @@ def tiled_attention(
             q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, rows // per_kv)
             attn[s, q0:q1, h] = _attend(qg[h][s, q0 * per_kv: q1 * per_kv], k[s, :block_keys, h],
                                         v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv, softcap)
-        if lone:
-            attn = attn[:, :1]
         attn = attn.reshape(n * max_new, num_heads * head_dim)
         out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
     return out
@@ -166,12 +167,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Ten
     (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
     n, rows, head_dim = q.shape
     keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
-    scores = torch.bmm(q, k.transpose(1, 2))  # [n, rows, keys]
+    mask = hidden.repeat_interleave(per_kv, dim=1)  # [n, rows, keys]
+    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    if padded != rows:  # zero rows that see every key (a finite softmax), dropped at the end
+        q = torch.cat([q, q.new_zeros(n, padded - rows, head_dim)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(n, padded - rows, keys)], dim=1)
+    scores = torch.bmm(q, k.transpose(1, 2))  # [n, padded, keys]
     if softcap is not None:  # elementwise: a score's value still depends on its own row alone
         scores = scores.div_(softcap).tanh_().mul_(softcap)
-    scores.view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n, rows, tiles, KEY_TILE).transpose(1, 2)
-    probs = probs.reshape(n * tiles, rows, KEY_TILE)  # [n * tiles, rows, KEY_TILE]
+    scores.masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n, padded, tiles, KEY_TILE).transpose(1, 2)
+    probs = probs.reshape(n * tiles, padded, KEY_TILE)  # [n * tiles, padded, KEY_TILE]
     # v's tiles as a view: every call reads values in one layout (rows kv_heads * head_dim apart)
-    parts = torch.bmm(probs, v.view(n * tiles, KEY_TILE, head_dim))  # [n * tiles, rows, head_dim]
-    return parts.view(n, tiles, rows // per_kv, per_kv, head_dim).sum(dim=1)  # tile by tile
+    parts = torch.bmm(probs, v.view(n * tiles, KEY_TILE, head_dim))  # [n * tiles, padded, head_dim]
+    sums = parts.view(n, tiles, padded, head_dim).sum(dim=1)  # tile by tile
+    return sums[:, :rows].reshape(n, rows // per_kv, per_kv, head_dim)
