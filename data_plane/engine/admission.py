@@ -22,9 +22,11 @@ request of a quiet adapter is ahead of most of a flooding adapter's backlog, and
 no seat it takes one from the flood at the next step, so the flood is refused and the quiet adapter
 is not.
 
-A request is refused when that wait exceeds the time it has: its gRPC deadline, or the pod's
-``--max-queue-delay``, whichever is shorter. The refusal says when to try again: the time until the
-estimate would fit.
+A request is refused when that wait exceeds its gRPC deadline, or when the part of it spent behind
+other work (the wait less its own prefill beside the running decodes, ``own_prefill``) exceeds the
+pod's ``--max-queue-delay``: a long prompt whose own prefill lasts longer than the queue delay is
+served when nothing is ahead of it. The refusal says when to try again: the time until the estimate
+would fit.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class DelayEstimator:
         if short > 0 and not ahead.seat_now:
             wait += short * self._seat_turnover_s(load) / self._max_num_seqs
         return wait * self.bias
+
+    def own_prefill(self, prompt_tokens: int, load: Load) -> float:
+        """Seconds the prefill of ``prompt_tokens`` alone takes beside the running decodes, with the same
+        correction as ``estimate``: the part of a wait that is not spent behind other work."""
+        if self.costs.coef is None:
+            return 0.0
+        return self._prefill_s([prompt_tokens], load) * self.bias
 
     def _prefill_s(self, work: list[int], load: Load) -> float:
         """Seconds until the last item of prefill ``work`` (tokens, in order) is computed: step by step, each

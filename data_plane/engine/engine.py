@@ -213,32 +213,37 @@ class Engine:
         if bad:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
-        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), self.scheduler.load())
+        load = self.scheduler.load()
+        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), load)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
-        self._refuse_if_late(wait_s, timeout_s)
+        self._refuse_if_late(wait_s, self.delays.own_prefill(len(prompt_ids), load), timeout_s)
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
                         ttft_estimate=wait_s)
 
-    def _refuse_if_late(self, wait_s: float, timeout_s: float | None) -> None:
-        """Raises Overloaded when the estimated wait for a first token exceeds the caller's deadline or
-        --max-queue-delay: the caller learns at once to go elsewhere instead of after a long wait."""
+    def _refuse_if_late(self, wait_s: float, own_s: float, timeout_s: float | None) -> None:
+        """Raises Overloaded when the estimated wait for a first token (``wait_s``) exceeds the caller's
+        deadline, or when the part of it spent behind other work (``wait_s`` less ``own_s``, the request's
+        own prefill beside today's decodes) exceeds --max-queue-delay: the caller learns at once to go
+        elsewhere instead of after a long wait. A prompt whose own prefill takes longer than the queue
+        delay is served where nothing is ahead of it: no pod would start it sooner."""
         cap = self.limits.max_queue_delay_s
-        if timeout_s is not None and wait_s > timeout_s and (not cap or timeout_s <= cap):
+        if timeout_s is not None and wait_s > timeout_s:
             self.metrics.refusals.labels("deadline").inc()
-            raise Overloaded(f"this pod would start the request in about {wait_s:.2f} s, after its deadline "
-                             f"({timeout_s:.2f} s from now); retry on another pod or later",
+            raise Overloaded(f"this pod would give the request its first token in about {wait_s:.2f} s, after "
+                             f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
                              retry_after_s=retry_after(wait_s, timeout_s))
-        if cap and wait_s > cap:
+        queued_s = wait_s - own_s
+        if cap and queued_s > cap:
             self.metrics.refusals.labels("queue_delay").inc()
-            raise Overloaded(f"this pod would start the request in about {wait_s:.2f} s, beyond its "
-                             f"--max-queue-delay of {cap:g} s; retry on another pod or later",
-                             retry_after_s=retry_after(wait_s, cap))
+            raise Overloaded(f"this pod would start the request after about {queued_s:.2f} s behind other work, "
+                             f"beyond its --max-queue-delay of {cap:g} s; retry on another pod or later",
+                             retry_after_s=retry_after(queued_s, cap))
 
     def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
         # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again

@@ -109,3 +109,17 @@ def test_first_tokens_earlier_than_estimated_make_estimates_shorter_and_tiny_est
     for _ in range(100):
         e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 0.7 * plain)
     assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.7 * plain, rel=0.01)
+
+
+def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_same_decodes():
+    e = estimator()
+    decoding = Load(2, 2, (5, 5))
+    assert e.own_prefill(250, IDLE) == pytest.approx(e.estimate(Ahead(0, 0), 250, IDLE))
+    assert e.own_prefill(250, IDLE) == pytest.approx(0.2 + 0.2 + 0.15)
+    # 40 tokens a step beside two decodes: six steps of 40, then the last 10 (0.11 s)
+    assert e.own_prefill(250, decoding) == pytest.approx(6 * 0.14 + 0.11)
+    # the work ahead adds to the estimate, never to its own part; the correction applies to both
+    assert e.estimate(Ahead(1, 100), 250, IDLE) > e.own_prefill(250, IDLE)
+    e.bias = 2.0
+    assert e.own_prefill(250, decoding) == pytest.approx(2 * (6 * 0.14 + 0.11))
+    assert estimator(costs=StepCost()).own_prefill(250, IDLE) == 0.0

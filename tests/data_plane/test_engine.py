@@ -202,3 +202,29 @@ def test_a_cached_prefix_gives_the_tokens_and_logprobs_a_cold_prefill_gives(demo
     # each second prompt found the full blocks of the tokens it shares with the first (base model, adapter)
     assert shared >= 48 and prefix.hit_tokens == 2 * (shared // 16) * 16
     assert prefix.cached_blocks > 0 and prefix.queried_tokens > prefix.hit_tokens
+
+
+def test_the_queue_delay_counts_the_work_ahead_of_a_request_not_its_own_prefill(demo_model_dir):
+    async def go():
+        engine = engine_for(demo_model_dir, max_queue_delay_s=0.001, num_kv_blocks=64)
+        try:
+            words = ("harbour", "lantern", "compass", "island", "anchor", "tide")
+            prompts = [engine.tokenizer.encode(" ".join(words[(i + j) % 6] for j in range(90))) for i in range(3)]
+            await tokens_of(engine, prompts[0][:8], 2)  # steps are timed: the estimate is on
+            own_s = engine.delays.own_prefill(len(prompts[0]), engine.scheduler.load())
+            # alone on an idle pod, a prompt whose own prefill is far over the 1 ms queue delay is served
+            alone = await tokens_of(engine, prompts[0], 1)
+            # behind another prompt's prefill it would wait past the queue delay: refused, never queued
+            ahead = engine.generate(prompts[1], SamplingParams(max_tokens=1), None, "ahead")
+            behind = engine.generate(prompts[2], SamplingParams(max_tokens=1), None, "behind")
+            first, refused = await asyncio.gather(anext(ahead), anext(behind), return_exceptions=True)
+            await ahead.aclose()
+            return own_s, alone, first, refused, engine.scheduler.num_waiting
+        finally:
+            await engine.stop()
+
+    own_s, alone, first, refused, waiting = asyncio.run(go())
+    assert own_s > 0.001 and len(alone) == 1 and first.tokens
+    assert isinstance(refused, Overloaded) and "behind other work" in str(refused), refused
+    assert "--max-queue-delay" in str(refused) and 0.05 <= refused.retry_after_s <= 60
+    assert waiting == 0
