@@ -24,6 +24,9 @@ class Weights:
     running: float = 1.0
     waiting: float = 2.0
     kv_usage: float = 4.0
+    # What a pod that holds none of a request's prompt costs more than one that holds all of it (in
+    # proportion between): the prefill it must redo. 0 routes blind to prefixes.
+    prefix: float = 3.0
 
     def __post_init__(self) -> None:
         if min(vars(self).values()) < 0:
@@ -32,6 +35,11 @@ class Weights:
     def load(self, running: int, waiting: int, kv_usage: float) -> float:
         """The cost of a pod's load: its running and waiting requests and its KV-cache usage (0..1)."""
         return self.running * running + self.waiting * waiting + self.kv_usage * kv_usage
+
+    def prefill(self, matched: int, chunks: int) -> float:
+        """The cost of the part of a prompt of ``chunks`` routing-prefix chunks a pod does not hold, when it
+        holds the first ``matched`` of them."""
+        return self.prefix * (chunks - matched) / chunks if chunks else 0.0
 
     def cold(self, has_free_slot: bool) -> float:
         """The cost of an adapter a pod does not hold: a read into a free slot, or that plus an eviction."""
