@@ -69,7 +69,7 @@ HASHES = routing_prefix(chat("", ("system", SYSTEM), ("user", "Summarise the led
 
 def test_a_pod_holding_the_prefix_wins_when_loads_are_comparable():
     assert len(HASHES) >= 8
-    holder, other = pod("z-holder", HASHES[:6], running=3), pod("a-other", running=2)
+    holder, other = pod("z-holder", HASHES[:6], running=3), pod("a-other", running=2)  # one request apart
     ranked = rank("", [holder, other], chain=HASHES)
     assert ranked[0].pod.id == "z-holder" and ranked[0].matched == 6 and ranked[1].matched == 0
     # the longer the prefix held, the better; the last reported hash counts the chunks before it
@@ -78,7 +78,8 @@ def test_a_pod_holding_the_prefix_wins_when_loads_are_comparable():
 
 
 def test_load_still_dominates_when_the_pod_holding_the_prefix_is_overloaded():
-    holder, idle = pod("holder", HASHES, running=8, waiting=4), pod("idle")
+    # a pod holding the whole prompt but a few more requests than the prefix weighs loses to an idle one
+    holder, idle = pod("holder", HASHES, running=int(Weights().prefix) + 2, waiting=1), pod("idle")
     assert rank("", [holder, idle], chain=HASHES)[0].pod.id == "idle"
     # and with the prefix weight at 0 the score is blind to prefixes: the less loaded pod wins by one request
     blind = rank("", [pod("holder", HASHES, running=1), pod("other")], Weights(prefix=0.0), chain=HASHES)
