@@ -77,6 +77,8 @@ class DataPlaneConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     prefix_caching: bool = True  # full KV blocks kept and reused by prompts that begin alike
+    # Routing-prefix hashes GetState reports for routers (8 bytes each); 0 = none (prefix_report.py).
+    prefix_report_size: int = 512
     drain_grace_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     # Seconds the engine loop may go without progress while requests wait before health turns NOT_SERVING.
@@ -125,6 +127,9 @@ class DataPlaneConfig:
             raise ValueError(f"--demand-window must be a positive number of seconds, got {self.demand_window_s}")
         if not 1 <= self.demand_report_top <= 1000:
             raise ValueError(f"--demand-report-top must be within 1..1000, got {self.demand_report_top}")
+        if not 0 <= self.prefix_report_size <= 65536:
+            raise ValueError(f"--prefix-report-size must be within 0..65536 (0 = report none), "
+                             f"got {self.prefix_report_size}")
         if self.scheduling_policy not in ("fair", "fcfs"):
             raise ValueError(f"--scheduling-policy must be fair or fcfs, not {self.scheduling_policy!r}")
         for name, weight in (*self.adapter_weights, ("the base model", self.base_model_weight)):
@@ -194,7 +199,7 @@ class DataPlaneConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_bytes=args.kv_cache_bytes, enforce_eager=args.enforce_eager,
-            prefix_caching=not args.no_prefix_caching,
+            prefix_caching=not args.no_prefix_caching, prefix_report_size=args.prefix_report_size,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
             max_queue_delay_s=args.max_queue_delay, target_itl_s=args.target_itl,
@@ -320,6 +325,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: full KV blocks are kept and reused by later prompts "
                         "that begin with the same tokens under the same adapter content and precision)")
+    p.add_argument("--prefix-report-size", type=int, default=d.prefix_report_size,
+                   help="routing-prefix hashes of the prompts whose KV blocks the prefix cache holds that GetState "
+                        "reports, so that routers send a request where its prompt's beginning is cached; 0 reports "
+                        f"none (default {d.prefix_report_size})")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly on CUDA (default: decode steps replay CUDA graphs captured at "
                         "start-up per batch-size bucket)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from conventions import defaults
 from conventions.errors import ConfigError
 from conventions.flag_help import DefaultsShown
+from conventions.pod_cost import Weights
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -52,6 +53,9 @@ class RouterConfig:
     refresh_interval_s: float = 0.5
     state_timeout_s: float = 1.0  # per ListAdapters / ListPods / GetState call
     retries: int = 2  # further pods tried when one refuses a request before its first message
+    # What a pod holding none of a request's prompt costs more than one holding all of it, in running
+    # requests (conventions/pod_cost.py); 0 routes blind to the pods' prefix caches.
+    prefix_weight: float = Weights.prefix
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -91,6 +95,8 @@ class RouterConfig:
             raise ConfigError(f"--state-timeout must be within (0, 60] seconds, got {self.state_timeout_s}")
         if not 0 <= self.retries <= 10:
             raise ConfigError(f"--retries must be within 0-10, got {self.retries}")
+        if not 0 <= self.prefix_weight <= 1000:  # NaN too
+            raise ConfigError(f"--prefix-weight must be within [0, 1000] running requests, got {self.prefix_weight}")
 
     def api_keys(self) -> frozenset[str]:
         """The keys of --api-key-file (one a line; blank lines and ``#`` comments skipped), or an empty set
@@ -159,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds each state call may take (default {d.state_timeout_s})")
     p.add_argument("--retries", type=int, default=d.retries,
                    help=f"other pods tried when one refuses a request before its first message (default {d.retries})")
+    p.add_argument("--prefix-weight", type=float, default=d.prefix_weight,
+                   help="what a pod that holds none of a request's prompt in its prefix cache costs more than one "
+                        "that holds all of it, in running requests; 0 routes blind to prefixes "
+                        f"(default {d.prefix_weight})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -171,4 +181,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         http_port=args.http_port, api_key_file=args.api_key_file, tenants_file=args.tenants_file,
         limits_redis_url=args.limits_redis_url, keys_reload_interval_s=args.keys_reload_interval,
         http_timeout_s=args.http_timeout, http_max_body_bytes=args.http_max_body_bytes,
-        refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries)
+        refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries,
+        prefix_weight=args.prefix_weight)

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from lorafleet.v1 import generation_pb2
 
 from conventions.errors import LorafleetError
+from conventions.prefix_chain import chain, input_bytes
 from conventions.status import CallOutcome, retry_after_s
 from router.channels import PodChannels
 from router.errors import InvalidRequest
@@ -51,6 +52,15 @@ def adapter_of(request: bytes) -> str:
     except DecodeError as e:
         raise InvalidRequest(f"the request is not a lorafleet.v1.GenerateRequest ({e}); "
                              "send one built from protos/lorafleet/v1/generation.proto") from None
+
+
+def prefix_chain_of(request: bytes, adapter: str) -> tuple[int, ...]:
+    """The routing-prefix chain of a serialized GenerateRequest for ``adapter``, as the pod that serves it
+    computes it (conventions/prefix_chain.py); empty for bytes that are not one."""
+    try:
+        return chain(adapter, input_bytes(generation_pb2.GenerateRequest.FromString(request)))
+    except DecodeError:
+        return ()
 
 
 class Forwarder:
@@ -102,13 +112,17 @@ class Forwarder:
 
     async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:
-        candidates = same_precision(self._picker.choose(adapter))[: self._retries + 1]
+        hashes = prefix_chain_of(request, adapter) if self._picker.weighs_prefixes else ()
+        candidates = same_precision(self._picker.choose(adapter, hashes))[: self._retries + 1]
         refusals: list[grpc.aio.AioRpcError] = []
         for attempt, choice in enumerate(candidates):
             pod = choice.pod
             call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=timeout)
             self._picker.started(pod.id, adapter)
             self._metrics.decisions.labels(choice.decision.label).inc()
+            if hashes:
+                held = "all" if choice.matched == len(hashes) else "part" if choice.matched else "none"
+                self._metrics.prefix_decisions.labels(held).inc()
             try:
                 try:
                     message = await call.read()

@@ -20,6 +20,10 @@ class RouterMetrics:
                                 ["adapter_class", "outcome"], registry=r)
         self.decisions = Counter("lorafleet_router_routing_decisions",
                                  "Pods chosen, by what the choice implies for the adapter", ["decision"], registry=r)
+        self.prefix_decisions = Counter("lorafleet_router_prefix_decisions",
+                                        "Pods chosen for requests of at least one routing-prefix chunk, by how much "
+                                        "of the prefix the pod reported holding: all, part or none", ["held"],
+                                        registry=r)
         self.ttft = Histogram("lorafleet_router_time_to_first_token_seconds",
                               "Time from a request's arrival at the router to its first message from a pod",
                               ["adapter_class"], buckets=_TTFT_BUCKETS, registry=r)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from router.errors import AdapterNotRegistered, NoPodAvailable
 from router.scoring import Choice, Weights, rank
@@ -37,9 +37,15 @@ class PodPicker:
         self._suspect: dict[str, float] = {}  # pod -> monotonic time it refused a connection
         self._full_until: dict[str, float] = {}  # pod -> monotonic time until which it said it is full
 
-    def choose(self, adapter: str) -> list[Choice]:
-        """The routable pods for ``adapter`` ("" = base model), best first. AdapterNotRegistered for an
-        adapter the registry lacks; NoPodAvailable when no pod is routable."""
+    @property
+    def weighs_prefixes(self) -> bool:
+        """Whether a request's routing prefix counts in its ranking (a prefix weight above 0)."""
+        return self._weights.prefix > 0
+
+    def choose(self, adapter: str, chain: Sequence[int] = ()) -> list[Choice]:
+        """The routable pods for ``adapter`` ("" = base model), best first, for a request whose routing prefix
+        is ``chain``. AdapterNotRegistered for an adapter the registry lacks; NoPodAvailable when no pod is
+        routable."""
         view = self._view()
         if view is None:
             raise NoPodAvailable("the router has not read the fleet's state yet; retry in a moment")
@@ -57,7 +63,7 @@ class PodPicker:
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
         # only the pods whose count moved since the view was read (most do not, in a large fleet)
         extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
-        ranked = rank(adapter, pods, self._weights, extra, just_sent)
+        ranked = rank(adapter, pods, self._weights, extra, just_sent, chain)
         if not any(until > now for until in self._full_until.values()):
             return ranked
         # pods that said they are full go last, in rank order, for as long as they said

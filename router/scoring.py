@@ -3,13 +3,15 @@
 A pod's cost is what the request would wait for there, in units of "one request already running":
 the residency of its adapter (a device slot costs nothing, the CPU cache a copy into a slot, a free
 slot a read of the weights, a full pod that read plus another adapter's eviction) plus the pod's load
-(running and waiting requests, KV-cache pressure). So a device hit wins until its pod is busier than
-a cold load is slow, and then the next pod takes the overflow.
+(running and waiting requests, KV-cache pressure), plus the prefill of the part of the prompt the pod does
+not hold in its prefix cache (by the routing-prefix chain, conventions/prefix_chain.py). So a device hit
+wins until its pod is busier than a cold load is slow, and then the next pod takes the overflow; a pod
+holding the prompt's beginning wins among pods about as loaded, and loses to one with a few fewer requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,6 +41,7 @@ class Choice:
     pod: PodView
     decision: Decision
     cost: float
+    matched: int = 0  # routing-prefix chunks of the request the pod holds from the start
 
 
 def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
@@ -55,10 +58,12 @@ def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
 
 
 def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
-         extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = ()) -> list[Choice]:
+         extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = (),
+         chain: Sequence[int] = ()) -> list[Choice]:
     """``pods`` best first for a request naming ``adapter`` ("" = the base model), cheapest cost first,
     ties by pod id. ``extra_running`` adds requests the router started on a pod since its state was read
-    (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago."""
+    (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago;
+    ``chain`` is the request's routing prefix (empty: a prompt shorter than one chunk)."""
     extra_running = extra_running or {}
     residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
                       Decision.FREE_SLOT: weights.cold(True), Decision.EVICT: weights.cold(False)}
@@ -67,5 +72,6 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         d = decision(adapter, pod, pod.id in just_sent_to)
         running = max(0, pod.running + extra_running.get(pod.id, 0))
         load = weights.load(running, pod.waiting, pod.kv_usage)
-        choices.append(Choice(pod, d, residency_cost[d] + load))
+        matched = pod.matched(chain) if weights.prefix else 0
+        choices.append(Choice(pod, d, residency_cost[d] + load + weights.prefill(matched, len(chain)), matched))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))

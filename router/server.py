@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from conventions import logs
 from conventions.auth import read_token
+from conventions.pod_cost import Weights
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
 from router.access import Access, KeysFile, needs_limiter
@@ -41,7 +42,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     metrics = RouterMetrics()
     channels = PodChannels()
     refresher = StateRefresher(config, token, channels, metrics)
-    forwarder = Forwarder(PodPicker(lambda: refresher.view), channels, metrics, config.retries)
+    forwarder = Forwarder(PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight)), channels, metrics,
+                          config.retries)
     access = build_access(config, metrics)
     door = Door(forwarder, access, metrics)
     http_api = HttpApi(door, lambda: refresher.view, metrics, access, config.http_max_body_bytes,

@@ -3,7 +3,7 @@ with its residency and load. Built from the control plane's registry and the pod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -35,9 +35,19 @@ class PodView:
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     precision: str = ""  # what it computes in (PodState.precision); pods of one precision answer alike
+    prefixes: frozenset[int] = frozenset()  # routing-prefix hashes whose KV blocks it holds (PodState.prefix_hashes)
 
     def tier(self, adapter: str) -> Tier:
         return self.residency.get(adapter, Tier.NONE)
+
+    def matched(self, chain: Sequence[int]) -> int:
+        """How many chunks of a request's routing-prefix ``chain`` this pod holds from the start: one past the
+        last hash it reports (hash i covers every chunk up to i, so the ones before need not be listed)."""
+        if self.prefixes:
+            for i in range(len(chain) - 1, -1, -1):
+                if chain[i] in self.prefixes:
+                    return i + 1
+        return 0
 
     @property
     def has_free_slot(self) -> bool:
@@ -78,7 +88,7 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
                              slots_used=state.slots.used, residency=residency, running=state.running_requests,
                              waiting=state.waiting_requests, kv_usage=state.kv_cache_usage,
-                             precision=state.precision))
+                             precision=state.precision, prefixes=frozenset(state.prefix_hashes)))
     base_model = next((s.base_model for s in states.values() if s.base_model), base_model)
     return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
                      base_model)

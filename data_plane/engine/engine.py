@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from conventions.prefix_chain import RoutingPrefix
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
 from data_plane.engine.admission import DelayEstimator, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
+from data_plane.engine.prefix_report import PrefixReport
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
@@ -85,12 +87,13 @@ class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
                  resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
                  policy: Policy = Policy.FAIR, cuda_graphs: bool = False, prefix_caching: bool = True,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, prefix_report_size: int = 0) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
         decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model); ``prefix_caching``:
         full KV blocks are kept and reused by requests whose prompts begin alike, keyed also by
-        ``precision`` (default: the weights' dtype) and each adapter's content."""
+        ``precision`` (default: the weights' dtype) and each adapter's content; ``prefix_report_size``: how
+        many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching)."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -100,6 +103,8 @@ class Engine:
         self.blocks = BlockManager(limits.num_kv_blocks, limits.block_size, limits.max_num_seqs, max_blocks_per_seq,
                                    prefix_caching)
         self.precision = precision or str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        self.prefix_report = PrefixReport(self.blocks.prefix, prefix_report_size) \
+            if self.blocks.prefix is not None and prefix_report_size > 0 else None
         self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size), self.blocks,
                                   limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
         self.model_lock = asyncio.Lock()
@@ -149,13 +154,14 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
                        request_id: str | None = None, timeout_s: float | None = None,
-                       tenant: str | None = None) -> AsyncIterator[StepOutput]:
+                       tenant: str | None = None, routing: RoutingPrefix | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
         output for a bad request, or for one the pod cannot start within ``timeout_s`` (the caller's
         deadline; None: none) or --max-queue-delay (Overloaded, with a retry hint); a request still
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
         request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
-        fair share whatever their adapters."""
+        fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in
+        ``prefix_report`` once its prompt is prefilled."""
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
         seq.tenant = tenant or None
@@ -176,6 +182,9 @@ class Engine:
                 if isinstance(item, LorafleetError):
                     outcome = "error"
                     raise item
+                if routing is not None and self.prefix_report is not None:
+                    self._report_prefix(seq, routing)
+                    routing = None
                 yield item
                 if item.finish_reason is not None:
                     outcome = item.finish_reason.value
@@ -251,6 +260,13 @@ class Engine:
             for stream in [s for s in self._streams.values() if s.seq.adapter == name and s.seq.slot < 0]:
                 self.abort(stream.seq.request_id, error)
         self._wakeup.set()
+
+    def _report_prefix(self, seq: Sequence, routing: RoutingPrefix) -> None:
+        """Records the routing prefix of ``seq``, whose prompt is prefilled: its full blocks are cached (or
+        were, and have since been evicted for another use, which the report then leaves out)."""
+        prompt = seq.prompt_ids
+        cached = self.blocks.prefix.match(seq.cache_salt, prompt, len(prompt))
+        self.prefix_report.record(routing, len(prompt), [content for content, _ in cached])
 
     def _prefix_salt(self, adapter: str | None) -> str:
         """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision
@@ -383,6 +399,11 @@ class Engine:
             preemptions=self.scheduler.num_preemptions, prefix=self._prefix_state(),
             disk=self.lora.downloads.tier.usage() if self.lora.downloads is not None else None,
         )
+
+    def routing_prefixes(self) -> list[int]:
+        """The routing-prefix hashes whose KV blocks this pod still holds, least recent first (for
+        PodState.prefix_hashes)."""
+        return self.prefix_report.held() if self.prefix_report is not None else []
 
     def _prefix_state(self) -> PrefixState | None:
         prefix = self.blocks.prefix

@@ -32,6 +32,7 @@ class PrefixCache:
         self.block_size = block_size
         self._entries: dict[Key, tuple[int, int]] = {}  # key -> (content id, block)
         self._key_of: dict[int, Key] = {}  # block -> its key, for cached blocks
+        self._block_of: dict[int, int] = {}  # content id -> its block, for cached contents
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, LRU first
         self._next_id = 1  # 0 names the empty prefix
         self.stats = PrefixStats()
@@ -46,6 +47,10 @@ class PrefixCache:
 
     def is_cached(self, block: int) -> bool:
         return block in self._key_of
+
+    def holds(self, content: int) -> bool:
+        """Whether the content ``content`` names is still cached (ids are never reused, so once evicted, never)."""
+        return content in self._block_of
 
     def match(self, salt: str, tokens: Sequence[int], limit: int) -> list[tuple[int, int]]:
         """(content id, block) of the cached blocks holding ``tokens`` from the start, as many full blocks
@@ -70,6 +75,7 @@ class PrefixCache:
         self._next_id += 1
         self._entries[key] = (content, block)
         self._key_of[block] = key
+        self._block_of[content] = block
         return content
 
     def record_lookup(self, tokens: int, hit: int) -> None:
@@ -90,6 +96,7 @@ class PrefixCache:
         if not self._evictable:
             return None
         block, _ = self._evictable.popitem(last=False)
-        del self._entries[self._key_of.pop(block)]
+        content, _ = self._entries.pop(self._key_of.pop(block))
+        del self._block_of[content]
         self.stats.evictions += 1
         return block

@@ -47,7 +47,7 @@ class DataPlaneAdminServicer(data_plane_admin_pb2_grpc.DataPlaneAdminServicer):
         return pb.PrefetchAdapterResponse(downloaded=downloaded)
 
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.PodState:
-        return pod_state(self._handle.get(), self._pod_id, self._base_model)
+        return pod_state(self._handle.get(), self._pod_id, self._base_model, with_prefixes=True)
 
 
 def residency_pb(r: Residency) -> pb.AdapterResidency:
@@ -59,11 +59,13 @@ def _tier_usage_pb(u: TierUsage) -> pb.TierUsage:
     return pb.TierUsage(capacity=u.capacity, used=u.used, pinned=u.pinned)
 
 
-def pod_state(engine: Engine, pod_id: str, base_model: str) -> pb.PodState:
-    """The pod's state as GetState answers it and heartbeats report it."""
+def pod_state(engine: Engine, pod_id: str, base_model: str, with_prefixes: bool = False) -> pb.PodState:
+    """The pod's state as GetState answers it (``with_prefixes``: the routing prefixes it holds, for routers)
+    and heartbeats report it."""
     s = engine.snapshot()
     return pb.PodState(
         slots=_tier_usage_pb(s.slots), cpu_cache=_tier_usage_pb(s.cpu), adapters=[residency_pb(r) for r in s.adapters],
         running_requests=s.running, waiting_requests=s.waiting, kv_cache_usage=s.kv_usage,
         pod_id=pod_id, base_model=base_model, precision=engine.model.precision.value,
+        prefix_hashes=engine.routing_prefixes() if with_prefixes else (),
     )

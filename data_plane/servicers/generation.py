@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from lorafleet.v1 import generation_pb2, generation_pb2_grpc
 
+from conventions.prefix_chain import routing_prefix
 from data_plane.demand import DemandMeter
 from data_plane.engine.choices import generate_choices
 from data_plane.engine.engine import Engine, StepOutput
@@ -33,7 +34,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         text_of = _token_text(engine) if request.sampling.token_text else None
         async for index, out in generate_choices(engine, prompt_ids, params, request.adapter or None,
                                                  request.request_id or None, context.time_remaining(),
-                                                 request.tenant or None):
+                                                 request.tenant or None, routing_prefix(request)):
             yield _response(out, request.request_id, text_of, index)
 
 
