@@ -30,6 +30,7 @@ class ControlPlaneConfig:
     host: str = defaults.HOST
     port: int = defaults.CONTROL_PLANE_PORT
     metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT  # 0 disables the /metrics endpoint
+    health_port: int = 0  # a plaintext port with only grpc.health.v1, for probes that cannot do TLS; 0 = none
     key_prefix: str = "lorafleet"
     base_model: str = ""  # empty accepts any base model named at registration
     tls_cert_file: Path | None = None  # served with, and shown to pods when dialing them over TLS
@@ -65,7 +66,7 @@ class ControlPlaneConfig:
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--redis-url {self.redis_url!r} must start with redis://, rediss:// or unix://")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{name} {value} is not a TCP port; use 0-65535")
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
+    p.add_argument("--health-port", type=int, default=d.health_port,
+                   help="a plaintext gRPC port serving only the health service, for probes that cannot speak TLS "
+                        f"(Kubernetes' gRPC probes) beside --tls-cert; 0 = none (default {d.health_port})")
     p.add_argument("--admin-token-file", type=Path, required=True,
                    help="file holding the bearer token of admin tools: register, pin, unpin, unregister and reads")
     p.add_argument("--reader-token-file", type=Path,
@@ -202,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
     return ControlPlaneConfig(
         redis_url=args.redis_url, admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
-        pod_token_file=args.pod_token_file, host=args.host, port=args.port,
-        metrics_port=args.metrics_port, key_prefix=args.key_prefix, base_model=args.base_model,
+        pod_token_file=args.pod_token_file, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        health_port=args.health_port, key_prefix=args.key_prefix, base_model=args.base_model,
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_ca_file=args.tls_ca, replica_id=args.replica_id,
         pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace,
         pod_probe_after_s=args.pod_probe_after, pod_probe_timeout_s=args.pod_probe_timeout,

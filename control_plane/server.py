@@ -34,7 +34,7 @@ from control_plane.registry import Registry
 from control_plane.store import Store
 from conventions import logs
 from conventions.auth import CONTROL_PLANE_GRANTS, Role, RoleAuthInterceptor
-from conventions.health import LIVENESS
+from conventions.health import LIVENESS, serve_health_port
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
 from conventions.tls import add_port
@@ -80,9 +80,11 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
+    health_server = await serve_health_port(health_servicer, config.host, config.health_port)
     log.info("control plane serving", extra={"address": address, "tls": tls.serving.value,
                                              "to_pods": pods.mode.value, "replica": lease.replica,
-                                             "key_prefix": config.key_prefix, "metrics_port": config.metrics_port})
+                                             "key_prefix": config.key_prefix, "metrics_port": config.metrics_port,
+                                             "health_port": config.health_port})
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -103,6 +105,8 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(_SHUTDOWN_GRACE_S)
+        if health_server is not None:
+            await health_server.stop(None)
         await pods.close()
         await store.close()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,6 +29,7 @@ class DataPlaneConfig:
     host: str = defaults.HOST
     port: int = defaults.POD_PORT
     metrics_port: int = defaults.POD_METRICS_PORT
+    health_port: int = 0  # a plaintext port with only grpc.health.v1, for probes that cannot do TLS; 0 = none
     device: str = defaults.DEVICE
     # The precision (data_plane/model/precision.py), or "auto": bfloat16 on CUDA; on CPU float32 weights with
     # float32 or bfloat16 projections, whichever measures faster on this CPU at start-up.
@@ -93,6 +94,8 @@ class DataPlaneConfig:
     demand_report_top: int = 32
 
     def __post_init__(self) -> None:
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"--health-port {self.health_port} is not a TCP port; use 1-65535, or 0 for none")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         check_dtype(self.dtype, self.device)
@@ -183,7 +186,8 @@ class DataPlaneConfig:
     def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            metrics_port=args.metrics_port, health_port=args.health_port,
+            device=args.device, dtype=args.dtype, max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             tls_cert_file=Path(args.tls_cert) if args.tls_cert else None,
@@ -244,6 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (Generation, DataPlaneAdmin, health)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--health-port", type=int, default=d.health_port,
+                   help="a plaintext gRPC port serving only the health service, for probes that cannot speak TLS "
+                        "(Kubernetes' gRPC probes) beside --tls-cert (0 = none)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
                    help="the precision the pod computes in, the same for every request and step: float32; bfloat16; "

@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 from conventions import logs
 from conventions.auth import POD_GRANTS, Role, RoleAuthInterceptor, read_token
 from conventions.errors import ConfigError
+from conventions.health import serve_health_port
 from conventions.status import ErrorStatusInterceptor
 from conventions.tls import add_port
 from data_plane.config import DataPlaneConfig, build_parser
@@ -62,6 +63,7 @@ async def serve(config: DataPlaneConfig) -> None:
     data_plane_admin_pb2_grpc.add_DataPlaneAdminServicer_to_server(
         DataPlaneAdminServicer(handle, guard, config.resolved_pod_id, model_id), server)
     await server.start()  # health answers NOT_SERVING (and RPCs UNAVAILABLE) while the model loads
+    health_server = await serve_health_port(pod_health.servicer, config.host, config.health_port)
 
     metrics = PodMetrics()
     if config.metrics_port:
@@ -109,6 +111,8 @@ async def serve(config: DataPlaneConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(None)
     await engine.stop()
     log.info("stopped")
 

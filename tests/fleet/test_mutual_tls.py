@@ -2,7 +2,8 @@
 certificate from one CA and that CA. The fleet works over it (heartbeats, a pin loaded through
 DataPlaneAdmin, a request routed, the admin command line); each server refuses, during the TLS handshake,
 a client that shows no certificate or one another CA signed, whatever token it sends; a router without a
-certificate cannot read the fleet; and each process refuses bad TLS flags at start-up, naming the flag."""
+certificate cannot read the fleet; a plaintext health port answers probes (Kubernetes' gRPC probes cannot speak
+TLS) and nothing else; and each process refuses bad TLS flags at start-up, naming the flag."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from lorafleet.v1 import adapter_admin_pb2_grpc as pb_grpc
 from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc as dpa_grpc
 
-from benchmarks.processes import REPO, TOKEN, Fleet, RouterProcess, copy_demo_adapters, wait_until
+from benchmarks.processes import REPO, TOKEN, Fleet, RouterProcess, copy_demo_adapters, free_port, wait_until
 from conventions.auth import bearer_metadata
 from conventions.tls import TlsFiles
 from tests.certificates import Authority, handshake
@@ -32,9 +33,11 @@ def fleet(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mtls")
     ca = Authority(workdir, "fleet")
     certs = {name: ca.issue(name) for name in ("control-plane", "pod", "router", "admin")}
+    health_ports = {"control-plane": free_port(), "pod": free_port()}
     fleet = Fleet(workdir, copy_demo_adapters(tmp_path_factory.mktemp("mtls-adapters")),
-                  *certs["pod"].flags(ca.cert), pods=1,
-                  control_plane_args=certs["control-plane"].flags(ca.cert),
+                  *certs["pod"].flags(ca.cert), "--health-port", str(health_ports["pod"]), pods=1,
+                  control_plane_args=(*certs["control-plane"].flags(ca.cert),
+                                      "--health-port", str(health_ports["control-plane"])),
                   dialer=TlsFiles(certs["admin"].cert, certs["admin"].key, ca.cert).dialer())
     router = None
     try:
@@ -44,6 +47,7 @@ def fleet(tmp_path_factory):
         wait_until(lambda: fleet.placements("pirate"), 60, "pirate loaded through the pod's mutual TLS")
         router = RouterProcess(workdir, fleet.cp.target, fleet.token_file, *certs["router"].flags(ca.cert),
                                "--refresh-interval", "0.3").start()
+        fleet.health_ports = health_ports
         yield fleet, router, ca, certs
     finally:
         if router is not None:
@@ -98,6 +102,20 @@ def test_a_valid_token_does_not_get_past_a_refused_handshake(fleet, tmp_path):
                 codes.append(refused.value.code())
     assert codes == [grpc.StatusCode.UNAVAILABLE] * 6
     assert fleet.pod_ids() == ["pod-a"]  # the same calls with the fleet's certificate pass
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(fleet):
+    fleet, _, _, _ = fleet
+    answers = []
+    for port in fleet.health_ports.values():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            answers.append(health.status)
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.AdapterAdminStub(channel).ListPods(pb.ListPodsRequest(), metadata=bearer_metadata(TOKEN),
+                                                           timeout=10)
+            answers.append(refused.value.code())
+    assert answers == [health_pb2.HealthCheckResponse.SERVING, grpc.StatusCode.UNIMPLEMENTED] * 2
 
 
 def test_a_router_without_a_certificate_cannot_read_the_fleet(fleet):
