@@ -25,6 +25,7 @@ from cli.admin_client import sha256_of
 from cli.up.child_process import spawn, stop_process, tail, wait_listening, wait_serving
 from cli.up.stack import find_redis_server
 from conventions.auth import bearer_metadata
+from conventions.tls import PLAINTEXT, Dialer
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,9 +144,11 @@ class PodProcess:
     """One ``lorafleet data-plane`` child process; its stderr (JSON logs) goes to ``log_path``."""
 
     def __init__(self, workdir: Path, *extra_args: str, name: str = "pod", token: str = POD_TOKEN,
-                 repo: Path = REPO) -> None:
-        """``repo``: the checkout whose pod runs (another one's, to compare versions of the pod)."""
+                 repo: Path = REPO, dialer: Dialer = PLAINTEXT) -> None:
+        """``repo``: the checkout whose pod runs (another one's, to compare versions of the pod); ``dialer``:
+        how this process dials the pod (TLS, with a certificate, for a pod given --tls-cert)."""
         self.repo = repo
+        self.dialer = dialer
         self.port = free_port()
         self.metrics_port = free_port()
         self.token = token
@@ -175,7 +178,7 @@ class PodProcess:
             env["PYTHONPATH"] = os.pathsep.join([str(self.repo), str(self.repo / "protos"), env.get("PYTHONPATH", "")])
         self.proc = spawn([sys.executable, "-m", "data_plane.server", *self.args], self.log_path, cwd=self.repo,
                           env=env)
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = self.dialer.channel(self.address)
         return self
 
     def wait_serving(self, timeout_s: float) -> None:
@@ -222,9 +225,9 @@ class RouterProcess:
     ``http_port``; stderr (JSON logs) goes to ``log_path``."""
 
     def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str,
-                 token_flag: str = "--admin-token-file") -> None:
+                 token_flag: str = "--admin-token-file", name: str = "router") -> None:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
-        self.log_path = workdir / "router.log"
+        self.log_path = workdir / f"{name}.log"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
                      "--http-port", str(self.http_port),
                      "--control-plane", control_plane, token_flag, str(token_file), *extra_args]
@@ -236,10 +239,15 @@ class RouterProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> RouterProcess:
+        self.launch()
+        wait_serving(self.channel, self.proc, timeout_s, what="router", log_tail=lambda: tail(self.log_path))
+        return self
+
+    def launch(self) -> RouterProcess:
+        """Starts the process without waiting for it to serve."""
         self.proc = spawn([sys.executable, "-m", "router.server", *self.args], self.log_path, cwd=REPO,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.channel = grpc.insecure_channel(self.address)
-        wait_serving(self.channel, self.proc, timeout_s, what="router", log_tail=lambda: tail(self.log_path))
         return self
 
     @property
@@ -311,11 +319,14 @@ class Fleet:
     control plane's (a flag given again overrides the default); a subclass may route a pod's control-plane
     traffic elsewhere by overriding ``control_plane_for``. Leases and heartbeats are shortened (2 s pod lease
     plus 2 s grace, 0.3 s beats) unless ``shipped_timing``, which runs the control plane's and the pods'
-    defaults."""
+    defaults. ``dialer`` is how this process dials the control plane and the pods (TLS, with a certificate,
+    for a fleet given --tls-cert and --tls-ca)."""
 
     def __init__(self, workdir: Path, adapter_root: Path, *pod_args: str, pods: int = 2,
-                 shipped_timing: bool = False, control_plane_args: tuple[str, ...] = ()) -> None:
+                 shipped_timing: bool = False, control_plane_args: tuple[str, ...] = (),
+                 dialer: Dialer = PLAINTEXT) -> None:
         self.workdir, self.adapter_root, self.pod_args = workdir, adapter_root, pod_args
+        self.dialer = dialer
         self.control_plane_args = control_plane_args
         self.shipped_timing = shipped_timing
         self.pod_names = [f"pod-{chr(ord('a') + i)}" for i in range(pods)]
@@ -333,7 +344,8 @@ class Fleet:
                 self.workdir, "--control-plane", self.control_plane_for(name),
                 *(() if self.shipped_timing else ("--heartbeat-interval", "0.3")),
                 "--max-loras", "4", "--max-cpu-loras", "6", "--max-num-seqs", "4", "--num-kv-blocks", "64",
-                "--adapter-root", str(self.adapter_root), *self.pod_args, name=name, token=TOKEN).launch()
+                "--adapter-root", str(self.adapter_root), *self.pod_args, name=name, token=TOKEN,
+                dialer=self.dialer).launch()
         for pod in self.pods.values():
             pod.wait_serving(180)
         wait_until(lambda: len(self.pod_ids()) == len(self.pod_names), timeout_s=20, what="every pod registered")
@@ -348,7 +360,7 @@ class Fleet:
         self.cp = ControlPlaneProcess(self.redis.url, self.token_file, self.workdir, replica, port,
                                       base_model=FLEET_BASE_MODEL, lease_s=None if self.shipped_timing else 2.0,
                                       grace_s=2.0, extra_args=self.control_plane_args).start()
-        self.channel = grpc.insecure_channel(self.cp.target)
+        self.channel = self.dialer.channel(self.cp.target)
 
     def admin(self) -> pb_grpc.AdapterAdminStub:
         return pb_grpc.AdapterAdminStub(self.channel)

@@ -1,8 +1,8 @@
 """A blocking client of the control plane's AdapterAdmin service, for the command line and ``lorafleet up``.
 
-Where it connects and which token it sends come from flags first, then the environment
-(``LORAFLEET_CONTROL_PLANE``, ``LORAFLEET_TOKEN``, ``LORAFLEET_TOKEN_FILE``), then the token file that
-``lorafleet up`` writes."""
+Where it connects, how (TLS files) and which token it sends come from flags first, then the environment
+(``LORAFLEET_CONTROL_PLANE``, ``LORAFLEET_TLS_CA``, ``LORAFLEET_TLS_CERT``, ``LORAFLEET_TLS_KEY``,
+``LORAFLEET_TOKEN``, ``LORAFLEET_TOKEN_FILE``), then the token file that ``lorafleet up`` writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 from lorafleet.v1 import adapter_admin_pb2_grpc
 
@@ -19,6 +18,7 @@ from conventions import defaults
 from conventions.auth import bearer_metadata, read_token
 from conventions.errors import ConfigError
 from conventions.home import default_token_file
+from conventions.tls import PLAINTEXT, Dialer, TlsFiles
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -29,6 +29,19 @@ class AdminClientError(Exception):
 
 def control_plane_target(flag: str | None) -> str:
     return flag or os.environ.get("LORAFLEET_CONTROL_PLANE") or defaults.CONTROL_PLANE_ENDPOINT
+
+
+def control_plane_dialer(ca: str | None = None, cert: str | None = None, key: str | None = None) -> Dialer:
+    """How to dial the control plane: ``--tls-ca`` (or $LORAFLEET_TLS_CA) dials it over TLS, verified against
+    that CA, showing ``--tls-cert``/``--tls-key`` (or $LORAFLEET_TLS_CERT/$LORAFLEET_TLS_KEY) to a control plane
+    that asks for a certificate (mutual TLS); without a CA, plaintext."""
+    ca, cert, key = (value or os.environ.get(f"LORAFLEET_TLS_{name}") or None
+                     for value, name in ((ca, "CA"), (cert, "CERT"), (key, "KEY")))
+    files = TlsFiles(*(Path(p) if p else None for p in (cert, key, ca)))
+    if files.cert is not None and files.ca is None:
+        raise ConfigError("--tls-cert is shown only over TLS: give --tls-ca too (the CA of the control plane's "
+                          "certificate)")
+    return files.dialer()
 
 
 def resolve_token(token: str | None = None, token_file: str | None = None) -> str:
@@ -82,11 +95,11 @@ class AdminClient:
     """AdapterAdmin calls with the bearer token; every call has a deadline. gRPC errors propagate
     as ``grpc.RpcError``."""
 
-    def __init__(self, target: str, token: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, target: str, token: str, timeout_s: float = 10.0, dialer: Dialer = PLAINTEXT) -> None:
         self.target = target
         self._metadata = bearer_metadata(token)
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        self._channel = dialer.channel(target)
         self._stub = adapter_admin_pb2_grpc.AdapterAdminStub(self._channel)
 
     def __enter__(self) -> AdminClient:

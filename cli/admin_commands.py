@@ -15,6 +15,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--control-plane", help=f"control plane host:port (env LORAFLEET_CONTROL_PLANE; "
                                               f"default {defaults.CONTROL_PLANE_ENDPOINT})")
+    conn.add_argument("--tls-ca", help="PEM CA of the control plane's certificate: dial it over TLS (env "
+                                       "LORAFLEET_TLS_CA; default: plaintext)")
+    conn.add_argument("--tls-cert", help="PEM certificate to show a control plane that asks for one, i.e. mutual "
+                                         "TLS; needs --tls-ca and --tls-key (env LORAFLEET_TLS_CERT; default: none)")
+    conn.add_argument("--tls-key", help="PEM private key of --tls-cert (env LORAFLEET_TLS_KEY; default: none)")
     conn.add_argument("--token", help="admin bearer token (env LORAFLEET_TOKEN)")
     conn.add_argument("--token-file", help="file holding the admin token (env LORAFLEET_TOKEN_FILE; default: the "
                                            "file `lorafleet up` writes, $LORAFLEET_HOME/up/admin-token)")
@@ -49,9 +54,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from cli.admin_client import AdminClient, control_plane_target, resolve_token
+    from cli.admin_client import AdminClient, control_plane_dialer, control_plane_target, resolve_token
 
-    return AdminClient(control_plane_target(args.control_plane), resolve_token(args.token, args.token_file))
+    return AdminClient(control_plane_target(args.control_plane), resolve_token(args.token, args.token_file),
+                       dialer=control_plane_dialer(args.tls_ca, args.tls_cert, args.tls_key))
 
 
 def _register(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from control_plane.replication import Policy
 from conventions import defaults
 from conventions.auth import Role, read_token
 from conventions.flag_help import DefaultsShown
+from conventions.tls import TlsFiles
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
 
@@ -29,10 +30,12 @@ class ControlPlaneConfig:
     host: str = defaults.HOST
     port: int = defaults.CONTROL_PLANE_PORT
     metrics_port: int = defaults.CONTROL_PLANE_METRICS_PORT  # 0 disables the /metrics endpoint
+    health_port: int = 0  # a plaintext port with only grpc.health.v1, for probes that cannot do TLS; 0 = none
     key_prefix: str = "lorafleet"
     base_model: str = ""  # empty accepts any base model named at registration
-    tls_cert_file: Path | None = None
+    tls_cert_file: Path | None = None  # served with, and shown to pods when dialing them over TLS
     tls_key_file: Path | None = None
+    tls_ca_file: Path | None = None  # CA of the fleet's certificates: clients must show one; pods are dialed over TLS
     replica_id: str = ""  # empty: hostname-pid
     pod_lease_ttl_s: float = 10.0
     pod_grace_s: float = 20.0
@@ -63,7 +66,7 @@ class ControlPlaneConfig:
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--redis-url {self.redis_url!r} must start with redis://, rediss:// or unix://")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{name} {value} is not a TCP port; use 0-65535")
@@ -71,12 +74,13 @@ class ControlPlaneConfig:
             raise ConfigError(f"--key-prefix {self.key_prefix!r} must be 1-64 characters of [A-Za-z0-9._-]")
         if self.replica_id and not _ID_RE.match(self.replica_id):
             raise ConfigError(f"--replica-id {self.replica_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
-        for path in (self.admin_token_file, self.reader_token_file, self.pod_token_file, self.tls_cert_file,
-                     self.tls_key_file):
+        for path in (self.admin_token_file, self.reader_token_file, self.pod_token_file):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{path} is not a readable file; check the path given on the command line")
+        if self.tls_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError("--tls-ca needs --tls-cert and --tls-key: a control plane that asks its clients for "
+                              "certificates serves TLS itself, and shows its certificate to the pods it dials")
+        self.tls_files()  # refuses a missing, unreadable or mismatched file now
         for name in ("pod_lease_ttl_s", "leader_lease_ttl_s", "reconcile_interval_s", "command_timeout_s",
                      "retry_backoff_s"):
             if getattr(self, name) <= 0:
@@ -123,9 +127,9 @@ class ControlPlaneConfig:
         """This replica's identity in the leader lease: replica_id, or hostname-pid."""
         return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
-    @property
-    def tls(self) -> bool:
-        return self.tls_cert_file is not None
+    def tls_files(self) -> TlsFiles:
+        """--tls-cert, --tls-key and --tls-ca, each read and checked."""
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
+    p.add_argument("--health-port", type=int, default=d.health_port,
+                   help="a plaintext gRPC port serving only the health service, for probes that cannot speak TLS "
+                        f"(Kubernetes' gRPC probes) beside --tls-cert; 0 = none (default {d.health_port})")
     p.add_argument("--admin-token-file", type=Path, required=True,
                    help="file holding the bearer token of admin tools: register, pin, unpin, unregister and reads")
     p.add_argument("--reader-token-file", type=Path,
@@ -148,8 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-prefix", default=d.key_prefix, help=f"prefix of every Redis key (default {d.key_prefix})")
     p.add_argument("--base-model", default=d.base_model,
                    help="the fleet's base model id; registrations and pods must match it (default: not enforced)")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain to serve TLS (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-cert", type=Path,
+                   help="PEM certificate chain to serve gRPC over TLS with (with --tls-key); also shown to the pods "
+                        "when dialing them with --tls-ca; re-read when it changes (default: plaintext)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert (default: none)")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM CA of the fleet's component certificates, for mutual TLS: every client (routers, pods, "
+                        "admin tools) must show a certificate it signed, and pods are dialed over TLS and verified "
+                        "against it; needs --tls-cert (default: clients show no certificate, pods are dialed in "
+                        "plaintext)")
     p.add_argument("--replica-id", default="", help="this replica's name in the leader lease (default hostname-pid)")
     p.add_argument("--pod-lease-ttl", type=float, default=d.pod_lease_ttl_s,
                    help=f"seconds a pod heartbeat keeps it READY (default {d.pod_lease_ttl_s})")
@@ -192,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
     return ControlPlaneConfig(
         redis_url=args.redis_url, admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
-        pod_token_file=args.pod_token_file, host=args.host, port=args.port,
-        metrics_port=args.metrics_port, key_prefix=args.key_prefix, base_model=args.base_model,
-        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
+        pod_token_file=args.pod_token_file, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        health_port=args.health_port, key_prefix=args.key_prefix, base_model=args.base_model,
+        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_ca_file=args.tls_ca, replica_id=args.replica_id,
         pod_lease_ttl_s=args.pod_lease_ttl, pod_grace_s=args.pod_grace,
         pod_probe_after_s=args.pod_probe_after, pod_probe_timeout_s=args.pod_probe_timeout,
         pod_lost_after_s=args.pod_lost_after,

@@ -12,6 +12,7 @@ from lorafleet.v1 import data_plane_admin_pb2_grpc as pb_grpc
 
 from control_plane.plan import Action, Command
 from conventions.auth import bearer_metadata
+from conventions.tls import PLAINTEXT, Dialer, Mode
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,25 @@ class Probe(enum.Enum):
 
 
 class PodClients:
-    """One channel per pod endpoint; every command carries the bearer token and the leader's
-    fencing token."""
+    """One channel per pod endpoint, dialed as ``dialer`` says (plaintext, or TLS with this control plane's
+    certificate); every command carries the bearer token and the leader's fencing token."""
 
-    def __init__(self, token: str, timeout_s: float, probe_timeout_s: float = 1.0) -> None:
+    def __init__(self, token: str, timeout_s: float, probe_timeout_s: float = 1.0, dialer: Dialer = PLAINTEXT) -> None:
         self._metadata = bearer_metadata(token)
+        self._dialer = dialer
         self._timeout_s = timeout_s
         self._probe_timeout_s = probe_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
-            self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            self._channels[endpoint] = self._dialer.aio_channel(endpoint)
         return self._channels[endpoint]
+
+    @property
+    def mode(self) -> Mode:
+        """How the pods are dialed."""
+        return self._dialer.mode
 
     def _stub(self, endpoint: str) -> pb_grpc.DataPlaneAdminStub:
         return pb_grpc.DataPlaneAdminStub(self._channel(endpoint))

@@ -34,9 +34,10 @@ from control_plane.registry import Registry
 from control_plane.store import Store
 from conventions import logs
 from conventions.auth import CONTROL_PLANE_GRANTS, Role, RoleAuthInterceptor
-from conventions.health import LIVENESS
+from conventions.health import LIVENESS, serve_health_port
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
+from conventions.tls import add_port
 
 log = logging.getLogger("control_plane.server")  # not "__main__" under python -m
 
@@ -62,7 +63,8 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     fleet = Fleet(store, config.base_model, config.pod_lease_ttl_s, config.pod_grace_s, _POD_VIEW_CACHE_S)
     registry = Registry(store, fleet, config.base_model)
     lease = LeaderLease(store, config.replica, config.leader_lease_ttl_s, metrics)
-    pods = PodClients(tokens[Role.POD], config.command_timeout_s, config.pod_probe_timeout_s)
+    tls = config.tls_files()
+    pods = PodClients(tokens[Role.POD], config.command_timeout_s, config.pod_probe_timeout_s, tls.dialer())
     reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc),
@@ -73,17 +75,16 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if config.tls:
-        creds = grpc.ssl_server_credentials([(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())])
-        server.add_secure_port(address, creds)
-    else:
-        server.add_insecure_port(address)
+    add_port(server, address, tls.server_credentials())
 
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
-    log.info("control plane serving", extra={"address": address, "tls": config.tls, "replica": lease.replica,
-                                             "key_prefix": config.key_prefix, "metrics_port": config.metrics_port})
+    health_server = await serve_health_port(health_servicer, config.host, config.health_port)
+    log.info("control plane serving", extra={"address": address, "tls": tls.serving.value,
+                                             "to_pods": pods.mode.value, "replica": lease.replica,
+                                             "key_prefix": config.key_prefix, "metrics_port": config.metrics_port,
+                                             "health_port": config.health_port})
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -104,6 +105,8 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(_SHUTDOWN_GRACE_S)
+        if health_server is not None:
+            await health_server.stop(None)
         await pods.close()
         await store.close()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,4 +8,21 @@ a restart can help (a Redis outage, a model still loading or a drain is no reaso
 
 from __future__ import annotations
 
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
 LIVENESS = "lorafleet.liveness"
+
+
+async def serve_health_port(servicer, host: str, port: int) -> grpc.aio.Server | None:
+    """Starts a plaintext gRPC server on ``host:port`` with ``servicer`` (grpc.health.v1) as its only
+    service, for probes that cannot speak TLS (Kubernetes' gRPC probes) beside a server that serves TLS;
+    it tells no more than whether the process is ready and alive. Returns the server, to stop with the
+    process, or None when ``port`` is 0."""
+    if not port:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server

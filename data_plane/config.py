@@ -11,6 +11,7 @@ from pathlib import Path
 from conventions import defaults
 from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
+from conventions.tls import Dialer, TlsFiles, read_certificates
 from data_plane.engine.step_cost import AUTO_ITL_GROWTH, KNEE_EFFICIENCY
 from data_plane.lora.fetcher import FetchSettings
 from data_plane.lora.hub_source import HubSettings
@@ -28,6 +29,7 @@ class DataPlaneConfig:
     host: str = defaults.HOST
     port: int = defaults.POD_PORT
     metrics_port: int = defaults.POD_METRICS_PORT
+    health_port: int = 0  # a plaintext port with only grpc.health.v1, for probes that cannot do TLS; 0 = none
     device: str = defaults.DEVICE
     # The precision (data_plane/model/precision.py), or "auto": bfloat16 on CUDA; on CPU float32 weights with
     # float32 or bfloat16 projections, whichever measures faster on this CPU at start-up.
@@ -36,7 +38,13 @@ class DataPlaneConfig:
     max_cpu_loras: int = defaults.MAX_CPU_LORAS
     max_lora_rank: int = defaults.MAX_LORA_RANK
     control_plane: str | None = None
-    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
+    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = tls_ca_file's
+    # This pod's certificate and key: its gRPC server serves TLS with them, and shows them to the control plane.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # CA of the fleet's certificates: callers of the pod must show one it signed; the control plane is dialed over
+    # TLS and verified against it (unless control_plane_ca). None: no client certificates asked.
+    tls_ca_file: Path | None = None
     pod_id: str = ""
     endpoint: str = ""  # what the pod tells the control plane to dial; default host:port
     adapter_roots: tuple[Path, ...] = ()
@@ -88,6 +96,8 @@ class DataPlaneConfig:
     demand_report_top: int = 32
 
     def __post_init__(self) -> None:
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"--health-port {self.health_port} is not a TCP port; use 1-65535, or 0 for none")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         check_dtype(self.dtype, self.device)
@@ -102,7 +112,10 @@ class DataPlaneConfig:
         if self.control_plane_ca is not None:
             if not self.control_plane:
                 raise ValueError("--control-plane-ca needs --control-plane (the control plane to dial over TLS)")
-            self.control_plane_root_cert()  # refuses a missing, unreadable or non-PEM file now, not at dial time
+        if self.tls_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("--tls-ca needs --tls-cert and --tls-key: a pod that asks its callers for certificates "
+                             "serves TLS itself, and shows its certificate to the control plane")
+        self.control_plane_dialer()  # refuses a missing, unreadable or mismatched file now, not at dial time
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1 or self.num_kv_blocks < 0:
             raise ValueError("engine limits must be positive")
         if self.kv_cache_bytes < 0:
@@ -141,24 +154,20 @@ class DataPlaneConfig:
         """Each tenant's fair-share weight as the scheduler takes them (None: the base model)."""
         return {None: self.base_model_weight, **dict(self.adapter_weights)}
 
-    def control_plane_root_cert(self) -> bytes | None:
-        """The PEM certificates of --control-plane-ca, to verify the control plane's TLS
-        certificate with; None when the pod dials the control plane in plaintext. Raises
-        ValueError, saying what to give instead, for a file that cannot be read or holds no
-        PEM certificate."""
-        if self.control_plane_ca is None:
-            return None
-        path = Path(self.control_plane_ca)
-        try:
-            pem = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"--control-plane-ca {path}: cannot read it ({e.strerror}); give the PEM file of the "
-                             "CA that signed the control plane's --tls-cert") from e
-        if b"-----BEGIN CERTIFICATE-----" not in pem:
-            raise ValueError(f"--control-plane-ca {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----); "
-                             "give the CA that signed the control plane's --tls-cert, or that certificate itself "
-                             "when it is self-signed")
-        return pem
+    def tls_files(self) -> TlsFiles:
+        """--tls-cert, --tls-key and --tls-ca, each read and checked."""
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+    def control_plane_dialer(self) -> Dialer:
+        """How the pod dials the control plane: over TLS verified against --control-plane-ca, else --tls-ca,
+        showing --tls-cert; in plaintext without either CA. Raises ConfigError, saying what to give instead,
+        for a file that cannot be read or used."""
+        root = None
+        if self.control_plane_ca is not None:
+            root = read_certificates(self.control_plane_ca, "--control-plane-ca",
+                                     "give the PEM file of the CA that signed the control plane's --tls-cert, or "
+                                     "that certificate itself when it is self-signed")
+        return self.tls_files().dialer(root)
 
     def fetch_settings(self, default_cache_dir: Path) -> FetchSettings:
         """How the pod downloads remote adapters, into --adapter-cache-dir or ``default_cache_dir``."""
@@ -182,9 +191,13 @@ class DataPlaneConfig:
     def from_args(cls, args: argparse.Namespace) -> DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            metrics_port=args.metrics_port, health_port=args.health_port,
+            device=args.device, dtype=args.dtype, max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
+            tls_cert_file=Path(args.tls_cert) if args.tls_cert else None,
+            tls_key_file=Path(args.tls_key) if args.tls_key else None,
+            tls_ca_file=Path(args.tls_ca) if args.tls_ca else None,
             pod_id=args.pod_id or "", endpoint=args.endpoint or "",
             adapter_roots=tuple(Path(p) for p in args.adapter_root or ()),
             admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
@@ -240,6 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (Generation, DataPlaneAdmin, health)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--health-port", type=int, default=d.health_port,
+                   help="a plaintext gRPC port serving only the health service, for probes that cannot speak TLS "
+                        "(Kubernetes' gRPC probes) beside --tls-cert (0 = none)")
     p.add_argument("--device", default=d.device, choices=["cpu", "cuda"], help="compute device")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
                    help="the precision the pod computes in, the same for every request and step: float32; bfloat16; "
@@ -253,7 +269,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", help="control plane host:port to register with and heartbeat to")
     p.add_argument("--control-plane-ca", metavar="FILE",
                    help="PEM certificate of the CA that signed the control plane's --tls-cert (or that certificate "
-                        "itself when self-signed): dial the control plane over TLS (default: plaintext)")
+                        "itself when self-signed): dial the control plane over TLS (default: --tls-ca when given, "
+                        "else plaintext)")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="this pod's PEM certificate chain (with --tls-key): serve gRPC over TLS with it, and show it "
+                        "to the control plane when dialing it over TLS; re-read when it changes (default: plaintext)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (default: none)")
+    p.add_argument("--tls-ca", metavar="FILE",
+                   help="PEM CA of the fleet's component certificates, for mutual TLS: every caller (the control "
+                        "plane, routers) must show a certificate it signed, and the control plane is dialed over TLS "
+                        "and verified against it; needs --tls-cert (default: callers show no certificate)")
     p.add_argument("--pod-id", help="this pod's identifier (default: hostname-port)")
     p.add_argument("--endpoint", help="host:port the control plane and clients dial (default: host:port)")
     p.add_argument("--adapter-root", action="append",

@@ -13,6 +13,7 @@ import grpc
 from lorafleet.v1 import data_plane_admin_pb2, membership_pb2, membership_pb2_grpc
 
 from conventions.auth import bearer_metadata
+from conventions.tls import PLAINTEXT, Dialer, Mode
 from data_plane.demand import DemandMeter
 from data_plane.errors import AdapterNotFound, ControlPlaneUnavailable, StaleCommand
 
@@ -53,7 +54,7 @@ class MembershipClient:
     def __init__(self, control_plane: str, token: str, pod_id: str, endpoint: str, base_model: str,
                  get_state: Callable[[], data_plane_admin_pb2.PodState], interval_s: float = 3.0, *,
                  guard: FencingGuard | None = None, is_ready: Callable[[], bool] = lambda: True,
-                 tls_root_cert: bytes | None = None, rpc_timeout_s: float = 5.0, max_backoff_s: float = 10.0,
+                 dialer: Dialer = PLAINTEXT, rpc_timeout_s: float = 5.0, max_backoff_s: float = 10.0,
                  demand: DemandMeter | None = None, demand_report_top: int = 32) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
@@ -66,12 +67,8 @@ class MembershipClient:
         self._demand, self._demand_top = demand, demand_report_top
         self._interval_s, self._rpc_timeout_s, self._max_backoff_s = interval_s, rpc_timeout_s, max_backoff_s
         # Logged with each failure: a plaintext dial to a TLS control plane fails as just "Socket closed".
-        self._tls = tls_root_cert is not None
-        if self._tls:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
-            self._channel = grpc.aio.secure_channel(control_plane, creds, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(control_plane, options=_CHANNEL_OPTIONS)
+        self._tls = dialer.mode is not Mode.PLAINTEXT
+        self._channel = dialer.aio_channel(control_plane, options=_CHANNEL_OPTIONS)
         self._stub = membership_pb2_grpc.PodMembershipStub(self._channel)
 
     async def heartbeat(self, ready: bool | None = None) -> membership_pb2.HeartbeatResponse:

@@ -17,7 +17,10 @@ from prometheus_client import start_http_server
 
 from conventions import logs
 from conventions.auth import POD_GRANTS, Role, RoleAuthInterceptor, read_token
+from conventions.errors import ConfigError
+from conventions.health import serve_health_port
 from conventions.status import ErrorStatusInterceptor
+from conventions.tls import add_port
 from data_plane.config import DataPlaneConfig, build_parser
 from data_plane.demand import DemandMeter
 from data_plane.health import PodHealth
@@ -48,7 +51,8 @@ async def serve(config: DataPlaneConfig) -> None:
         (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          data_plane_admin_pb2.DESCRIPTOR.services_by_name["DataPlaneAdmin"].full_name,
          health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    tls = config.tls_files()
+    bound = add_port(server, f"{config.host}:{config.port}", tls.server_credentials())
     if bound == 0:
         raise SystemExit(f"cannot listen on {config.host}:{config.port}")
     handle = EngineHandle()
@@ -59,6 +63,7 @@ async def serve(config: DataPlaneConfig) -> None:
     data_plane_admin_pb2_grpc.add_DataPlaneAdminServicer_to_server(
         DataPlaneAdminServicer(handle, guard, config.resolved_pod_id, model_id), server)
     await server.start()  # health answers NOT_SERVING (and RPCs UNAVAILABLE) while the model loads
+    health_server = await serve_health_port(pod_health.servicer, config.host, config.health_port)
 
     metrics = PodMetrics()
     if config.metrics_port:
@@ -66,12 +71,13 @@ async def serve(config: DataPlaneConfig) -> None:
     membership = None
     token = read_token(config.admin_token_file) if config.admin_token_file else ""
     engine = None
+    control_plane_dialer = config.control_plane_dialer()
     if config.control_plane:
         membership = MembershipClient(
             config.control_plane, token, config.resolved_pod_id, config.resolved_endpoint, model_id,
             lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
             is_ready=lambda: engine is not None and engine.accepting and not pod_health.stalled,
-            tls_root_cert=config.control_plane_root_cert(), demand=demand,
+            dialer=control_plane_dialer, demand=demand,
             demand_report_top=config.demand_report_top)
 
     engine = await asyncio.to_thread(build_engine, config, metrics, membership.resolve if membership else None)
@@ -87,7 +93,9 @@ async def serve(config: DataPlaneConfig) -> None:
     heartbeats = asyncio.get_running_loop().create_task(membership.run()) if membership else None
     watchdog = asyncio.get_running_loop().create_task(pod_health.watch(engine))
     await pod_health.set_ready(True)
-    log.info("serving", extra={"address": f"{config.host}:{config.port}", "pod_id": config.resolved_pod_id})
+    log.info("serving", extra={"address": f"{config.host}:{config.port}", "pod_id": config.resolved_pod_id,
+                               "tls": tls.serving.value,
+                               "to_control_plane": control_plane_dialer.mode.value if membership else None})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -103,6 +111,8 @@ async def serve(config: DataPlaneConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(None)
     await engine.stop()
     log.info("stopped")
 
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = DataPlaneConfig.from_args(args)
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:
         parser.error(str(e))
     logs.configure(args.log_level)
     asyncio.run(serve(config))

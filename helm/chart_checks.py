@@ -9,8 +9,9 @@
         - every Service, PodDisruptionBudget and NetworkPolicy selector matches a rendered pod template,
           and every Service port targets a port those pods expose;
         - images are pinned, pods run as non-root, containers have resources; every container with a
-          "grpc" port has gRPC startup, readiness and liveness probes on it; startup and readiness check
-          the overall health (service ""), and the liveness of the control plane and the data plane
+          "grpc" port has gRPC startup, readiness and liveness probes on it, or on its plaintext "health"
+          port when it has one (it serves TLS, which the kubelet's gRPC probes cannot speak); startup and
+          readiness check the overall health (service ""), and the liveness of the control plane and the data plane
           checks their liveness service, which a Redis outage, a model load or a drain leaves SERVING;
         - only the router and the control plane may reach the data-plane pods' gRPC port (Generate);
         - a HorizontalPodAutoscaler scales a rendered workload that leaves its replicas to it;
@@ -170,9 +171,10 @@ class Checker:
         for w, t in self.pod_templates():
             component = t["metadata"].get("labels", {}).get(COMPONENT)
             for c in t["spec"]["containers"]:
-                grpc_port = next((p["containerPort"] for p in c.get("ports") or [] if p.get("name") == "grpc"), None)
-                if grpc_port is None:
+                ports = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+                if "grpc" not in ports:
                     continue
+                grpc_port = ports.get("health", ports["grpc"])
                 liveness = LIVENESS_SERVICE if component in LIVENESS_COMPONENTS else ""
                 for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", liveness)):
                     check = (c.get(probe) or {}).get("grpc") or {}

@@ -155,8 +155,12 @@ render model-custom-existing-secrets-cpu \
   --set dataPlane.adapterSources.s3.endpointUrl=http://minio.storage:9000 \
   --set dataPlane.adapterSources.s3.credentialsSecret=lorafleet-s3 \
   --set dataPlane.adapterSources.hf.tokenSecret=lorafleet-hf-token
+# Mutual TLS between components: one Secret for all, the routers' own.
+render mtls \
+  --set tls.enabled=true --set tls.existingSecret=lorafleet-tls --set tls.routerSecret=lorafleet-router-tls
 
 refuse latest-tag "must be a pinned version" --set dataPlane.image.tag=latest
+refuse mtls-without-secret "tls.enabled needs tls.existingSecret" --set tls.enabled=true
 refuse no-redis "set externalRedis.url or externalRedis.existingSecret" --set redis.enabled=false
 refuse two-redises "set redis.enabled=false" --set externalRedis.url=redis://elsewhere:6379/0
 refuse demo-other-name "leave model.name at SmolLM2-135M-Instruct" --set model.name=other

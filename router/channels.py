@@ -6,21 +6,25 @@ import asyncio
 
 import grpc
 
+from conventions.tls import PLAINTEXT, Dialer
+
 # How long a channel to a pod that left the fleet stays open for the streams still running on it.
 _CLOSE_GRACE_S = 60.0
 
 
 class PodChannels:
-    """Opens a channel on first use of an endpoint and keeps it until the endpoint leaves the fleet."""
+    """Opens a channel on first use of an endpoint, dialed as ``dialer`` says, and keeps it until the
+    endpoint leaves the fleet."""
 
-    def __init__(self) -> None:
+    def __init__(self, dialer: Dialer = PLAINTEXT) -> None:
+        self._dialer = dialer
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
 
     def get(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            channel = self._channels[endpoint] = self._dialer.aio_channel(endpoint)
         return channel
 
     def keep_only(self, endpoints: set[str]) -> None:

@@ -10,6 +10,7 @@ from conventions import defaults
 from conventions.errors import ConfigError
 from conventions.flag_help import DefaultsShown
 from conventions.pod_cost import Weights
+from conventions.tls import Dialer, TlsFiles, read_certificates
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -37,7 +38,12 @@ class RouterConfig:
     admin_token_file: Path | None = None
     reader_token_file: Path | None = None
     control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
-    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = plaintext
+    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = tls_ca_file's
+    # The router's certificate and key, shown to the control plane and the pods it dials over TLS. Its own doors
+    # (gRPC and HTTP, the clients') are not served with them.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_ca_file: Path | None = None  # CA of the fleet's certificates: pods and the control plane are dialed over TLS
     host: str = defaults.HOST
     port: int = defaults.ROUTER_PORT
     metrics_port: int = defaults.ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
@@ -74,10 +80,14 @@ class RouterConfig:
                               " token), exactly one")
         for flag, path in (("--admin-token-file", self.admin_token_file),
                            ("--reader-token-file", self.reader_token_file),
-                           ("--control-plane-ca", self.control_plane_ca),
                            ("--api-key-file", self.api_key_file), ("--tenants-file", self.tenants_file)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path} is not a readable file; check the path")
+        if self.tls_cert_file is not None and self.tls_ca_file is None and self.control_plane_ca is None:
+            raise ConfigError("--tls-cert is shown only to peers dialed over TLS: give --tls-ca (the CA of the "
+                              "control plane's and the pods' certificates)")
+        self.pod_dialer()  # refuses a missing, unreadable or mismatched TLS file now
+        self.control_plane_dialer()
         if self.api_key_file is not None and self.tenants_file is not None:
             raise ConfigError("give --tenants-file or --api-key-file, not both: a tenants file holds every key")
         if self.limits_redis_url is not None and not self.limits_redis_url.startswith(("redis://", "rediss://",
@@ -114,14 +124,23 @@ class RouterConfig:
         """The file of the token the router reads with."""
         return self.reader_token_file or self.admin_token_file
 
-    def control_plane_root_cert(self) -> bytes | None:
-        """The PEM bytes of --control-plane-ca, or None for a plaintext control plane."""
-        if self.control_plane_ca is None:
-            return None
-        data = Path(self.control_plane_ca).read_bytes()
-        if b"-----BEGIN CERTIFICATE-----" not in data:
-            raise ConfigError(f"--control-plane-ca {self.control_plane_ca} holds no PEM certificate")
-        return data
+    def tls_files(self) -> TlsFiles:
+        """--tls-cert, --tls-key and --tls-ca, each read and checked."""
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+    def control_plane_dialer(self) -> Dialer:
+        """How the router dials the control plane: over TLS verified against --control-plane-ca, else
+        --tls-ca, showing --tls-cert; in plaintext without either CA."""
+        root = None
+        if self.control_plane_ca is not None:
+            root = read_certificates(self.control_plane_ca, "--control-plane-ca",
+                                     "give the PEM CA that signed the control plane's --tls-cert")
+        return self.tls_files().dialer(root)
+
+    def pod_dialer(self) -> Dialer:
+        """How the router dials the pods: over TLS verified against --tls-ca, showing --tls-cert; in
+        plaintext without --tls-ca."""
+        return self.tls_files().dialer()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest HTTP request body; larger ones get 413 (default {d.http_max_body_bytes})")
     p.add_argument("--control-plane", default=d.control_plane,
                    help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
-    p.add_argument("--control-plane-ca", type=Path, help="PEM CA to dial the control plane over TLS")
+    p.add_argument("--control-plane-ca", type=Path,
+                   help="PEM CA to dial the control plane over TLS (default: --tls-ca when given, else plaintext)")
+    p.add_argument("--tls-cert", type=Path,
+                   help="this router's PEM certificate chain (with --tls-key), shown to the control plane and the pods"
+                        " it dials over TLS; the clients' doors stay plaintext (default: none shown)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert (default: none)")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM CA of the fleet's component certificates: dial the pods (and the control plane, unless"
+                        " --control-plane-ca) over TLS and verify them against it (default: plaintext)")
     p.add_argument("--reader-token-file", type=Path,
                    help="file holding the readers' token, to read the registry and pods' state with (it cannot load,"
                         " pin or unload anything)")
@@ -177,7 +204,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
         control_plane=args.control_plane,
-        control_plane_ca=args.control_plane_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        control_plane_ca=args.control_plane_ca, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        tls_ca_file=args.tls_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, api_key_file=args.api_key_file, tenants_file=args.tenants_file,
         limits_redis_url=args.limits_redis_url, keys_reload_interval_s=args.keys_reload_interval,
         http_timeout_s=args.http_timeout, http_max_body_bytes=args.http_max_body_bytes,

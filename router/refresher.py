@@ -35,12 +35,7 @@ class StateRefresher:
     def __init__(self, config: RouterConfig, token: str, channels: PodChannels, metrics: RouterMetrics) -> None:
         self._config, self._channels, self._metrics = config, channels, metrics
         self._metadata = bearer_metadata(token)
-        root_cert = config.control_plane_root_cert()
-        if root_cert is None:
-            self._cp_channel = grpc.aio.insecure_channel(config.control_plane)
-        else:
-            self._cp_channel = grpc.aio.secure_channel(
-                config.control_plane, grpc.ssl_channel_credentials(root_certificates=root_cert))
+        self._cp_channel = config.control_plane_dialer().aio_channel(config.control_plane)
         self._admin = adapter_admin_pb2_grpc.AdapterAdminStub(self._cp_channel)
         self._registry: tuple[list[admin_pb.Adapter], list[admin_pb.Pod]] | None = None
         self._cp_failing = False

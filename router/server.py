@@ -17,6 +17,7 @@ from conventions.auth import read_token
 from conventions.pod_cost import Weights
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
+from conventions.tls import Mode
 from router.access import Access, KeysFile, needs_limiter
 from router.channels import PodChannels
 from router.config import RouterConfig, build_parser, config_from_args, parse_api_keys
@@ -40,7 +41,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     token = read_token(config.token_file)
     metrics = RouterMetrics()
-    channels = PodChannels()
+    pod_dialer = config.pod_dialer()
+    channels = PodChannels(pod_dialer)
     refresher = StateRefresher(config, token, channels, metrics)
     forwarder = Forwarder(PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight)), channels, metrics,
                           config.retries)
@@ -76,7 +78,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     refreshing = asyncio.create_task(refresher.run(stop))
     reloading = asyncio.create_task(access.run(stop, config.keys_reload_interval_s))
     log.info("router listening", extra={"address": address, "http_port": config.http_port,
-                                        "control_plane": config.control_plane})
+                                        "control_plane": config.control_plane, "tls": Mode.PLAINTEXT.value,
+                                        "to_control_plane": config.control_plane_dialer().mode.value,
+                                        "to_pods": pod_dialer.mode.value})
     try:
         done, _ = await asyncio.wait([asyncio.create_task(refresher.first_read.wait()),
                                       asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -17,6 +17,7 @@ from lorafleet.v1 import membership_pb2_grpc as mpb_grpc
 from benchmarks.processes import TOKEN
 from control_plane.errors import ConfigError
 from conventions.auth import read_token
+from conventions.tls import Dialer
 from data_plane.membership import MembershipClient
 from tests.control_plane.conftest import auth, serving
 
@@ -136,7 +137,7 @@ def test_tls_serves_both_services_and_still_requires_the_token(config, tls_files
         task = asyncio.create_task(serve(config, stop))
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         client = MembershipClient(f"127.0.0.1:{config.port}", TOKEN, "pod-0", "127.0.0.1:1", "", dpa.PodState,
-                                  tls_root_cert=cert.read_bytes())
+                                  dialer=Dialer(cert.read_bytes()))
         try:
             async with grpc.aio.secure_channel(f"127.0.0.1:{config.port}", creds) as channel:
                 await asyncio.wait_for(channel.channel_ready(), timeout=10)

@@ -22,7 +22,7 @@ def valid(token_file) -> ControlPlaneConfig:
     ({"port": 70000}, "not a TCP port"),
     ({"key_prefix": "a:b"}, "--key-prefix"),
     ({"replica_id": "r|1"}, "--replica-id"),
-    ({"tls_key_file": "/nonexistent/key.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_key_file": "/nonexistent/key.pem"}, "--tls-key needs --tls-cert"),
     ({"admin_token_file": "/nonexistent/token"}, "is not a readable file"),
     ({"pod_lease_ttl_s": 0}, "pod_lease_ttl_s must be positive"),
     ({"max_load_attempts": 0}, "at least 1"),

@@ -310,5 +310,5 @@ def test_help_lists_every_flag():
     out = subprocess.run([sys.executable, "-m", "control_plane.server", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=30, env=os.environ | {"COLUMNS": "200"}).stdout
     for flag in ("--redis-url", "--host", "--port", "--metrics-port", "--admin-token-file", "--key-prefix",
-                 "--base-model", "--tls-cert", "--tls-key"):
+                 "--base-model", "--tls-cert", "--tls-key", "--tls-ca", "--health-port"):
         assert flag in out

@@ -32,7 +32,7 @@ def pod_config(control_plane: str, token_file, *extra: str) -> DataPlaneConfig:
 
 def membership(pod: DataPlaneConfig, pod_id: str) -> MembershipClient:
     return MembershipClient(pod.control_plane, TOKEN, pod_id, "127.0.0.1:1", "", dpa.PodState,
-                            tls_root_cert=pod.control_plane_root_cert(), rpc_timeout_s=2.0, max_backoff_s=0.2)
+                            dialer=pod.control_plane_dialer(), rpc_timeout_s=2.0, max_backoff_s=0.2)
 
 
 @contextlib.asynccontextmanager

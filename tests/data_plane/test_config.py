@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from conventions.errors import ConfigError
 from data_plane.config import DataPlaneConfig, add_arguments
 from tests.control_plane.conftest import self_signed_cert
 
@@ -28,14 +29,14 @@ def token_file(tmp_path):
 
 def test_without_the_flag_the_pod_dials_the_control_plane_in_plaintext(token_file):
     pod = config("--control-plane", "cp:50051", "--admin-token-file", str(token_file))
-    assert pod.control_plane_ca is None and pod.control_plane_root_cert() is None
+    assert pod.control_plane_ca is None and pod.control_plane_dialer().root is None
 
 
 @pytest.mark.slow  # runs openssl
 def test_the_flag_gives_the_certificates_the_pod_trusts(tmp_path, token_file):
     cert, _ = self_signed_cert(tmp_path)
     pod = config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(cert))
-    assert pod.control_plane_root_cert() == cert.read_bytes()
+    assert pod.control_plane_dialer().root == cert.read_bytes()
 
 
 @pytest.mark.parametrize(("make", "message"), [
@@ -46,7 +47,7 @@ def test_the_flag_gives_the_certificates_the_pod_trusts(tmp_path, token_file):
 ])
 def test_a_ca_file_that_cannot_be_used_is_refused_when_the_config_is_built(tmp_path, token_file, make, message):
     path = make(tmp_path)
-    with pytest.raises(ValueError, match=rf"--control-plane-ca {re.escape(str(path))}.*{message}"):
+    with pytest.raises(ConfigError, match=rf"--control-plane-ca {re.escape(str(path))}.*{message}"):
         config("--control-plane", "cp:50051", "--admin-token-file", str(token_file), "--control-plane-ca", str(path))
 
 

@@ -234,6 +234,50 @@ and the router when it counts tenants' limits there. */}}
 {{- end }}
 {{- end }}
 
+{{/* Mutual TLS between components (values tls). The Secret of one component (list . "controlPlane"|"dataPlane"|
+"router"), its volume and mount, the flags that name its files, and the port its gRPC probes use. */}}
+{{- define "lorafleet.tls.secretName" -}}
+{{- $root := index . 0 }}
+{{- $name := index $root.Values.tls (printf "%sSecret" (index . 1)) | default $root.Values.tls.existingSecret }}
+{{- if not $name }}
+{{- fail (printf "tls.enabled needs tls.existingSecret (or tls.%sSecret): a Secret with tls.crt, tls.key and ca.crt" (index . 1)) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+{{- define "lorafleet.tls.args" -}}
+- --tls-cert
+- /etc/lorafleet/tls/tls.crt
+- --tls-key
+- /etc/lorafleet/tls/tls.key
+- --tls-ca
+- /etc/lorafleet/tls/ca.crt
+{{- end }}
+{{/* Mounted whole (no subPath), so that a renewed certificate reaches the files; servers re-read them. */}}
+{{- define "lorafleet.tls.volume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "lorafleet.tls.secretName" . }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- define "lorafleet.tls.mount" -}}
+- name: tls
+  mountPath: /etc/lorafleet/tls
+  readOnly: true
+{{- end }}
+{{/* The port the gRPC probes of a TLS-serving component use (list . grpcPort): the plaintext health port while
+tls.enabled (the kubelet's gRPC probes cannot speak TLS), else the gRPC port. */}}
+{{- define "lorafleet.probePort" -}}
+{{- $root := index . 0 }}
+{{- if $root.Values.tls.enabled }}{{ $root.Values.tls.healthPort }}{{ else }}{{ index . 1 }}{{ end }}
+{{- end }}
+
 {{/* Address of the control plane for data-plane pods. */}}
 {{- define "lorafleet.controlPlane.address" -}}
 {{- printf "%s:%d" (include "lorafleet.controlPlane.fullname" .) (int .Values.controlPlane.port) }}
