@@ -6,9 +6,10 @@ a checkout of an earlier version, e.g. made with ``git worktree add``) is that v
 own defaults. The same arrivals go to both, one after the other.
 
 First the pod's capacity is measured closed-loop (``--capacity-requests`` requests at once; completed
-requests per second), on the first pod, and used for both. Then, per configuration, each for
-``--seconds`` of arrivals, every request ``--max-tokens`` tokens (EOS ignored, greedy) with a prompt of
-8-128 words and no gRPC deadline, so only the pod's own admission refuses:
+requests per second) on a pod of the first configuration's code with admission off
+(``--max-queue-delay 0``: every request of the closed loop is queued), and used for both. Then, per
+configuration, each for ``--seconds`` of arrivals, every request ``--max-tokens`` tokens (EOS ignored,
+greedy) with a prompt of 8-128 words and no gRPC deadline, so only the pod's own admission refuses:
 
 - ``load``: Poisson arrivals at 0.5×, 1× and 2× capacity over the base model and the demo adapters in
   turn. Reported: goodput (requests whose first token came within the pod's promised queue delay, its
@@ -281,8 +282,8 @@ def _ratio(values: list[float], reference: list[float]) -> str:
     return f"{float(percentile_ms(values, 0.99)) / max(1.0, float(percentile_ms(reference, 0.99))):.2f}"
 
 
-def start_pod(workdir: Path, repo: Path | None) -> PodProcess:
-    flags = ["--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent)]
+def start_pod(workdir: Path, repo: Path | None, *extra: str) -> PodProcess:
+    flags = ["--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent), *extra]
     pod = PodProcess(workdir, *flags, name=f"pod-{len(list(workdir.iterdir()))}",
                      **({"repo": repo} if repo else {}))
     return pod.start()
@@ -307,20 +308,23 @@ def main() -> None:
             setattr(args, key, value)
     configs = {"before": args.before_tree, "after": None} if args.before_tree else {"after": None}
     results: dict[str, tuple[list[Phase], tuple]] = {}
-    rate = 0.0
     with tempfile.TemporaryDirectory() as tmp:
+        # one capacity for both: the first configuration's code with admission off, after a warm-up
+        pod = start_pod(Path(tmp), next(iter(configs.values())), "--max-queue-delay", "0")
+        try:
+            async def measure(address=pod.address) -> float:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationStub(channel)
+                    adapters = [None, *DEMO_ADAPTERS]
+                    await capacity(stub, len(adapters), args.max_tokens, adapters, args.seed)
+                    return await capacity(stub, args.capacity_requests, args.max_tokens, adapters, args.seed)
+            rate = asyncio.run(measure())
+            print(f"capacity: {rate:.2f} requests/s", flush=True)
+        finally:
+            pod.stop()
         for config, repo in configs.items():
             pod = start_pod(Path(tmp), repo)
             try:
-                if not rate:  # one capacity for both: measured on the first pod, after a warm-up
-                    async def measure(address=pod.address) -> float:
-                        async with grpc.aio.insecure_channel(address) as channel:
-                            stub = generation_pb2_grpc.GenerationStub(channel)
-                            adapters = [None, *DEMO_ADAPTERS]
-                            await capacity(stub, len(adapters), args.max_tokens, adapters, args.seed)
-                            return await capacity(stub, args.capacity_requests, args.max_tokens, adapters, args.seed)
-                    rate = asyncio.run(measure())
-                    print(f"capacity: {rate:.2f} requests/s", flush=True)
                 results[config] = asyncio.run(run_config(pod, args, rate))
                 print(f"{config}: done", flush=True)
             finally:
