@@ -232,9 +232,8 @@ class Engine:
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        cap = self.limits.max_queue_delay_s
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        start_by=now + cap if cap else None, ttft_estimate=wait_s)
+                        ttft_estimate=wait_s)
 
     def _refuse_if_late(self, wait_s: float, own_s: float, timeout_s: float | None) -> None:
         """Raises Overloaded when the estimated wait for a first token (``wait_s``) exceeds the caller's

@@ -8,10 +8,6 @@ base model) has a virtual token counter (``fair_share.py``), and the next prefil
 of the least-served tenant, whether its prompt is already being chunked or still waits (then while
 seats, KV blocks and its adapter allow); within a tenant, arrival order. So a new tenant's prompt
 is not stuck behind a flood's long prompts. Under the ``fcfs`` policy the oldest request goes first.
-A request admitted with a promise to start (``Sequence.start_by``, from ``--max-queue-delay``) that has
-waited ``URGENT_AFTER`` of the promised time without its first token goes before all that is not
-urgent, the earliest promise first: the admission estimate reckons with the queue it finds, not with
-later requests of less-served tenants passing it in fair order, and this keeps the promise it made.
 When a waiting request's KV blocks do not fit, nothing else is admitted this step, so it is not
 overtaken.
 
@@ -54,9 +50,6 @@ from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.engine.step_cost import StepShape
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
-
-# A request that has waited this fraction of its promised queue delay without its first token is urgent.
-URGENT_AFTER = 0.5
 
 
 @dataclass(frozen=True)
@@ -115,7 +108,6 @@ class Scheduler:
         self._queues: dict[Tenant, deque[Sequence]] = {}  # backlogged tenants only
         self.running: list[Sequence] = []
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
-        self._now = 0.0  # time.monotonic() of the step being scheduled: who is urgent
         self.num_preemptions = 0
 
     @property
@@ -200,7 +192,6 @@ class Scheduler:
         chunked, and newly admitted requests) in fair order while the prefill budget lasts."""
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
-        self._now = time.monotonic()
         seated = self._free_a_seat_for_a_tenant_without_one() if self.policy is Policy.FAIR else _NOBODY
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed != 1:
@@ -244,13 +235,11 @@ class Scheduler:
         return [seq for seq in self.running if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed > 1]
 
     def _order(self, seq: Sequence) -> tuple:
-        """Who gets prefill work first: an urgent request (the earliest promise first), then the least-served
-        tenant, then the oldest request (under FCFS the oldest request)."""
-        if seq.start_by is not None and self._now - seq.arrival >= URGENT_AFTER * (seq.start_by - seq.arrival):
-            return 0, seq.start_by, seq.arrival
+        """Who gets prefill work first: the least-served tenant, then the oldest request (under FCFS the
+        oldest request)."""
         if self.policy is Policy.FCFS:
-            return 1, seq.arrival
-        return 1, self.shares.served(seq.adapter), seq.arrival
+            return (seq.arrival,)
+        return self.shares.served(seq.adapter), seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
@@ -297,10 +286,12 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def _next_in_fair_order(self, passed: set[Tenant]) -> Sequence | None:
-        """The head of a queue not yet passed over that goes first (``_order``): an urgent one, else the
-        oldest waiting request of the least-served tenant (ties: oldest first); under FCFS the oldest."""
+        """The oldest waiting request of the least-served tenant not yet passed over (ties: oldest first);
+        under FCFS the oldest waiting request not passed over."""
         heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
-        return min(heads, key=self._order, default=None)
+        if self.policy is Policy.FCFS:
+            return min(heads, key=lambda seq: seq.arrival, default=None)
+        return min(heads, key=lambda seq: (self.shares.served(seq.adapter), seq.arrival), default=None)
 
     def _free_a_seat_for_a_tenant_without_one(self) -> Tenant | object:
         """Preempts one request for the least-served backlogged tenant with no seat, when every seat is

@@ -84,8 +84,6 @@ class Sequence:
     max_total: int  # prompt + completion never exceeds this (max_tokens or context limit)
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which nobody waits for the answer
-    # time.monotonic() by which admission promised to start it (arrival + --max-queue-delay); None: no promise
-    start_by: float | None = None
     tenant: str | None = None  # who the request is billed to (GenerateRequest.tenant); fair shares weigh it
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

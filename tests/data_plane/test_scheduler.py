@@ -460,31 +460,3 @@ def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_n
     assert s.expired(now=9.0) == []
     assert s.expired(now=10.0) == [late]
     assert running not in s.expired(now=30.0) and len(s.expired(now=30.0)) == 2
-
-
-def _flood_then_quiet(waited_s: float) -> Scheduler:
-    """Three flood requests on x, the first two run; a quiet request on y then comes before the third in
-    fair order (x has been served more), and the third was admitted ``waited_s`` ago with a promise to
-    start within 2 s."""
-    s = scheduler(budget=4, prefill_budget=lambda decodes, adapters: 4)
-    for i in range(3):
-        request(s, f"flood{i}", 4, adapter="x", max_tokens=1)
-    assert step(s) == [("flood0", 4)]
-    request(s, "quiet", 4, adapter="y")  # joins level with x: x's older request takes the next step
-    assert step(s) == [("flood1", 4)]
-    waited = s._queues["x"][0]
-    waited.arrival -= waited_s
-    waited.start_by = waited.arrival + 2.0
-    return s
-
-
-def test_a_request_that_waited_half_its_promised_delay_goes_before_a_less_served_tenant_s():
-    s = _flood_then_quiet(1.5)
-    assert step(s) == [("flood2", 4)]  # past half its promise: urgent
-    assert step(s) == [("quiet", 4)]
-
-
-def test_a_request_within_the_first_half_of_its_promise_keeps_its_fair_turn():
-    s = _flood_then_quiet(0.5)
-    assert step(s) == [("quiet", 4)]
-    assert step(s) == [("quiet", 1), ("flood2", 3)]  # the quiet one decodes; the flood's prompt fills the rest
