@@ -11,6 +11,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from conventions.errors import ConfigError
+
 LIVENESS = "lorafleet.liveness"
 
 
@@ -18,11 +20,18 @@ async def serve_health_port(servicer, host: str, port: int) -> grpc.aio.Server |
     """Starts a plaintext gRPC server on ``host:port`` with ``servicer`` (grpc.health.v1) as its only
     service, for probes that cannot speak TLS (Kubernetes' gRPC probes) beside a server that serves TLS;
     it tells no more than whether the process is ready and alive. Returns the server, to stop with the
-    process, or None when ``port`` is 0."""
+    process, or None when ``port`` is 0. Raises ConfigError naming --health-port when it cannot listen
+    there (the port taken, by another process or by this one's own --port or --metrics-port)."""
     if not port:
         return None
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ConfigError(f"--health-port {port}: cannot listen on {host}:{port} (is the port taken, or the same "
+                          "as --port or --metrics-port?); give a free port, or 0 for none")
     await server.start()
     return server

@@ -320,9 +320,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--max-queue-delay", type=float, default=d.max_queue_delay_s,
-                   help="refuse a new request (RESOURCE_EXHAUSTED with a grpc-retry-pushback-ms hint) when its "
-                        "estimated wait for a first token is longer, in seconds; a shorter gRPC deadline of the "
-                        "request counts instead (0 = no limit)")
+                   help="refuse a new request (RESOURCE_EXHAUSTED with a grpc-retry-pushback-ms hint) when it would "
+                        "wait longer than this many seconds behind other work before its own prefill, by the pod's "
+                        "estimate; a request is also refused when its estimated first token would come after its "
+                        "gRPC deadline (0 = no limit)")
     p.add_argument("--target-itl", type=float, default=d.target_itl_s, metavar="SECONDS",
                    help="step time that prefill work may fill a step up to beside its running decodes, which always "
                         f"get their token (default {d.target_itl_s}: automatic, from the step-time model the pod "

@@ -19,6 +19,7 @@ from conventions import logs
 from conventions.auth import POD_GRANTS, Role, RoleAuthInterceptor, read_token
 from conventions.errors import ConfigError
 from conventions.health import serve_health_port
+from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
 from conventions.tls import add_port
 from data_plane.config import DataPlaneConfig, build_parser
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError) as e:
         parser.error(str(e))
     logs.configure(args.log_level)
-    asyncio.run(serve(config))
-    return 0
+    return run_server("lorafleet data-plane", lambda: serve(config))
 
 
 if __name__ == "__main__":

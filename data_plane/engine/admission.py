@@ -42,7 +42,8 @@ _EWMA = 0.2
 # The estimate corrects itself by how late or early recent first tokens came: within these factors, and
 # from estimates of at least this long (shorter ones are mostly noise of one step).
 _MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
-# Steps of the prefill ahead that an estimate follows one by one; past them the wait is surely too long.
+# Steps of the prefill ahead that an estimate follows one by one; the work left after them is counted at
+# the last step's rate (a wait that long is refused whatever its exact length).
 _MAX_STEPS = 4096
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
@@ -135,11 +136,12 @@ class DelayEstimator:
                 if left[0] == 0:
                     left.popleft()
                     done += 1
-            seconds += self.costs.predict(StepShape(decodes, used, seqs, load.adapters))
+            step_s = self.costs.predict(StepShape(decodes, used, seqs, load.adapters))
+            seconds += step_s
             if not left:
-                break
+                return seconds
             decodes = min(self._max_num_seqs, decodes + done)
-        return seconds
+        return seconds + sum(left) / used * step_s  # the rest at the last step's rate
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:

@@ -57,7 +57,7 @@ class EngineLimits:
     block_size: int
     num_kv_blocks: int
     max_model_len: int
-    max_queue_delay_s: float  # longest estimated wait for a first token a new request is admitted with; 0 = any
+    max_queue_delay_s: float  # longest estimated wait behind other work a new request is admitted with; 0 = any
     target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = automatic (step_cost.py)
 
     def __post_init__(self) -> None:
@@ -156,8 +156,9 @@ class Engine:
                        request_id: str | None = None, timeout_s: float | None = None,
                        tenant: str | None = None, routing: RoutingPrefix | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
-        output for a bad request, or for one the pod cannot start within ``timeout_s`` (the caller's
-        deadline; None: none) or --max-queue-delay (Overloaded, with a retry hint); a request still
+        output for a bad request, or for one whose estimated first token comes after ``timeout_s`` (the
+        caller's deadline; None: none) or that would wait behind other work longer than --max-queue-delay
+        (Overloaded, with a retry hint); a request still
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
         request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
         fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in

@@ -15,10 +15,11 @@ The step budget (stall-free batching, after Sarathi-Serve): every running decode
 step, and prefill work fills what is left of a target step time. ``--target-itl`` gives that target in
 seconds. By default (0) it is derived from the fitted model, the larger of two step times:
 
-- the device's throughput knee: a step pays its fixed cost once whatever it computes, so a step of
-  ``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of
-  the device's peak rate ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. A
-  shorter target would spend most of each step on its fixed cost and prefill too slowly to keep up
+- the device's throughput knee: a step pays its fixed part once whatever it computes (``fixed``: the
+  fixed cost, one prefilling sequence, one adapter), so a step of ``n`` prompt tokens prefills at
+  ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of the device's peak rate
+  ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. A shorter target spends
+  more than ``1 - KNEE_EFFICIENCY`` of each step on its fixed part and prefills too slowly to keep up
   with the prompts a pod at capacity receives (prompts are most of a chat workload's tokens);
 - ``AUTO_ITL_GROWTH`` × the step's decodes alone, so that with a full batch decoding, prefill still
   gets room.

@@ -123,3 +123,13 @@ def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_sa
     e.bias = 2.0
     assert e.own_prefill(250, decoding) == pytest.approx(2 * (6 * 0.14 + 0.11))
     assert estimator(costs=StepCost()).own_prefill(250, IDLE) == 0.0
+
+
+def test_work_past_the_steps_followed_one_by_one_counts_at_the_last_steps_rate():
+    e = estimator()
+    decoding = Load(2, 2, (5, 5))  # 40 tokens a step of 0.14 s
+    huge = 40 * 4096 * 3  # three times what the steps followed one by one hold
+    assert e.own_prefill(huge, decoding) == pytest.approx(3 * 4096 * 0.14)
+    # the work ahead of a huge prompt still shows in the part of its wait that is not its own
+    ahead = e.estimate(Ahead(1, 40 * 100), huge, decoding) - e.own_prefill(huge, decoding)
+    assert ahead == pytest.approx(100 * 0.14)

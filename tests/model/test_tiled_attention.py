@@ -90,3 +90,22 @@ def test_a_long_prefill_gives_the_same_bits_beside_another_long_prefill_and_deco
     seqs = [SeqSlice(range(10, 30), 100, 140), SeqSlice(range(10), 0, 150), SeqSlice(range(30, 40), 99, 1)]
     together = _attend(_cache(), seqs, [_new(140, 10), qkv, _new(1, 11)])
     assert torch.equal(together[140:290], alone)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa3", "mha", "mqa8"])
+def test_every_matmul_computes_a_multiple_of_eight_query_rows(monkeypatch, heads):
+    # which row counts share a BLAS kernel differs by CPU; a multiple of eight rows is what every CPU
+    # measured agrees on (tiled_attention's notes), so no call may see another count, on any CPU
+    rows = []
+    bmm = torch.bmm
+
+    def counting_bmm(a, b, **kwargs):
+        rows.append(a.shape[1])
+        return bmm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", counting_bmm)
+    # a decode, a one-token chunk, a chunk ending inside a query block, and a long prefill
+    seqs = [SeqSlice(range(3), 30, 1), SeqSlice(range(3, 6), 20, 1), SeqSlice(range(6, 16), 37, 5),
+            SeqSlice(range(16, 30), 0, 150)]
+    _attend(_cache(heads), seqs, [_new(s.num_new, i, heads) for i, s in enumerate(seqs)], heads=heads)
+    assert rows and all(r % 8 == 0 for r in rows), rows
