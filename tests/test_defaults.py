@@ -20,6 +20,7 @@ from conventions import defaults
 from conventions.home import default_token_file
 from data_plane.config import DataPlaneConfig
 from data_plane.config import add_arguments as add_pod_arguments
+from router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "lorafleet"
@@ -132,6 +133,14 @@ def test_the_chart_serves_on_the_default_ports():
     assert (values["router"]["port"], values["router"]["metricsPort"], values["router"]["httpPort"]) \
         == (defaults.ROUTER_PORT, defaults.ROUTER_METRICS_PORT, defaults.ROUTER_HTTP_PORT)
     assert values["redis"]["port"] == defaults.REDIS_PORT
+
+
+def test_the_chart_routes_by_prefix_as_the_processes_do_by_default():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["router"]["prefixWeight"] == RouterConfig.prefix_weight
+    assert values["dataPlane"]["prefixReportSize"] == DataPlaneConfig.prefix_report_size
+    assert _template_flags("router.yaml")["--prefix-weight"] == "{{ $r.prefixWeight | quote }}"
+    assert _template_flags("data-plane.yaml")["--prefix-report-size"] == "{{ $dp.prefixReportSize | quote }}"
 
 
 def _template_flags(template: str) -> dict[str, str]:
