@@ -167,15 +167,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Ten
     (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
     n, rows, head_dim = q.shape
     keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
-    mask = hidden.repeat_interleave(per_kv, dim=1)  # [n, rows, keys]
     padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    if padded != rows:  # zero rows that see every key (a finite softmax), dropped at the end
+    if padded != rows:  # zero rows, left unmasked (a finite softmax), dropped at the end
         q = torch.cat([q, q.new_zeros(n, padded - rows, head_dim)], dim=1)
-        mask = torch.cat([mask, mask.new_zeros(n, padded - rows, keys)], dim=1)
     scores = torch.bmm(q, k.transpose(1, 2))  # [n, padded, keys]
     if softcap is not None:  # elementwise: a score's value still depends on its own row alone
         scores = scores.div_(softcap).tanh_().mul_(softcap)
-    scores.masked_fill_(mask, float("-inf"))
+    scores[:, :rows].view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n, padded, tiles, KEY_TILE).transpose(1, 2)
     probs = probs.reshape(n * tiles, padded, KEY_TILE)  # [n * tiles, padded, KEY_TILE]
     # v's tiles as a view: every call reads values in one layout (rows kv_heads * head_dim apart)
