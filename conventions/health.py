@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from conventions.errors import ConfigError
+from conventions.tls import add_port
 
 LIVENESS = "lorafleet.liveness"
 
@@ -26,12 +26,6 @@ async def serve_health_port(servicer, host: str, port: int) -> grpc.aio.Server |
         return None
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise ConfigError(f"--health-port {port}: cannot listen on {host}:{port} (is the port taken, or the same "
-                          "as --port or --metrics-port?); give a free port, or 0 for none")
+    add_port(server, f"{host}:{port}", None, "--health-port")
     await server.start()
     return server

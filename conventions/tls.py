@@ -195,9 +195,19 @@ class _Reloader:
             return configuration
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Binds ``address`` on ``server``, over TLS with ``credentials``, in plaintext without; the port bound,
-    0 when it could not be."""
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,
+             flag: str = "--port") -> int:
+    """Binds ``address`` on ``server``, over TLS with ``credentials``, in plaintext without; returns the port
+    bound. Raises ConfigError naming ``flag`` (the flag that gave the port) when it cannot listen there."""
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpc raises on a failed bind, or (older versions) returns 0
+        bound = 0
+    if bound == 0:
+        port = address.rsplit(":", 1)[-1]
+        raise ConfigError(f"{flag} {port}: cannot listen on {address} (is the port taken, or given to another of "
+                          "this process's ports?); give a free port")
+    return bound

@@ -17,7 +17,7 @@ from conventions.auth import read_token
 from conventions.pod_cost import Weights
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
-from conventions.tls import Mode
+from conventions.tls import Mode, add_port
 from router.access import Access, KeysFile, needs_limiter
 from router.channels import PodChannels
 from router.config import RouterConfig, build_parser, config_from_args, parse_api_keys
@@ -57,8 +57,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise SystemExit(f"lorafleet router: cannot listen on {address}; is the port taken?")
+    add_port(server, address, None)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
