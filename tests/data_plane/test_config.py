@@ -165,3 +165,10 @@ def test_a_reader_token_needs_the_control_planes_token(token_file):
     assert config("--admin-token-file", str(token_file), "--reader-token-file", str(token_file)).reader_token_file
     with pytest.raises(ValueError, match="--reader-token-file needs --admin-token-file"):
         config("--reader-token-file", str(token_file))
+
+
+@pytest.mark.parametrize("value", ["-1", "65537"])
+def test_a_prefix_report_size_out_of_range_is_refused(value):
+    with pytest.raises(ValueError, match=f"--prefix-report-size must be within 0..65536 .*got {value}"):
+        config("--prefix-report-size", value)
+    assert config("--prefix-report-size", "0").prefix_report_size == 0  # 0 reports none

@@ -42,6 +42,9 @@ def test_routing_is_at_most_one_second_stale_by_default(token_file):
     ({"retries": 11}, "--retries must be within 0-10"),
     ({"http_port": 65536}, "--http-port 65536 is not a TCP port"),
     ({"http_max_body_bytes": 10}, "--http-max-body-bytes must be within"),
+    ({"prefix_weight": -1.0}, r"--prefix-weight must be within \[0, 1000\] running requests, got -1.0"),
+    ({"prefix_weight": float("nan")}, "--prefix-weight must be within"),
+    ({"prefix_weight": 1001.0}, "--prefix-weight must be within"),
 ])
 def test_a_bad_value_is_refused_with_what_to_fix(token_file, change, words):
     with pytest.raises(ConfigError, match=words):
