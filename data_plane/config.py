@@ -12,7 +12,7 @@ from conventions import defaults
 from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
 from conventions.tls import Dialer, TlsFiles, read_certificates
-from data_plane.engine.step_cost import AUTO_ITL_GROWTH, KNEE_EFFICIENCY
+from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, KNEE_EFFICIENCY
 from data_plane.lora.fetcher import FetchSettings
 from data_plane.lora.hub_source import HubSettings
 from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
@@ -71,9 +71,11 @@ class DataPlaneConfig:
     # an admitted request: past it, a client is better served by another pod or a retry after the hint,
     # and under overload the queue stays this short (benchmarks/overload.py).
     max_queue_delay_s: float = 2.0
-    # The step time prefill work may fill a step up to, beside its decodes; 0 = automatic: a step with
-    # prefill lasts at most AUTO_ITL_GROWTH × its decodes alone (engine/step_cost.py).
+    # The step time prefill work may fill a step up to, beside its decodes; 0 = relative, by itl_growth.
     target_itl_s: float = 0.0
+    # A step that also prefills lasts at most this many times its decodes alone; 0 = up to the device's
+    # throughput knee instead (engine/step_cost.py).
+    itl_growth: float = DEFAULT_ITL_GROWTH
     scheduling_policy: str = "fair"  # "fair" (fair shares across adapters) or "fcfs" (arrival order)
     adapter_weights: tuple[tuple[str, float], ...] = ()  # (adapter, fair-share weight); others weigh 1
     base_model_weight: float = 1.0  # the base model's fair-share weight
@@ -136,6 +138,9 @@ class DataPlaneConfig:
                              f"got {self.max_queue_delay_s}")
         if not 0 <= self.target_itl_s < math.inf:
             raise ValueError(f"--target-itl must be a number of seconds >= 0 (0 = automatic), got {self.target_itl_s}")
+        if not (self.itl_growth == 0 or 1 < self.itl_growth < math.inf):
+            raise ValueError(f"--itl-growth must be a factor above 1 (e.g. {DEFAULT_ITL_GROWTH}), or 0 for the "
+                             f"device's throughput knee, got {self.itl_growth}")
         if not 0 < self.demand_window_s < math.inf:
             raise ValueError(f"--demand-window must be a positive number of seconds, got {self.demand_window_s}")
         if not 1 <= self.demand_report_top <= 1000:
@@ -215,7 +220,7 @@ class DataPlaneConfig:
             prefix_caching=not args.no_prefix_caching, prefix_report_size=args.prefix_report_size,
             gpu_memory_utilization=args.gpu_memory_utilization, drain_grace_s=args.drain_grace,
             heartbeat_interval_s=args.heartbeat_interval, stall_timeout_s=args.stall_timeout,
-            max_queue_delay_s=args.max_queue_delay, target_itl_s=args.target_itl,
+            max_queue_delay_s=args.max_queue_delay, target_itl_s=args.target_itl, itl_growth=args.itl_growth,
             scheduling_policy=args.scheduling_policy,
             adapter_weights=tuple(args.adapter_weight or ()), base_model_weight=args.base_model_weight,
             demand_window_s=args.demand_window, demand_report_top=args.demand_report_top,
@@ -326,11 +331,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gRPC deadline (0 = no limit)")
     p.add_argument("--target-itl", type=float, default=d.target_itl_s, metavar="SECONDS",
                    help="step time that prefill work may fill a step up to beside its running decodes, which always "
-                        f"get their token (default {d.target_itl_s}: automatic, from the step-time model the pod "
-                        "fits to its own steps, the larger of the step whose prefill runs at "
-                        f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate and {AUTO_ITL_GROWTH:g}x the "
-                        "step's decodes alone; with nothing decoding a step prefills up to "
-                        "--max-num-batched-tokens)")
+                        f"get their token (default {d.target_itl_s}: relative, see --itl-growth; with nothing "
+                        "decoding a step prefills up to --max-num-batched-tokens)")
+    p.add_argument("--itl-growth", type=float, default=d.itl_growth, metavar="FACTOR",
+                   help="a step that prefills new prompts beside running streams lasts at most FACTOR times their "
+                        f"decodes alone, by the step-time model the pod fits to its own steps (default {d.itl_growth}: "
+                        "streams' inter-token gaps grow by at most that while prompts arrive); 0 = throughput "
+                        "instead: such a step may last as long as the step whose prefill runs at "
+                        f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate (more prompts per second, "
+                        "several times longer gaps while they are prefilled)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],
                    help="admission order of waiting requests: fair shares across adapters (the least-served "
                         "adapter's oldest request next) or first come, first served")

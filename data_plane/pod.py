@@ -63,7 +63,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
         max_waiting=config.max_waiting, block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or kv_cache_blocks(model, lora, config),
         max_model_len=model.config.max_position_embeddings, max_queue_delay_s=config.max_queue_delay_s,
-        target_itl_s=config.target_itl_s,
+        target_itl_s=config.target_itl_s, itl_growth=config.itl_growth,
     )
     engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
                     config.fair_share_weights, Policy(config.scheduling_policy),

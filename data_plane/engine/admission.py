@@ -20,13 +20,15 @@ the pod's own outcomes:
 Which requests are ahead follows the scheduler's policy (``Scheduler.ahead_of``): under fair share a
 request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
 no seat it takes one from the flood at the next step, so the flood is refused and the quiet adapter
-is not.
+is not. Other adapters' requests that arrive while it waits also take their turns before it: the
+estimate counts those expected at each adapter's recent rate (``Arrivals``), up to their turns.
 
-A request is refused when that wait exceeds its gRPC deadline, or when the part of it spent behind
-other work (the wait less its own prefill beside the running decodes, ``own_prefill``) exceeds the
-pod's ``--max-queue-delay``: a long prompt whose own prefill lasts longer than the queue delay is
-served when nothing is ahead of it. The refusal says when to try again: the time until the estimate
-would fit.
+A request is refused when that wait exceeds its gRPC deadline or the pod's ``--max-queue-delay``,
+judged as late as the slowest tenth of recent first tokens came against their estimates (``tail``),
+since the promise is for nearly every request, not the average one. A prompt whose own prefill beside
+the running decodes (``own_prefill``) takes more than half the queue delay may wait up to twice that:
+it cannot start sooner anywhere, and is served once no more work than its own is ahead of it. The
+refusal says when to try again: the time until the estimate would fit.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ _EWMA = 0.2
 # The estimate corrects itself by how late or early recent first tokens came: within these factors, and
 # from estimates of at least this long (shorter ones are mostly noise of one step).
 _MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
+# Admission judges a wait as late as this quantile of recent first tokens came against their estimates,
+# over this many of them once at least the minimum were seen.
+_TAIL_QUANTILE, _TAIL_SAMPLES, _TAIL_MIN_SAMPLES = 0.9, 64, 8
 # Steps of the prefill ahead that an estimate follows one by one; the work left after them is counted at
 # the last step's rate (a wait that long is refused whatever its exact length).
 _MAX_STEPS = 4096
+# How far back the arrival rates that predict overtaking (Arrivals) look.
+ARRIVAL_WINDOW_S = 10.0
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 
@@ -68,6 +75,45 @@ class Ahead:
         return [t for t in (self.tokens // n + (i < self.tokens % n) for i in range(n)) if t]
 
 
+class Arrivals:
+    """Each tenant's requests admitted over the last ``ARRIVAL_WINDOW_S``: how many more to expect within a
+    wait, and their mean prompt size. Under fair share a request is overtaken by other tenants' later
+    requests (each takes its turn before the new one's next turn), so a wait estimated from the queues
+    alone comes out short when the other tenants' queues are short now and fill while it waits."""
+
+    def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._seen: dict[object, deque[tuple[float, int]]] = {}  # tenant -> (time, prompt tokens), oldest first
+
+    def record(self, tenant: object, prompt_tokens: int, now: float) -> None:
+        self._seen.setdefault(tenant, deque()).append((now, prompt_tokens))
+        self._forget(now)
+
+    def recent(self, now: float) -> list[object]:
+        """Tenants with requests admitted within the window."""
+        self._forget(now)
+        return list(self._seen)
+
+    def expected(self, tenant: object, within_s: float, now: float) -> int:
+        """Requests of ``tenant`` expected within the next ``within_s`` seconds at its recent rate, rounded."""
+        seen = self._seen.get(tenant)
+        if not seen or within_s <= 0:
+            return 0
+        span = max(now - seen[0][0], self._window_s / 4)  # a tenant seen only just now: a rate over a quarter window
+        return round(len(seen) * within_s / span)
+
+    def mean_prompt(self, tenant: object) -> int:
+        seen = self._seen.get(tenant)
+        return round(sum(tokens for _, tokens in seen) / len(seen)) if seen else 0
+
+    def _forget(self, now: float) -> None:
+        for tenant, seen in list(self._seen.items()):
+            while seen and seen[0][0] < now - self._window_s:
+                seen.popleft()
+            if not seen:
+                del self._seen[tenant]
+
+
 @dataclass(frozen=True)
 class Load:
     """The engine's load when a request arrives."""
@@ -84,6 +130,7 @@ class DelayEstimator:
         self.costs = costs
         self.service_s: float | None = None  # moving average of admission to last token
         self.bias = 1.0  # moving average of first-token time over estimate, applied to every estimate
+        self._lateness: deque[float] = deque(maxlen=_TAIL_SAMPLES)  # recent first-token time over estimate
         self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
 
     def step_began(self, shape: StepShape) -> None:
@@ -97,6 +144,16 @@ class DelayEstimator:
         """A request admitted with the estimate ``estimated_s`` got its first token after ``seconds``."""
         if estimated_s >= _MIN_CALIBRATED_S:  # the estimate was made with the bias then: correct it by the miss
             self.bias = min(_MAX_BIAS, max(_MIN_BIAS, self.bias * (1 + _EWMA * (seconds / estimated_s - 1))))
+            self._lateness.append(seconds / estimated_s)
+
+    def tail(self) -> float:
+        """How late, against their estimates, the slowest tenth of recent first tokens came (1.0 until
+        enough were seen): admission judges a wait by the estimate times this, so that the promise holds
+        for all but the slowest few first tokens, not only on average."""
+        if len(self._lateness) < _TAIL_MIN_SAMPLES:
+            return 1.0
+        ranked = sorted(self._lateness)
+        return min(_MAX_BIAS, max(_MIN_BIAS, ranked[int(_TAIL_QUANTILE * (len(ranked) - 1))]))
 
     def observe_service(self, seconds: float) -> None:
         """A request finished ``seconds`` after it was first scheduled."""
@@ -150,6 +207,37 @@ class DelayEstimator:
         remaining = load.running_remaining or (1,)
         decode_s = self.costs.predict(StepShape(load.running_decodes, adapters=load.adapters))
         return sum(remaining) / len(remaining) * decode_s
+
+
+@dataclass(frozen=True)
+class Late:
+    """Why a request is refused: ``reason`` as the refusals metric labels it, what the caller is told."""
+
+    reason: str
+    message: str
+    retry_after_s: float
+
+
+def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
+             timeout_s: float | None) -> Late | None:
+    """Whether a request whose first token is estimated ``wait_s`` away (``own_s`` of it its own prefill
+    beside today's decodes) must be refused, judged as late as recent first tokens came in the tail
+    (``tail``, ``DelayEstimator.tail``): when it would come after the caller's deadline (``timeout_s``;
+    None: none) or after ``max_queue_delay_s`` (0: no limit). A prompt whose own prefill takes more than
+    half the queue delay may wait up to twice its own prefill: it cannot start sooner on any pod, and is
+    served once no more work than its own is ahead of it. The caller learns at once to go elsewhere
+    instead of after a long wait, with the hint ``retry_after``."""
+    wait_s, own_s = wait_s * tail, own_s * tail
+    if timeout_s is not None and wait_s > timeout_s:
+        return Late("deadline", f"this pod would give the request its first token in about {wait_s:.2f} s, after "
+                                f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
+                    retry_after(wait_s, timeout_s))
+    allowed_s = max(max_queue_delay_s, 2 * own_s)
+    if max_queue_delay_s and wait_s > allowed_s:
+        return Late("queue_delay", f"this pod would give the request its first token in about {wait_s:.2f} s, "
+                                   f"beyond its --max-queue-delay of {max_queue_delay_s:g} s; retry on another "
+                                   "pod or later", retry_after(wait_s, allowed_s))
+    return None
 
 
 def retry_after(estimate_s: float, allowed_s: float) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from conventions.prefix_chain import RoutingPrefix
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
-from data_plane.engine.admission import DelayEstimator, retry_after
+from data_plane.engine.admission import DelayEstimator, lateness, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
@@ -27,7 +27,7 @@ from data_plane.engine.prefix_report import PrefixReport
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
-from data_plane.engine.step_cost import StepCost
+from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost
 from data_plane.engine.warm_up import warm_up
 from data_plane.errors import (
     DeadlineExceeded,
@@ -58,7 +58,8 @@ class EngineLimits:
     num_kv_blocks: int
     max_model_len: int
     max_queue_delay_s: float  # longest estimated wait behind other work a new request is admitted with; 0 = any
-    target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = automatic (step_cost.py)
+    target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = relative, by itl_growth (step_cost.py)
+    itl_growth: float = DEFAULT_ITL_GROWTH  # a step that prefills lasts at most this × its decodes; 0 = the knee
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:
@@ -109,7 +110,7 @@ class Engine:
                                   limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
-        self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens)
+        self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens, limits.itl_growth)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
                                    self._prefix_salt, self.costs.prefill_budget)
@@ -225,35 +226,22 @@ class Engine:
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
         wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), load)
+        # others' requests arriving while it waits take their turns first: estimate again with those
+        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, within_s=wait_s), len(prompt_ids), load)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
-        self._refuse_if_late(wait_s, self.delays.own_prefill(len(prompt_ids), load), timeout_s)
+        late = lateness(wait_s, self.delays.own_prefill(len(prompt_ids), load), self.delays.tail(),
+                        self.limits.max_queue_delay_s, timeout_s)
+        if late is not None:
+            self.metrics.refusals.labels(late.reason).inc()
+            raise Overloaded(late.message, retry_after_s=late.retry_after_s)
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
                         ttft_estimate=wait_s)
-
-    def _refuse_if_late(self, wait_s: float, own_s: float, timeout_s: float | None) -> None:
-        """Raises Overloaded when the estimated wait for a first token (``wait_s``) exceeds the caller's
-        deadline, or when the part of it spent behind other work (``wait_s`` less ``own_s``, the request's
-        own prefill beside today's decodes) exceeds --max-queue-delay: the caller learns at once to go
-        elsewhere instead of after a long wait. A prompt whose own prefill takes longer than the queue
-        delay is served where nothing is ahead of it: no pod would start it sooner."""
-        cap = self.limits.max_queue_delay_s
-        if timeout_s is not None and wait_s > timeout_s:
-            self.metrics.refusals.labels("deadline").inc()
-            raise Overloaded(f"this pod would give the request its first token in about {wait_s:.2f} s, after "
-                             f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
-                             retry_after_s=retry_after(wait_s, timeout_s))
-        queued_s = wait_s - own_s
-        if cap and queued_s > cap:
-            self.metrics.refusals.labels("queue_delay").inc()
-            raise Overloaded(f"this pod would start the request after about {queued_s:.2f} s behind other work, "
-                             f"beyond its --max-queue-delay of {cap:g} s; retry on another pod or later",
-                             retry_after_s=retry_after(queued_s, cap))
 
     def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
         # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again

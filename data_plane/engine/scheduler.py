@@ -42,7 +42,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from data_plane.engine.admission import Ahead, Load
+from data_plane.engine.admission import Ahead, Arrivals, Load
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_share import FairShare, account_of
 from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
@@ -109,6 +109,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
         self.num_preemptions = 0
+        self.arrivals = Arrivals()
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -126,6 +127,7 @@ class Scheduler:
             raise error
         self._queues.setdefault(seq.adapter, deque()).append(seq)
         self.shares.join(seq.adapter, seq.tenant)
+        self.arrivals.record(seq.adapter, seq.num_tokens, time.monotonic())
 
     def refusal(self, adapter: str | None) -> CapacityExceeded | None:
         """The error a request for ``adapter`` ends with because it can never run here (every slot
@@ -146,25 +148,30 @@ class Scheduler:
                 out += [(seq, error) for seq in queue]
         return out
 
-    def ahead_of(self, tenant: Tenant) -> Ahead:
+    def ahead_of(self, tenant: Tenant, within_s: float = 0.0) -> Ahead:
         """The prefill work a new request of ``tenant`` would come after, as the policy orders it: prompts
         being chunked and waiting requests; under FCFS all of them, under fair share its own tenant's and
         of each other tenant as many as get their turns before it (one per turn of its own, scaled by the
-        weights)."""
+        weights). Under fair share, requests of other tenants that arrive later still take their turns
+        before it: ``within_s`` (the wait it would have) counts those expected to arrive meanwhile at each
+        tenant's recent rate, each of that tenant's recent mean prompt size."""
         chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
         turns = len(self._queues.get(tenant, ())) + len(chunking.get(tenant, ())) + 1
+        now = time.monotonic()
         requests = 0
         sizes: list[int] = []
-        for other in {*self._queues, *chunking}:
+        for other in {*self._queues, *chunking, *self.arrivals.recent(now)}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
-            if self.policy is Policy.FCFS or other == tenant:
-                count = len(queue)
-            else:
-                count = min(len(queue), math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant)))
+            count = len(queue)
+            if self.policy is Policy.FAIR and other != tenant:
+                turns_before = math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant))
+                coming = self.arrivals.expected(other, within_s, now)
+                count = min(len(queue) + coming, turns_before)
             requests += max(0, count - len(chunking.get(other, ())))  # those that still need a seat
             sizes += [seq.num_uncomputed for seq in queue[:count]]
+            sizes += [self.arrivals.mean_prompt(other)] * max(0, count - len(queue))
         return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant), sizes=tuple(sizes))
 
     def _would_take_a_seat(self, tenant: Tenant) -> bool:

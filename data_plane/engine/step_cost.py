@@ -12,21 +12,22 @@ step adds its measured time; the fit is a least-squares solve over the prior and
 steps, redone every few steps, with coefficients kept non-negative.
 
 The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
-step, and prefill work fills what is left of a target step time. ``--target-itl`` gives that target in
-seconds. By default (0) it is derived from the fitted model, the larger of two step times:
+step, and prefill work fills what is left of a target step time, so running streams keep their pace
+while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
+step that also prefills lasts at most that many times its decodes alone: the gap between a running
+stream's tokens grows by at most that factor whatever arrives, on any device, since both figures come
+from the same fitted model. ``--target-itl`` gives an absolute target in seconds instead.
 
-- the device's throughput knee: a step pays its fixed part once whatever it computes (``fixed``: the
-  fixed cost, one prefilling sequence, one adapter), so a step of ``n`` prompt tokens prefills at
-  ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of the device's peak rate
-  ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. A shorter target spends
-  more than ``1 - KNEE_EFFICIENCY`` of each step on its fixed part and prefills too slowly to keep up
-  with the prompts a pod at capacity receives (prompts are most of a chat workload's tokens);
-- ``AUTO_ITL_GROWTH`` × the step's decodes alone, so that with a full batch decoding, prefill still
-  gets room.
+``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
+throughput knee. A step pays its fixed part once whatever it computes (``fixed``: the fixed cost, one
+prefilling sequence, one adapter), so a step of ``n`` prompt tokens prefills at
+``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of the device's peak rate
+``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. Where the fixed part is most
+of a decode step (a small model, or a GPU reading its weights once per step), that is several times
+the decodes alone: more prompt tokens per second, longer gaps for running streams while prompts
+arrive (benchmarks/RESULTS.md, "Overload").
 
-Running streams' inter-token gap is then bounded on any device by the larger of the two, an absolute
-figure the start-up log prints; a pod with nothing decoding prefills at its full
-``--max-num-batched-tokens``.
+A pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The default target (see above): at least the step whose prefill runs at this fraction of the device's
-# peak prefill rate, and at least this many times the step's decodes alone.
+# How many times its decodes alone a step that also prefills may last, by default (see above).
+DEFAULT_ITL_GROWTH = 1.4
+# Under --itl-growth 0: the step whose prefill runs at this fraction of the device's peak prefill rate.
 KNEE_EFFICIENCY = 0.8
-AUTO_ITL_GROWTH = 1.4
 # Prefill tokens a step may always carry when prefill is waiting, whatever the target: prefill always
 # progresses, even when the decodes alone already exceed an explicit --target-itl.
 MIN_PREFILL_TOKENS = 8
@@ -65,13 +66,17 @@ class StepShape:
 class StepCost:
     """The fitted step-time model, and the prefill budget it implies under a target."""
 
-    def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30) -> None:
-        """``target_itl_s``: the step time prefill may fill up to (0: derived from the model, see the
-        module's notes); ``max_batched_tokens``: the most tokens one step holds (decodes and prefill
-        together)."""
+    def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
+                 itl_growth: float = DEFAULT_ITL_GROWTH) -> None:
+        """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
+        alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
+        ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together)."""
         if not 0 <= target_itl_s < math.inf:
             raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = automatic), got {target_itl_s}")
+        if not (itl_growth == 0 or 1 < itl_growth < math.inf):
+            raise ValueError(f"itl_growth must be a factor > 1, or 0 for the throughput knee, got {itl_growth}")
         self.target_itl_s = target_itl_s
+        self.itl_growth = itl_growth
         self._max_tokens = max_batched_tokens
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
@@ -113,7 +118,9 @@ class StepCost:
         decodes = self.predict(StepShape(decode_rows, adapters=adapters))
         if self.target_itl_s:
             return max(self.target_itl_s, decodes)
-        return max(AUTO_ITL_GROWTH * decodes, self.knee_step_s())
+        if self.itl_growth:
+            return self.itl_growth * decodes
+        return max(DEFAULT_ITL_GROWTH * decodes, self.knee_step_s())
 
     def knee_step_s(self) -> float:
         """The shortest step whose prefill runs at ``KNEE_EFFICIENCY`` of the device's peak prefill rate:
@@ -138,8 +145,12 @@ class StepCost:
         if self.coef is None:
             return "not measured"
         names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter")
-        target = (f"--target-itl {self.target_itl_s:g} s" if self.target_itl_s else
-                  f"automatic step target at least {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)")
+        if self.target_itl_s:
+            target = f"--target-itl {self.target_itl_s:g} s"
+        elif self.itl_growth:
+            target = f"a step that prefills lasts at most {self.itl_growth:g}x its decodes alone (--itl-growth)"
+        else:
+            target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
         return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True)) + "; " + target
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_plane.engine.admission import Ahead, DelayEstimator, Load, retry_after
+from data_plane.engine.admission import Ahead, DelayEstimator, Load, lateness, retry_after
 from data_plane.engine.step_cost import StepCost, StepShape
 
 IDLE = Load(running=0, running_decodes=0, running_remaining=())
@@ -84,6 +84,31 @@ def test_the_service_average_follows_recent_samples():
     assert e.service_s == pytest.approx(4.0, rel=1e-3)
 
 
+def test_a_first_token_later_than_the_queue_delay_or_the_deadline_is_refused_with_the_time_to_wait():
+    assert lateness(1.5, 0.2, 1.0, 2.0, None) is None
+    late = lateness(2.5, 0.2, 1.0, 2.0, None)
+    assert (late.reason, late.retry_after_s) == ("queue_delay", pytest.approx(0.5))
+    assert "first token in about 2.50 s" in late.message and "--max-queue-delay of 2 s" in late.message
+    late = lateness(1.5, 0.2, 1.0, 2.0, 1.0)  # the caller's deadline is shorter
+    assert (late.reason, late.retry_after_s) == ("deadline", pytest.approx(0.5))
+    assert "after its deadline (1.00 s from now)" in late.message
+    assert lateness(100.0, 0.2, 1.0, 0.0, None) is None  # no queue delay, no deadline: nothing refused
+
+
+def test_a_prompt_longer_than_half_the_queue_delay_may_wait_twice_its_own_prefill():
+    assert lateness(3.0, 3.0, 1.0, 2.0, None) is None  # nothing ahead of it: served, though past 2 s
+    assert lateness(5.9, 3.0, 1.0, 2.0, None) is None  # ahead of it less work than its own
+    late = lateness(6.5, 3.0, 1.0, 2.0, None)
+    assert late.reason == "queue_delay" and late.retry_after_s == pytest.approx(0.5)
+
+
+def test_the_tail_of_recent_lateness_judges_the_wait():
+    assert lateness(1.5, 0.2, 1.0, 2.0, None) is None
+    late = lateness(1.5, 0.2, 1.5, 2.0, None)  # first tokens have come 1.5x as late as estimated
+    assert late.reason == "queue_delay" and late.retry_after_s == pytest.approx(0.25)
+    assert lateness(3.0, 0.2, 0.5, 2.0, None) is None  # and earlier
+
+
 def test_the_retry_hint_is_the_excess_over_the_time_allowed_within_bounds():
     assert retry_after(3.5, 1.0) == pytest.approx(2.5)
     assert retry_after(1.01, 1.0) == 0.05
@@ -109,6 +134,25 @@ def test_first_tokens_earlier_than_estimated_make_estimates_shorter_and_tiny_est
     for _ in range(100):
         e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 0.7 * plain)
     assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.7 * plain, rel=0.01)
+
+
+def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_their_estimates():
+    e = estimator()
+    assert e.tail() == 1.0
+    for late in (1.0, 0.9, 1.1, 1.0, 0.8):  # too few to judge a tail by
+        e.observe_first_token(1.0, late)
+    assert e.tail() == 1.0
+    e.observe_first_token(0.01, 5.0)  # under 50 ms: noise of one step, not counted
+    for late in (1.0, 1.2, 1.0, 1.0, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0):
+        e.observe_first_token(1.0, late)
+    # 20 seen: the slowest tenth starts at the 18th of them in order (index int(0.9 × 19) = 17): 1.1
+    assert e.tail() == pytest.approx(1.1)
+    for _ in range(64):  # the window holds the latest 64: all twice as late, then ten times (capped)
+        e.observe_first_token(1.0, 2.0)
+    assert e.tail() == pytest.approx(2.0)
+    for _ in range(64):
+        e.observe_first_token(1.0, 10.0)
+    assert e.tail() == 4.0
 
 
 def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_same_decodes():

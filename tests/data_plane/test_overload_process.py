@@ -147,7 +147,7 @@ def test_a_long_prompt_arriving_mid_stream_is_chunked_while_running_streams_get_
         pod, demo_tokenizer):
     streams = Counted(pod, n=2, max_tokens=2000)
     # ~900 tokens: one step could hold them (--max-num-batched-tokens 1024), but beside two decodes a step
-    # may prefill far fewer on a CPU (the step-time model keeps the step near the device's throughput knee)
+    # may prefill far fewer on a CPU (the step-time model keeps the step within --itl-growth of its decodes)
     long_prompt = " ".join(["tomorrow the lighthouse keeper counts gulls"] * 130)
     prompt_tokens = len(demo_tokenizer.encode(long_prompt))
     assert 800 < prompt_tokens < 1024

@@ -7,9 +7,11 @@ policy; what a new request would wait behind (for admission by deadline), and ex
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from data_plane.engine.admission import Ahead
+from data_plane.engine.admission import Ahead, Arrivals
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.scheduler import Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -392,8 +394,12 @@ def test_under_fcfs_the_latest_admitted_request_gives_back_its_blocks():
 
 # ---- what a new request would wait behind -------------------------------------------------------
 
-def flooded(policy: Policy = Policy.FAIR, weights=None) -> Scheduler:
+def flooded(policy: Policy = Policy.FAIR, weights=None, y_before: tuple[float, ...] = ()) -> Scheduler:
+    """x floods behind a running x request, y0 waits; ``y_before``: earlier y requests of 6 tokens, seconds ago."""
     s = scheduler(max_num_seqs=1, policy=policy, weights=weights)
+    now = time.monotonic()
+    for ago in y_before:
+        s.arrivals.record("y", 6, now - ago)
     request(s, "running", 4, adapter="x")
     step(s)
     for i in range(10):
@@ -418,6 +424,33 @@ def test_a_new_request_of_a_tenant_without_a_seat_takes_one_at_once_and_one_with
     request(s, "y0", 4, adapter="y")
     assert not s.ahead_of("y").seat_now  # y0 takes the seat; the next y request waits behind it
     assert not scheduler(max_num_seqs=2, policy=Policy.FCFS).ahead_of("y").seat_now
+
+
+def test_requests_of_other_adapters_expected_while_one_waits_are_ahead_of_it_up_to_their_turns():
+    s = flooded(y_before=(8.0, 6.0, 4.0, 2.0))  # y sent four 6-token prompts over the last 8 s, then y0
+    assert s.ahead_of("x") == Ahead(requests=11, tokens=10 * 5 + 7)
+    # waiting 4 s, an x request sees 5 y requests in 8 s arrive at that rate: 2.5, rounded to 2 more y
+    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) take their turns before it
+    assert s.ahead_of("x", within_s=4.0) == Ahead(requests=10 + 3, tokens=10 * 5 + 7 + 2 * 6)
+    # but no more than one per turn of its own: y0 has one x turn before it, its next request two
+    assert s.ahead_of("y", within_s=100.0) == s.ahead_of("y") == Ahead(requests=3, tokens=7 + 2 * 5)
+    # first come, first served: nobody arriving later goes first
+    fcfs = flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0))
+    assert fcfs.ahead_of("x", within_s=4.0) == fcfs.ahead_of("x")
+
+
+def test_arrivals_forget_what_is_older_than_their_window_and_rate_a_new_tenant_over_a_quarter_of_it():
+    arrivals = Arrivals(window_s=10.0)
+    arrivals.record("x", 100, 0.0)
+    arrivals.record("x", 300, 5.0)
+    assert arrivals.recent(5.0) == ["x"] and arrivals.mean_prompt("x") == 200
+    assert arrivals.expected("x", 5.0, 5.0) == 2  # 2 in 5 s (the quarter window's 2.5 s floor not reached)
+    assert arrivals.expected("x", 0.0, 5.0) == 0
+    assert arrivals.expected("y", 5.0, 5.0) == 0 and arrivals.mean_prompt("y") == 0
+    assert arrivals.recent(12.0) == ["x"] and arrivals.mean_prompt("x") == 300  # the first left the window
+    assert arrivals.recent(15.5) == []
+    arrivals.record("z", 10, 20.0)
+    assert arrivals.expected("z", 5.0, 20.0) == 2  # one just now: one per 2.5 s
 
 
 def test_under_fcfs_every_waiting_request_is_ahead():

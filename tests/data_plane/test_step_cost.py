@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from data_plane.engine.step_cost import AUTO_ITL_GROWTH, KNEE_EFFICIENCY, MIN_PREFILL_TOKENS, StepCost, StepShape
+from data_plane.engine.step_cost import (
+    DEFAULT_ITL_GROWTH,
+    KNEE_EFFICIENCY,
+    MIN_PREFILL_TOKENS,
+    StepCost,
+    StepShape,
+)
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
 # sequence and 4 ms per adapter.
@@ -18,8 +24,9 @@ def seconds(shape: StepShape, coef=TRUE) -> float:
     return sum(c * f for c, f in zip(coef, shape.features(), strict=True))
 
 
-def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024) -> StepCost:
-    costs = StepCost(target_itl_s, max_batched_tokens)
+def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024,
+           itl_growth: float = DEFAULT_ITL_GROWTH) -> StepCost:
+    costs = StepCost(target_itl_s, max_batched_tokens, itl_growth)
     for shape in SHAPES:
         costs.observe_prior(shape, seconds(shape))
     return costs
@@ -47,20 +54,40 @@ def test_coefficients_are_never_negative():
     assert costs.predict(StepShape(64)) > 0
 
 
-def test_auto_budget_fills_a_step_to_the_larger_of_the_knee_and_the_growth_over_the_decodes_alone():
+def most_prefill_within(costs: StepCost, rows: int, adapters: int, target: float) -> None:
+    """The budget beside ``rows`` decodes keeps the step within ``target``, and one more token would not."""
+    budget = costs.prefill_budget(rows, adapters)
+    assert budget > MIN_PREFILL_TOKENS
+    assert costs.predict(StepShape(rows, budget, 1, adapters)) <= target + 1e-9
+    assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > target
+
+
+def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_its_decodes_alone():
     costs = fitted()
-    for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
-        budget = costs.prefill_budget(rows, adapters)
-        assert budget > MIN_PREFILL_TOKENS
+    for rows, adapters in ((8, 2), (16, 3), (32, 4), (120, 4)):
         decodes = costs.predict(StepShape(rows, adapters=adapters))
-        target = max(AUTO_ITL_GROWTH * decodes, costs.knee_step_s())
-        assert costs.predict(StepShape(rows, budget, 1, adapters)) <= target + 1e-9
-        # one more token would pass the target: the budget is the most that fits
-        assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > target
+        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * decodes)
+    # one decode of 26 ms: 1.4x leaves 36.4 - 29 ms, 7 tokens; prefill still gets its floor
+    assert costs.prefill_budget(1, 1) == MIN_PREFILL_TOKENS
+    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms; 1.4x that is 61.6 ms, less the prefilling
+    # sequence's 3 ms: 14 tokens at 1 ms each
+    assert costs.prefill_budget(8, 2) == 14
+
+
+def test_a_larger_growth_lets_a_step_prefill_more():
+    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 41  # 88 - 44 - 3 ms
+    assert fitted(itl_growth=2.0).prefill_budget(8, 2) > fitted().prefill_budget(8, 2)
+
+
+def test_growth_zero_fills_a_step_to_the_larger_of_the_knee_and_the_growth_over_the_decodes_alone():
+    costs = fitted(itl_growth=0)
+    for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
+        decodes = costs.predict(StepShape(rows, adapters=adapters))
+        most_prefill_within(costs, rows, adapters, max(DEFAULT_ITL_GROWTH * decodes, costs.knee_step_s()))
 
 
 def test_the_knee_is_the_step_whose_prefill_runs_at_the_chosen_fraction_of_the_peak_rate():
-    costs = fitted()
+    costs = fitted(itl_growth=0)
     knee = costs.knee_step_s()
     # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 ms; at the knee its prompt tokens take
     # KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
@@ -70,7 +97,7 @@ def test_the_knee_is_the_step_whose_prefill_runs_at_the_chosen_fraction_of_the_p
     # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (135 ms: 106 tokens)
     assert costs.prefill_budget(1, 1) == 106  # (135 - 29) ms of the step left at 1 ms per token
     # a full batch: 1.4x its decodes is longer than the knee and sets the step
-    assert AUTO_ITL_GROWTH * costs.predict(StepShape(120, adapters=4)) > knee
+    assert DEFAULT_ITL_GROWTH * costs.predict(StepShape(120, adapters=4)) > knee
 
 
 def test_an_explicit_target_sets_the_step_time():
@@ -103,3 +130,9 @@ def test_a_negative_or_infinite_target_is_refused():
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="target_itl_s"):
             StepCost(bad)
+
+
+def test_a_growth_that_would_not_let_prefill_in_is_refused():
+    for bad in (-1.0, 0.5, 1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="itl_growth"):
+            StepCost(itl_growth=bad)
