@@ -44,6 +44,8 @@ from data_plane.metrics import PodMetrics
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
 
+# Passes of the admission estimate that add other tenants' arrivals during the wait, at most.
+_SETTLE_PASSES = 8
 log = logging.getLogger("lorafleet.engine")
 
 
@@ -225,9 +227,16 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
-        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter), len(prompt_ids), load)
-        # others' requests arriving while it waits take their turns first: estimate again with those
-        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, within_s=wait_s), len(prompt_ids), load)
+        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, len(prompt_ids)), len(prompt_ids), load)
+        # others' requests arriving while it waits take their share first, which makes the wait longer, in
+        # which more arrive: follow that to where it settles (or is past anything admission would allow)
+        for _ in range(_SETTLE_PASSES):
+            ahead = self.scheduler.ahead_of(adapter, len(prompt_ids), within_s=wait_s)
+            longer = self.delays.estimate(ahead, len(prompt_ids), load)
+            settled = longer <= wait_s * 1.02 or longer > 2 * max(self.limits.max_queue_delay_s, timeout_s or 0.0)
+            wait_s = max(wait_s, longer)
+            if settled:
+                break
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "

@@ -46,6 +46,14 @@ class FairShare:
             return self._served.get(account_of(flow, None), self._floor)
         return min(self.account_served(a) for a in accounts)
 
+    def standing(self, flow: Flow) -> float:
+        """The flow's priority as it would stand now: ``served`` for a flow with requests; for one without,
+        the counter its next request would join at (no lower than the lowest among active accounts)."""
+        if self._in_flow.get(flow):
+            return self.served(flow)
+        floor = min((self._served[a] for a in self._requests), default=self._floor)
+        return max(self._served.get(account_of(flow, None), 0.0), floor, self._floor)
+
     def account_served(self, account: Account) -> float:
         """The account's counter (the floor for one with no requests)."""
         return self._served.get(account, self._floor)

@@ -72,6 +72,9 @@ def step_shape(batch: list[ScheduledSeq]) -> StepShape:
 
 
 _NOBODY = object()  # no tenant (None is the base model's name)
+# Prompt tokens a started prompt computes at the standing it started with before it shares the prefill
+# budget with other tenants' work (see Scheduler._order).
+STARTED_QUANTUM = 128
 
 
 class Policy(enum.Enum):
@@ -148,30 +151,37 @@ class Scheduler:
                 out += [(seq, error) for seq in queue]
         return out
 
-    def ahead_of(self, tenant: Tenant, within_s: float = 0.0) -> Ahead:
-        """The prefill work a new request of ``tenant`` would come after, as the policy orders it: prompts
-        being chunked and waiting requests; under FCFS all of them, under fair share its own tenant's and
-        of each other tenant as many as get their turns before it (one per turn of its own, scaled by the
-        weights). Under fair share, requests of other tenants that arrive later still take their turns
-        before it: ``within_s`` (the wait it would have) counts those expected to arrive meanwhile at each
-        tenant's recent rate, each of that tenant's recent mean prompt size."""
+    def ahead_of(self, tenant: Tenant, prompt_tokens: int, within_s: float = 0.0) -> Ahead:
+        """The prefill work a new request of ``tenant`` with ``prompt_tokens`` would come after, as the
+        policy orders it: prompts being chunked and waiting requests. Under FCFS all of them. Under fair
+        share its own tenant's, and of each other tenant the tokens it is served before the new request's
+        prompt is done: fair shares are counted in tokens, so prompts of several tenants are prefilled side
+        by side, chunk by chunk, and another tenant goes on until its counter reaches what the new
+        request's tenant's will be then (scaled by the weights). Requests of other tenants that arrive
+        while it waits take their share too: ``within_s`` (the wait it would have) counts those expected
+        at each tenant's recent rate, each of that tenant's recent mean prompt size."""
         chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
-        turns = len(self._queues.get(tenant, ())) + len(chunking.get(tenant, ())) + 1
+        own = [*chunking.get(tenant, ()), *self._queues.get(tenant, ())]
+        done_at = self.shares.standing(tenant) + (sum(seq.num_uncomputed for seq in own) + prompt_tokens) / \
+            self.shares.weight(tenant)  # its tenant's counter once its prompt is done
         now = time.monotonic()
         requests = 0
         sizes: list[int] = []
         for other in {*self._queues, *chunking, *self.arrivals.recent(now)}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
-            count = len(queue)
+            work = [seq.num_uncomputed for seq in queue]
+            share = math.inf
             if self.policy is Policy.FAIR and other != tenant:
-                turns_before = math.ceil(turns * self.shares.weight(other) / self.shares.weight(tenant))
-                coming = self.arrivals.expected(other, within_s, now)
-                count = min(len(queue) + coming, turns_before)
-            requests += max(0, count - len(chunking.get(other, ())))  # those that still need a seat
-            sizes += [seq.num_uncomputed for seq in queue[:count]]
-            sizes += [self.arrivals.mean_prompt(other)] * max(0, count - len(queue))
+                work += [self.arrivals.mean_prompt(other)] * self.arrivals.expected(other, within_s, now)
+                share = max(0.0, (done_at - self.shares.standing(other)) * self.shares.weight(other))
+            for i, size in enumerate(work):
+                if share < 1:
+                    break
+                sizes.append(size if size <= share else math.ceil(share))
+                share -= size
+                requests += i >= len(chunking.get(other, ()))  # it still needs a seat
         return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant), sizes=tuple(sizes))
 
     def _would_take_a_seat(self, tenant: Tenant) -> bool:
@@ -243,10 +253,18 @@ class Scheduler:
 
     def _order(self, seq: Sequence) -> tuple:
         """Who gets prefill work first: the least-served tenant, then the oldest request (under FCFS the
-        oldest request)."""
+        oldest request). A started prompt keeps the standing its tenant had when it started for its first
+        STARTED_QUANTUM tokens, and stands behind by what it computes past them: prompts up to that long
+        are finished in the order they started, not side by side chunk by chunk, so each first token comes
+        as early as the budget allows and later arrivals of tenants served as much do not slow it; a
+        longer prompt then shares the budget with the rest, so nobody waits behind one for more than a
+        quantum of it; a request of a tenant served less still goes first."""
         if self.policy is Policy.FCFS:
             return (seq.arrival,)
-        return self.shares.served(seq.adapter), seq.arrival
+        if seq.started_at_standing is None:
+            return self.shares.served(seq.adapter), seq.arrival
+        past_quantum = max(0, seq.num_computed - STARTED_QUANTUM) / self.shares.weight(seq.adapter)
+        return seq.started_at_standing + past_quantum, seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
@@ -263,6 +281,7 @@ class Scheduler:
             seq.slot = self.cache.acquire(tenant)
             self._reserved.pop(tenant, None)
         self._dequeue(seq)
+        seq.started_at_standing = self.shares.served(tenant)
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
@@ -370,6 +389,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        seq.started_at_standing = None
         seq.status = SequenceStatus.WAITING
         self._queues.setdefault(seq.adapter, deque()).appendleft(seq)
         self.num_preemptions += 1

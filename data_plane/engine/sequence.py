@@ -99,6 +99,7 @@ class Sequence:
     # given, else a random one, so that a recomputation after preemption draws the same tokens again.
     sampling_seed: int = field(init=False)
     first_scheduled: float | None = None  # time.monotonic() of its first admission
+    started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
     ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
     first_token_time: float | None = None
     last_token_time: float | None = None

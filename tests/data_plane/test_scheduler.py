@@ -13,7 +13,7 @@ import pytest
 
 from data_plane.engine.admission import Ahead, Arrivals
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.scheduler import Policy, Scheduler, SchedulerLimits
+from data_plane.engine.scheduler import STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -122,17 +122,32 @@ def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
     assert asked == [(0, 0), (3, 2)]
 
 
-def test_a_new_tenant_s_prompt_is_not_stuck_behind_a_flood_s_chunked_prompts():
+def test_a_started_prompt_is_finished_before_a_tenant_served_as_much_starts():
     s = scheduler(prefill_budget=lambda decodes, adapters: 4)
     for i in range(3):
         request(s, f"flood{i}", 12, adapter="x")
     step(s)  # the flood's first prompt starts: 4 of its 12 tokens
     request(s, "quiet", 4, adapter="y")
-    # the quiet adapter joins level with the flood (no credit for idling), so the flood's older prompt
-    # takes this step; then the quiet one has had less and goes before the flood's next chunk
+    # the quiet adapter joins level with the flood (no credit for idling): the flood's started prompt
+    # keeps its standing from when it started and is finished first; then the quiet one, which has had
+    # less, goes before the flood's next prompt
     assert step(s) == [("flood0", 4)]
-    assert step(s) == [("quiet", 4)]
-    assert step(s) == [("quiet", 1), ("flood0", 4)]
+    assert step(s) == [("flood0", 4)]
+    assert step(s) == [("flood0", 1), ("quiet", 4)]
+    assert step(s) == [("flood0", 1), ("quiet", 1), ("flood1", 4)]
+
+
+def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_flood_s_long_prompt():
+    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters: 64)
+    request(s, "long", STARTED_QUANTUM + 256, adapter="x")
+    step(s)  # 64 of its tokens
+    request(s, "quiet", 4, adapter="y")  # joins at x's standing then: 64
+    assert step(s) == [("long", 64)]  # within its first quantum (128) it keeps its standing (0)
+    assert step(s) == [("long", 64)]
+    # past the quantum it stands behind by what it computed beyond it: 64 at 192 computed, level with
+    # the quiet one (the older goes first), then 128: the quiet one goes first
+    assert step(s) == [("long", 64)]
+    assert step(s) == [("quiet", 4), ("long", 60)]
 
 
 def test_under_fcfs_prompts_being_chunked_keep_going_before_newer_ones():
@@ -408,35 +423,38 @@ def flooded(policy: Policy = Policy.FAIR, weights=None, y_before: tuple[float, .
     return s
 
 
-def test_under_fair_share_a_quiet_adapter_waits_behind_one_turn_of_a_flood_and_the_flood_behind_itself():
-    s = flooded()
-    assert s.ahead_of("y") == Ahead(requests=1 + 2, tokens=7 + 2 * 5)  # y0, then one x per y turn (y0's, its own)
-    assert s.ahead_of("x") == Ahead(requests=10 + 1, tokens=10 * 5 + 7)
-    assert s.ahead_of(None) == Ahead(requests=2, tokens=5 + 7)  # the base model: a turn of each
+def test_under_fair_share_a_quiet_adapter_is_prefilled_beside_a_flood_and_the_flood_behind_itself():
+    s = flooded()  # x was served 4 tokens (the running request's prompt); y joined at that floor
+    # a 7-token y request comes after y0; x is served alongside until its counter reaches y's then
+    # (4 + 7 + 7): 14 more tokens, two x prompts and part of a third, each still needing a seat
+    assert s.ahead_of("y", 7) == Ahead(requests=1 + 3, tokens=7 + 14)
+    assert s.ahead_of("x", 5) == Ahead(requests=10 + 1, tokens=10 * 5 + 7)  # all of x's own, all of y0
+    # the base model, served nothing yet, joins at the floor: 5 tokens of x's and of y's go alongside
+    assert s.ahead_of(None, 5) == Ahead(requests=2, tokens=5 + 5)
 
 
 def test_a_new_request_of_a_tenant_without_a_seat_takes_one_at_once_and_one_with_a_seat_does_not():
     s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz")
     request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
     step(s)
-    assert s.ahead_of("y").seat_now and s.ahead_of(None).seat_now
-    assert not s.ahead_of("x").seat_now
+    assert s.ahead_of("y", 4).seat_now and s.ahead_of(None, 4).seat_now
+    assert not s.ahead_of("x", 4).seat_now
     request(s, "y0", 4, adapter="y")
-    assert not s.ahead_of("y").seat_now  # y0 takes the seat; the next y request waits behind it
-    assert not scheduler(max_num_seqs=2, policy=Policy.FCFS).ahead_of("y").seat_now
+    assert not s.ahead_of("y", 4).seat_now  # y0 takes the seat; the next y request waits behind it
+    assert not scheduler(max_num_seqs=2, policy=Policy.FCFS).ahead_of("y", 4).seat_now
 
 
-def test_requests_of_other_adapters_expected_while_one_waits_are_ahead_of_it_up_to_their_turns():
+def test_requests_of_other_adapters_expected_while_one_waits_take_their_share_before_it():
     s = flooded(y_before=(8.0, 6.0, 4.0, 2.0))  # y sent four 6-token prompts over the last 8 s, then y0
-    assert s.ahead_of("x") == Ahead(requests=11, tokens=10 * 5 + 7)
+    assert s.ahead_of("x", 5) == Ahead(requests=11, tokens=10 * 5 + 7)
     # waiting 4 s, an x request sees 5 y requests in 8 s arrive at that rate: 2.5, rounded to 2 more y
-    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) take their turns before it
-    assert s.ahead_of("x", within_s=4.0) == Ahead(requests=10 + 3, tokens=10 * 5 + 7 + 2 * 6)
-    # but no more than one per turn of its own: y0 has one x turn before it, its next request two
-    assert s.ahead_of("y", within_s=100.0) == s.ahead_of("y") == Ahead(requests=3, tokens=7 + 2 * 5)
+    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) served before its own prompt is done
+    assert s.ahead_of("x", 5, within_s=4.0) == Ahead(requests=10 + 3, tokens=10 * 5 + 7 + 2 * 6)
+    # but no more than their share: x, however many it sends, is served 14 tokens before a y request
+    assert s.ahead_of("y", 7, within_s=100.0) == s.ahead_of("y", 7) == Ahead(requests=4, tokens=7 + 14)
     # first come, first served: nobody arriving later goes first
     fcfs = flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0))
-    assert fcfs.ahead_of("x", within_s=4.0) == fcfs.ahead_of("x")
+    assert fcfs.ahead_of("x", 5, within_s=4.0) == fcfs.ahead_of("x", 5)
 
 
 def test_arrivals_forget_what_is_older_than_their_window_and_rate_a_new_tenant_over_a_quarter_of_it():
@@ -455,12 +473,13 @@ def test_arrivals_forget_what_is_older_than_their_window_and_rate_a_new_tenant_o
 
 def test_under_fcfs_every_waiting_request_is_ahead():
     s = flooded(Policy.FCFS)
-    assert s.ahead_of("y") == s.ahead_of(None) == Ahead(requests=11, tokens=10 * 5 + 7)
+    assert s.ahead_of("y", 7) == s.ahead_of(None, 1) == Ahead(requests=11, tokens=10 * 5 + 7)
 
 
-def test_weights_scale_the_turns_another_adapter_gets_first():
+def test_weights_scale_the_share_another_adapter_is_served_alongside():
     s = flooded(weights={"x": 3.0})
-    assert s.ahead_of("y") == Ahead(requests=1 + 6, tokens=7 + 6 * 5)
+    # x's counter and y's start at 4 / 3; until y's reaches 4 / 3 + 14, x is served 3 x 14 = 42 tokens
+    assert s.ahead_of("y", 7) == Ahead(requests=1 + 9, tokens=7 + 42)
 
 
 def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
@@ -477,10 +496,11 @@ def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats(
     s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters: 4)
     request(s, "flood", 12, adapter="x")
     step(s)  # 8 of its tokens still to compute; it holds one of the two seats
-    assert s.ahead_of("x") == Ahead(0, 8)
-    assert s.ahead_of(None) == Ahead(0, 8)  # one turn of the flood's: its chunked prompt
+    assert s.ahead_of("x", 4) == Ahead(0, 8)
+    assert s.ahead_of(None, 8) == Ahead(0, 8)  # as many of the flood's tokens as its own, from its chunked prompt
+    assert s.ahead_of(None, 3) == Ahead(0, 3)
     request(s, "flood2", 6, adapter="x")
-    assert s.ahead_of("x") == Ahead(1, 14)
+    assert s.ahead_of("x", 4) == Ahead(1, 14)
 
 
 def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_not():
