@@ -33,6 +33,7 @@ refusal says when to try again: the time until the estimate would fit.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -159,12 +160,14 @@ class DelayEstimator:
         """A request finished ``seconds`` after it was first scheduled."""
         self.service_s = _average(self.service_s, seconds)
 
-    def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load) -> float:
+    def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf) -> float:
         """Seconds a new request with ``prompt_tokens`` would wait for its first token; 0.0 until a step
-        has been timed (an idle pod with nothing measured has nothing to wait for)."""
+        has been timed (an idle pod with nothing measured has nothing to wait for). Past ``enough_s`` the
+        steps are no longer followed one by one: the rest counts at the last step's rate."""
         if self.costs.coef is None:
             return 0.0
-        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s([*ahead.items(), prompt_tokens], load)
+        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(
+            [*ahead.items(), prompt_tokens], load, enough_s / self.bias)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short > 0 and not ahead.seat_now:
             wait += short * self._seat_turnover_s(load) / self._max_num_seqs
@@ -177,10 +180,11 @@ class DelayEstimator:
             return 0.0
         return self._prefill_s([prompt_tokens], load) * self.bias
 
-    def _prefill_s(self, work: list[int], load: Load) -> float:
+    def _prefill_s(self, work: list[int], load: Load, enough_s: float = math.inf) -> float:
         """Seconds until the last item of prefill ``work`` (tokens, in order) is computed: step by step, each
         step prefilling its budget beside the decodes of that step, in the predicted time for its shape;
-        a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``)."""
+        a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``). Past
+        ``enough_s`` (or _MAX_STEPS steps) the rest counts at the last step's rate."""
         decodes, seconds = load.running_decodes, 0.0
         left = deque(work)
         for _ in range(_MAX_STEPS):
@@ -197,6 +201,8 @@ class DelayEstimator:
             seconds += step_s
             if not left:
                 return seconds
+            if seconds > enough_s:
+                break
             decodes = min(self._max_num_seqs, decodes + done)
         return seconds + sum(left) / used * step_s  # the rest at the last step's rate
 

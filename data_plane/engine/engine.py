@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from conventions.prefix_chain import RoutingPrefix
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
-from data_plane.engine.admission import DelayEstimator, lateness, retry_after
+from data_plane.engine.admission import DelayEstimator, Load, lateness, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
@@ -227,22 +228,12 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
-        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, len(prompt_ids)), len(prompt_ids), load)
-        # others' requests arriving while it waits take their share first, which makes the wait longer, in
-        # which more arrive: follow that to where it settles (or is past anything admission would allow)
-        for _ in range(_SETTLE_PASSES):
-            ahead = self.scheduler.ahead_of(adapter, len(prompt_ids), within_s=wait_s)
-            longer = self.delays.estimate(ahead, len(prompt_ids), load)
-            settled = longer <= wait_s * 1.02 or longer > 2 * max(self.limits.max_queue_delay_s, timeout_s or 0.0)
-            wait_s = max(wait_s, longer)
-            if settled:
-                break
+        wait_s, own_s = self._estimate_first_token(adapter, len(prompt_ids), load, timeout_s)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
-        late = lateness(wait_s, self.delays.own_prefill(len(prompt_ids), load), self.delays.tail(),
-                        self.limits.max_queue_delay_s, timeout_s)
+        late = lateness(wait_s, own_s, self.delays.tail(), self.limits.max_queue_delay_s, timeout_s)
         if late is not None:
             self.metrics.refusals.labels(late.reason).inc()
             raise Overloaded(late.message, retry_after_s=late.retry_after_s)
@@ -251,6 +242,29 @@ class Engine:
         deadline = None if timeout_s is None else now + timeout_s
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
                         ttft_estimate=wait_s)
+
+    def _estimate_first_token(self, adapter: str | None, prompt_tokens: int, load: Load,
+                              timeout_s: float | None) -> tuple[float, float]:
+        """(seconds until a new request's first token, the part of them its own prefill takes), as
+        admission judges them. Other tenants' requests that arrive before its prompt starts take their share
+        first, which makes it start later, in which more arrive: the estimate follows that until it settles,
+        or until it is past anything admission would allow (then the rest is counted at the last step's
+        rate: the refusal is certain and its hint needs no more)."""
+        own_s = self.delays.own_prefill(prompt_tokens, load)
+        tail, cap = self.delays.tail(), self.limits.max_queue_delay_s
+        enough_s = min(timeout_s if timeout_s is not None else math.inf,
+                       max(cap, 2 * own_s * tail) if cap else math.inf) / tail
+        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, prompt_tokens), prompt_tokens, load, enough_s)
+        for _ in range(_SETTLE_PASSES):
+            if wait_s > enough_s:
+                break
+            ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s))
+            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s)
+            settled = longer <= wait_s * 1.02
+            wait_s = max(wait_s, longer)
+            if settled:
+                break
+        return wait_s, own_s
 
     def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
         # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again

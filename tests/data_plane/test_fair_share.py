@@ -71,3 +71,16 @@ def test_a_tenant_without_a_seat_takes_one_from_a_tenant_whose_seats_are_spread_
     assert seats_after_a_trickle_arrives(tenants=True) == ["big-a", "big-b", "big-c", "small-e"]
     # Per adapter, each of a-d holds one seat only, and none gives it up: small waits for one to finish.
     assert seats_after_a_trickle_arrives(tenants=False) == ["big-a", "big-b", "big-c", "big-d"]
+
+
+def test_a_flow_without_requests_stands_where_its_next_request_would_join():
+    shares = FairShare()
+    shares.join("x")
+    shares.charge("x", 40)
+    assert shares.standing("x") == shares.served("x") == 40
+    # y has no requests: it would join at the lowest active counter (x's 40), not at the stale floor (0)
+    assert shares.served("y") == 0 and shares.standing("y") == 40
+    shares.join("y")
+    shares.charge("y", 100)
+    shares.leave("y")
+    assert shares.standing("y") == 140  # a flow that was served more keeps its counter when it returns
