@@ -103,6 +103,14 @@ class LoraAdapter:
             return self
         return self.with_buffer(torch.empty_like(self.buffer, pin_memory=True))
 
+    def on(self, device: torch.device) -> LoraAdapter:
+        """The adapter with its buffer on ``device`` (itself when it is there): for slots on a GPU, one
+        transfer of the whole buffer, after which the slot writes' strided copies, conversions and
+        scaling run on the device rather than as one host-side gather and transfer per run."""
+        if self.buffer is None or self.buffer.device == device:
+            return self
+        return self.with_buffer(torch.empty_like(self.buffer, device=device))
+
     def with_buffer(self, buffer: torch.Tensor) -> LoraAdapter:
         """The same adapter over ``buffer`` ([nbytes] uint8), into which its buffer is copied."""
         buffer.copy_(self.buffer)
