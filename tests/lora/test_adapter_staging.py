@@ -62,8 +62,11 @@ def test_staged_deltas_equal_the_files_weights_and_scale(tiny_base, tiny_adapter
         for s, (a, b) in slices.items():
             assert got[path][s].a.dtype == dtype and torch.equal(got[path][s].a, a), (path, s)
             assert torch.equal(got[path][s].b, b), (path, s)
-    data_bytes = sum(t.numel() * t.element_size() for t in load_file(tiny_adapters / name / WEIGHTS).values())
-    assert adapter.nbytes == data_bytes  # the file's tensors as stored, not a converted copy
+    tensors = load_file(tiny_adapters / name / WEIGHTS)
+    if dtype == torch.float32:  # the file's own dtype: its tensors as stored, not a copy
+        assert adapter.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    else:  # converted once, A and B of the serving dtype
+        assert adapter.nbytes == sum(t.numel() for t in tensors.values()) * dtype.itemsize
 
 
 def _slot_contents(rt, slot):
@@ -294,3 +297,12 @@ def test_an_adapter_moved_to_another_buffer_holds_the_same_weights(tiny_base, ti
         for s, delta in slices.items():
             got = moved.deltas[path][s]
             assert torch.equal(got.a, delta.a) and torch.equal(got.b, delta.b), (path, s)
+
+
+def test_a_file_in_another_dtype_is_converted_once_into_one_run_per_group(tiny_base, tiny_adapters):
+    """The tiny adapters are float32; served in bfloat16 they are staged, each group's layers side by side."""
+    adapter = _runtime(tiny_base, tiny_adapters, "bfloat16").read("r8", "r8")
+    for g in adapter.groups:
+        assert len(g.runs) == 1 and g.runs[0].layers == range(2) and g.runs[0].scale == 1.0
+        assert g.runs[0].a.dtype == g.runs[0].b.dtype == torch.bfloat16
+        assert g.runs[0].a.is_contiguous() and g.runs[0].b.is_contiguous()
