@@ -4,13 +4,14 @@ For each adapter, one repeat measures, through the pod's own objects (``LoraRunt
 ``AdapterCache``):
 
 - ``read+validate``: ``LoraRuntime.read`` — resolve the directory under the adapter root, read
-  ``adapter_config.json``, map ``adapter_model.safetensors`` and sha256 it (on another thread),
-  parse its header, check every name, rank and shape against the model, gather each slice group
-  into the staging buffer while converting to the serving dtype and folding the scale into B,
-  check that buffer for NaN/Inf, wait for the hash and compare it;
+  ``adapter_config.json``, read ``adapter_model.safetensors`` into host memory and sha256 it as
+  its chunks arrive (on another thread), parse its header, check every name, rank and shape
+  against the model, group the tensors (views of the read buffer) by slice, check with one min/max
+  reduction that every value is finite and fits the serving dtype, wait for the hash and compare it;
 - ``insert``: ``AdapterCache.insert`` into the CPU tier;
-- ``slot copy``: ``AdapterCache.acquire``, which copies the adapter into a free slot of every
-  LoRA layer (synchronised on CUDA);
+- ``slot copy``: ``AdapterCache.acquire``, which copies the adapter from the read buffer into a
+  free slot of every LoRA layer, converting to the serving dtype and folding the scale into B on
+  the way (synchronised on CUDA);
 - ``CPU repack`` (CPU slots only, not part of ready-in-slot): the CPU LoRA path's packed copy of
   the new slot (``kernels.cpu_lora``), which the next step that runs a LoRA layer brings up to
   date; timed here by asking every layer's backend for its pack.

@@ -1,12 +1,16 @@
 """The CPU LoRA path: per adapter segment, one batched matmul pair over fixed row tiles.
 
-Every slot with a rank on the layer gets, once when it changes, its A of every slice side by side
-and its B of every slice as one block-diagonal matrix,
+Every slot with a rank on the layer gets, once when it changes, its A of every slice stacked and
+its B of every slice as one block-diagonal matrix, in float32 and in the orientation the slots hold
+them (so a repack copies rows, never transposes them),
 
-    a[slot]: [in_features, R_slot]    b[slot]: [R_slot, out_features], zero off each slice's block
+    a[slot]: [R_slot, in_features]    b[slot]: [out_features, R_slot], zero off each slice's block
 
-and a step adds ``(x[rows] @ a[slot]) @ b[slot]`` to each segment's rows (the model runner sorts a
-step's sequences by slot, so a segment is usually one run of rows).
+and a step adds ``(x[rows] @ a[slot].T) @ b[slot].T`` to each segment's rows (the model runner sorts
+a step's sequences by slot, so a segment is usually one run of rows). The products take the
+transposed operands as they are (a BLAS call reads a matrix in either order); on a 2-core EPYC the
+8B-shape gate/up pack was 3.6x faster to build this way than transposed into [in, R] and [R, out],
+and the products no slower.
 
 Batch invariance. A row's LoRA delta must be the same bits whatever else shares its step. Matmul
 libraries choose their kernel by the call's shape and threads (measured with MKL on a 2-core Xeon:
@@ -39,8 +43,8 @@ class SegmentPack:
     """A layer's slots as the segment path reads them; slots without a rank on the layer are absent.
     Kept up to date one changed slot at a time (``update_slot``)."""
 
-    a: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [in_features, R_slot] float32
-    b: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [R_slot, out_features] float32
+    a: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [R_slot, in_features] float32
+    b: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [out_features, R_slot] float32
 
 
 def update_slot(pack: SegmentPack, lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -54,14 +58,15 @@ def update_slot(pack: SegmentPack, lora_a: torch.Tensor, lora_b: torch.Tensor, h
     pack.b.pop(slot, None)
     if not any(ranks):
         return
-    pack.a[slot] = torch.cat([lora_a[s, slot, :r] for s, r in enumerate(ranks) if r]).T.float().contiguous()
-    b = torch.zeros(sum(ranks), lora_b.shape[1], dtype=torch.float32, device=lora_b.device)
+    a = torch.empty(sum(ranks), lora_a.shape[3], dtype=torch.float32, device=lora_a.device)
+    b = torch.zeros(lora_b.shape[1], sum(ranks), dtype=torch.float32, device=lora_b.device)
     c = 0
     for s, r in enumerate(ranks):
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
-        b[c : c + r, lo:hi] = lora_b[slot, lo:hi, :r].T
+        a[c : c + r] = lora_a[s, slot, :r]
+        b[lo:hi, c : c + r] = lora_b[slot, lo:hi, :r]
         c += r
-    pack.b[slot] = b
+    pack.a[slot], pack.b[slot] = a, b
 
 
 def pack_segments(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -95,7 +100,7 @@ def lora_segmented(
         if n % ROW_TILE:
             xs = torch.cat([xs, xs.new_zeros(ROW_TILE - n % ROW_TILE, xs.shape[1])])
         tiles = xs.view(-1, ROW_TILE, xs.shape[1])  # [tiles, ROW_TILE, in_features]
-        b = pack.b[slot]
+        a, b = a.T, pack.b[slot].T  # [in_features, R_slot], [R_slot, out_features]
         shrunk = torch.bmm(tiles, a.expand(tiles.shape[0], *a.shape))  # [tiles, ROW_TILE, R_slot]
         delta = torch.bmm(shrunk, b.expand(tiles.shape[0], *b.shape)).view(-1, b.shape[1])[:n]
         if isinstance(rows, slice) and y.dtype == torch.float32:  # y[rows] is a view: add in place

@@ -15,6 +15,8 @@ import enum
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from data_plane.errors import AdapterBusy, AdapterNotFound, CapacityExceeded
 from data_plane.lora.layer import LoRAProjection, slot_pools
 from data_plane.lora.lora_adapter import LoraAdapter, SliceDelta
@@ -57,6 +59,7 @@ class AdapterCache:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self._layers = layers
         self._pools = slot_pools(layers)
+        self._device = next((pool.a.device for pool in self._pools.values()), torch.device("cpu"))  # the slots'
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self._pin_host_memory = pin_host_memory
@@ -210,7 +213,7 @@ class AdapterCache:
             self.stats.evictions[Tier.GPU] += 1
         slot = self._free_slots.pop(0)
         by_kind: dict[str, list] = {kind: [] for kind in self._pools}
-        for group in adapter.groups:
+        for group in adapter.on(self._device).groups:
             by_kind[group.kind].append(group)
         for kind, pool in self._pools.items():
             pool.write(slot, by_kind[kind])
@@ -238,8 +241,6 @@ class AdapterCache:
 
 
 def _zero_deltas(layer: LoRAProjection, rank: int) -> dict[str, SliceDelta]:
-    import torch
-
     w = layer.base.weight
     return {
         name: SliceDelta(torch.zeros(rank, layer.base.in_features, dtype=w.dtype),

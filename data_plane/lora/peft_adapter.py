@@ -1,16 +1,19 @@
-"""Reads and validates a PEFT LoRA directory into staged slice groups for our packed layers.
+"""Reads and validates a PEFT LoRA directory into slice groups for our packed layers.
 
 What ``peft``'s ``save_pretrained`` writes: ``adapter_config.json`` and
 ``adapter_model.safetensors`` with tensors named
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight``, A ``[r, in]``
 and B ``[out, r]``. The scale (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into
-B here, once. Every problem raises InvalidAdapter naming the adapter and what is wrong.
+B when B is written into a slot. Every problem raises InvalidAdapter naming the adapter and what is
+wrong.
 
-The bytes are touched as few times as the work needs (``weights_file`` maps and hashes the file in
-one pass): names, dtypes and shapes are checked from the header; the tensors of each slice group
-are gathered, converted to the serving dtype and scaled in one operation per group into one
-staging buffer (page-locked when the slots are on a GPU); finiteness is one reduction over that
-buffer, and only a failing adapter is searched tensor by tensor for the culprit.
+The bytes are touched as few times as the work needs: ``weights_file`` reads the file into one
+buffer and hashes it as it arrives; names, dtypes and shapes are checked from the header; the
+tensors stay where the read put them, as views grouped by slice and rank; finiteness (and that
+every value fits the serving dtype) is one min/max reduction over the file's tensors, and only a
+failing adapter is searched tensor by tensor for the culprit. A file in the serving dtype is not
+staged: a slot write scales B on its way from the read buffer into the slot. A file in another
+dtype is converted (and B scaled) once, into a buffer of its own (``_staged``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from data_plane.errors import InvalidAdapter
-from data_plane.lora.lora_adapter import LoraAdapter, SliceDelta, SliceGroup
+from data_plane.lora.lora_adapter import LayerRun, LoraAdapter, SliceDelta, SliceGroup, write_a, write_b
 from data_plane.lora.sources import contained_file, resolve_adapter_dir
-from data_plane.lora.weights_file import Entry, HashedFile, open_weights, pickle_entries, safetensors_entries
+from data_plane.lora.weights_file import Entry, HashedFile, open_weights, pickle_weights, safetensors_weights
 
 __all__ = ["AdapterLimits", "LoraAdapter", "SliceDelta", "SliceGroup", "load_peft_adapter"]
 
@@ -63,12 +65,14 @@ class AdapterLimits:
 
 @dataclass
 class _Gather:
-    """The pieces of one slice group before staging, in layer order."""
+    """The pieces of one slice group, in layer order: where each layer's A and B lie in the buffer."""
 
-    layers: list[int]
-    a: list[torch.Tensor]  # [r * in] each, file dtype
-    b: list[torch.Tensor]  # [rows * r] each, file dtype
-    scales: list[float]
+    a_shape: tuple[int, int]  # [r, in]
+    b_shape: tuple[int, int]  # [rows, r]
+    layers: list[int] = field(default_factory=list)
+    a: list[torch.Tensor] = field(default_factory=list)  # each layer's lora_A entry, flat
+    b: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # lora_B flat, and where its rows start
+    scales: list[float] = field(default_factory=list)
 
 
 def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_sha256: str,
@@ -78,22 +82,26 @@ def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_
     sha256 equals ``expected_sha256`` (when given).
 
     ``projections`` describes the model: projection path -> slice name -> (in_features, out_features).
-    ``pin_memory``: stage the weights in page-locked memory (for slots on a GPU).
+    ``dtype``: the serving dtype, which every weight must fit once converted (and B once scaled).
+    ``pin_memory``: read the weights into page-locked memory (for slots on a GPU).
     """
     adapter_dir = resolve_adapter_dir(name, source, roots)
     config = _read_config(name, adapter_dir, roots)
-    file, is_pickle = _open_weights(name, adapter_dir, roots, limits)
+    file, is_pickle = _open_weights(name, adapter_dir, roots, limits, pin_memory)
     try:
-        entries = pickle_entries(name, file) if is_pickle else safetensors_entries(name, file.bytes)
-        groups, buffer, max_rank = _stage(name, config, _pair_tensors(name, entries), projections, limits, dtype,
-                                          pin_memory)
+        weights = pickle_weights(name, file) if is_pickle else safetensors_weights(name, file.bytes)
+        groups, max_rank = _group(name, config, _pair_tensors(name, weights.entries), projections, limits)
+        _check_finite(name, groups, weights.runs, dtype)
     except InvalidAdapter:
         _check_sha(name, file.sha256(), expected_sha256)  # other bytes than the registered ones: say that first
         raise
+    buffer = weights.buffer
+    if any(t.dtype != dtype for g in groups for run in g.runs for t in (run.a, run.b)):
+        groups, buffer = _staged(groups, dtype, pin_memory)
     sha = file.sha256()
     _check_sha(name, sha, expected_sha256)
-    nbytes = buffer.numel() * buffer.element_size()
-    return LoraAdapter(name=name, sha256=sha, rank=max_rank, groups=groups, nbytes=nbytes, buffer=buffer)
+    return LoraAdapter(name=name, sha256=sha, rank=max_rank, groups=groups, nbytes=buffer.numel(), dtype=dtype,
+                       buffer=buffer)
 
 
 def _check_sha(name: str, sha: str, expected: str) -> None:
@@ -101,11 +109,10 @@ def _check_sha(name: str, sha: str, expected: str) -> None:
         raise InvalidAdapter(f"adapter {name!r}: sha256 of its weights is {sha}, but {expected} was expected")
 
 
-def _stage(name: str, config: dict, pairs: dict, projections, limits: AdapterLimits, dtype: torch.dtype,
-           pin_memory: bool) -> tuple[tuple[SliceGroup, ...], torch.Tensor, int]:
-    """Checks every pair against the model and the config, then stages each slice group with one
-    gather, conversion and scaling into one buffer, and checks that buffer for NaN/Inf."""
-    gathers: dict[tuple, _Gather] = defaultdict(lambda: _Gather([], [], [], []))
+def _group(name: str, config: dict, pairs: dict, projections,
+           limits: AdapterLimits) -> tuple[tuple[SliceGroup, ...], int]:
+    """Checks every pair against the model and the config, and groups them by slice and rank."""
+    gathers: dict[tuple, _Gather] = {}
     max_rank = 0
     # Without rank or alpha patterns a module's rank check and scale do not depend on its layer.
     per_layer = bool(config.get("rank_pattern") or config.get("alpha_pattern"))
@@ -142,73 +149,115 @@ def _stage(name: str, config: dict, pairs: dict, projections, limits: AdapterLim
         row = 0
         for s in slices:
             width = shapes[s][1]
-            g = gathers[(kind, s, module, r, a.dtype, b.dtype)]
+            g = gathers.get((kind, s, module, r)) or gathers.setdefault((kind, s, module, r),
+                                                                      _Gather((r, in_features), (width, r)))
             g.layers.append(layer)
             g.a.append(a.flat)
-            g.b.append(b.flat if len(slices) == 1 else b.flat[row * r : (row + width) * r])  # a packed B's rows
+            g.b.append((b.flat, row * r))  # a packed B's rows of this slice
             g.scales.append(scale)
             row += width
         max_rank = max(max_rank, r)
     if not gathers:
         raise InvalidAdapter(f"adapter {name!r}: it contains no LoRA weights")
-    total = sum(len(g.layers) * (g.a[0].numel() + g.b[0].numel()) for g in gathers.values())
-    buffer = torch.empty(total, dtype=dtype, pin_memory=pin_memory)  # [total] the adapter's one staging buffer
-    groups, offset = [], 0
-    for (kind, s, module, r, _, _), g in gathers.items():
-        n, a_numel, b_numel = len(g.layers), g.a[0].numel(), g.b[0].numel()
-        a = buffer[offset : offset + n * a_numel].view(n, a_numel)
-        b = buffer[offset + n * a_numel : offset + n * (a_numel + b_numel)].view(n, b_numel)
-        offset += n * (a_numel + b_numel)
-        _gather_into(a, g.a)
-        _gather_scaled_into(b, g.b, g.scales)
-        group = SliceGroup(kind, s, module, tuple(g.layers), a.view(n, r, -1), b.view(n, -1, r))
-        # One reduction per group, while its bytes are still in cache: a sum is finite only if every
-        # element is (it accumulates in float32, rounded once to the dtype). A sum that overflows from
-        # finite elements sends the search through the group's tensors, which then finds nothing.
-        if not math.isfinite(buffer[offset - n * (a_numel + b_numel) : offset].sum().item()):
-            _raise_non_finite(name, group)
-        groups.append(group)
-    return tuple(groups), buffer, max_rank
+    groups = tuple(SliceGroup(kind, s, module, _runs(g)) for (kind, s, module, _), g in gathers.items())
+    return groups, max_rank
 
 
-# Pieces at least this large are converted straight into their row of the staging buffer (one pass
-# over the bytes, one call per piece); smaller ones are stacked first (two passes, one call per group),
-# where the calls would cost more than the bytes.
-_ROW_BY_ROW_BYTES = 64 << 10
+def _runs(g: _Gather) -> tuple[LayerRun, ...]:
+    """``g``'s layers cut into runs of consecutive layers whose A and B each lie evenly spaced in
+    the buffer (one dtype, a positive step), with one scale."""
+    a_at = [t.storage_offset() for t in g.a]  # elements; every entry is a view of one buffer
+    b_at = [t.storage_offset() + row for t, row in g.b]
+    runs, first = [], 0
+    for j in range(1, len(g.layers) + 1):
+        if j < len(g.layers) and g.layers[j] == g.layers[j - 1] + 1 and g.scales[j] == g.scales[first] and \
+                g.a[j].dtype == g.a[first].dtype and g.b[j][0].dtype == g.b[first][0].dtype and \
+                _evenly_spaced(a_at, first, j) and _evenly_spaced(b_at, first, j):
+            continue
+        (r, in_features), rows, n = g.a_shape, g.b_shape[0], j - first
+        step_a, step_b = (a_at[first + 1] - a_at[first], b_at[first + 1] - b_at[first]) if n > 1 else (0, 0)
+        runs.append(LayerRun(g.layers[first],
+                             g.a[first].as_strided((n, r, in_features), (step_a, in_features, 1), a_at[first]),
+                             g.b[first][0].as_strided((n, rows, r), (step_b, r, 1), b_at[first]), g.scales[first]))
+        first = j
+    return tuple(runs)
 
 
-def _gather_into(out: torch.Tensor, pieces: list[torch.Tensor]) -> None:
-    """``out`` ([n, k]) = the pieces stacked, in ``out``'s dtype."""
-    if pieces[0].dtype == out.dtype:
-        torch.stack(pieces, out=out)
-    elif pieces[0].nbytes >= _ROW_BY_ROW_BYTES:
-        for row, piece in zip(out, pieces, strict=True):
-            row.copy_(piece)
-    else:
-        out.copy_(torch.stack(pieces))
+def _evenly_spaced(at: list[int], first: int, j: int) -> bool:
+    """Whether ``at[first : j + 1]`` are evenly spaced, a positive step apart."""
+    step = at[first + 1] - at[first] if j > first + 1 else at[j] - at[first]
+    return step > 0 and at[j] - at[j - 1] == step
 
 
-def _gather_scaled_into(out: torch.Tensor, pieces: list[torch.Tensor], scales: list[float]) -> None:
-    """``out[i] = (pieces[i].float() * scales[i]).to(out.dtype)``, rounded once. ``mul`` computes a
-    product of a float32, bfloat16 or float16 tensor and a Python scale in float32 and rounds once to
-    ``out``; a piece in another dtype than ``out`` is made float32 first, as that formula does."""
-    widen = pieces[0].dtype not in (out.dtype, torch.float32)
-    if pieces[0].nbytes >= _ROW_BY_ROW_BYTES:
-        for row, piece, scale in zip(out, pieces, scales, strict=True):
-            torch.mul(piece.float() if widen else piece, scale, out=row)
+def _staged(groups: tuple[SliceGroup, ...], dtype: torch.dtype,
+            pin_memory: bool) -> tuple[tuple[SliceGroup, ...], torch.Tensor]:
+    """``groups`` converted to ``dtype`` with B's scale folded in, in a new buffer of their own, each
+    group's layers in order (one run per stretch of consecutive layers), and that buffer.
+
+    For a file in another dtype than the serving one (the demo adapters are bfloat16, served in
+    float32 on CPU): converting once here makes every later slot write a plain copy, where converting
+    on each write into a slot's narrow rank columns took twice as long (1.9 ms against 1.0 ms for
+    the rank-4 demo adapter on a 2-core EPYC)."""
+    shapes = [(sum(len(run.layers) for run in g.runs), *g.runs[0].a.shape[1:], g.runs[0].b.shape[1]) for g in groups]
+    total = sum(n * r * (in_features + rows) for n, r, in_features, rows in shapes)
+    buffer = torch.empty(total * dtype.itemsize, dtype=torch.uint8, pin_memory=pin_memory)  # [bytes]
+    elements, offset, staged = buffer.view(dtype), 0, []
+    for g, (n, r, in_features, rows) in zip(groups, shapes, strict=True):
+        a = elements[offset : offset + n * r * in_features].view(n, r, in_features)
+        offset += n * r * in_features
+        b = elements[offset : offset + n * rows * r].view(n, rows, r)
+        offset += n * rows * r
+        runs: list[LayerRun] = []
+        j = 0
+        for run in g.runs:
+            k = j + len(run.layers)
+            write_a(a[j:k], run.a)
+            write_b(b[j:k], run.b, run.scale)
+            if runs and runs[-1].layers.stop == run.first:  # consecutive layers, now side by side
+                start = j - len(runs[-1].layers)
+                runs[-1] = LayerRun(runs[-1].first, a[start:k], b[start:k], 1.0)
+            else:
+                runs.append(LayerRun(run.first, a[j:k], b[j:k], 1.0))
+            j = k
+        staged.append(SliceGroup(g.kind, g.slice, g.module, tuple(runs)))
+    return tuple(staged), buffer
+
+
+def _check_finite(name: str, groups: tuple[SliceGroup, ...], runs: tuple[torch.Tensor, ...],
+                  dtype: torch.dtype) -> None:
+    """Raises InvalidAdapter naming the first tensor that holds NaN or Inf, or a value that becomes
+    Inf in ``dtype`` (A converted, B converted and scaled as ``lora_adapter.write_b`` does).
+
+    One min/max reduction over the file's tensors (one for a one-dtype file) bounds every value;
+    when that bound times the largest scale stays clear of ``dtype``'s largest value, nothing can
+    overflow and no tensor is looked at one by one. Otherwise (NaN or Inf in the file, or values
+    near the top of the range) each tensor is converted as its slot write would and checked; a NaN
+    in a tensor the adapter does not use (a vision tower's) is then found in none of them."""
+    bound = 0.0
+    for run in runs:
+        if run.dtype in _REDUCIBLE and run.numel():
+            low, high = (v.item() for v in torch.aminmax(run))
+            # Python's max drops a NaN that is not its first argument: NaN must become inf here.
+            bound = max(bound, -low, high) if math.isfinite(low) and math.isfinite(high) else math.inf
+        elif run.dtype.is_floating_point:
+            bound = math.inf  # float8: checked tensor by tensor
+    largest_scale = max(1.0, *(run.scale for g in groups for run in g.runs))
+    # 0.99: room for the rounding of the conversion and of the product (2^-8 relative at most).
+    if bound * largest_scale < 0.99 * torch.finfo(dtype).max:  # False for NaN and Inf too
         return
-    stacked = torch.stack(pieces)  # [n, k]
-    if len(set(scales)) == 1:
-        torch.mul(stacked.float() if widen else stacked, scales[0], out=out)
-    else:
-        torch.mul(stacked.float(), torch.tensor(scales, dtype=torch.float32)[:, None], out=out)
+    for g in groups:
+        for layer, a, b, scale in g.layers():
+            for label, t in (("lora_A", a), ("lora_B", b)):
+                converted = torch.empty(t.shape, dtype=dtype)
+                if label == "lora_A":
+                    write_a(converted, t)
+                else:
+                    write_b(converted, t, scale)
+                if not torch.isfinite(converted).all():
+                    raise InvalidAdapter(f"adapter {name!r}: layers.{layer}.{g.module}.{label} contains NaN or Inf")
 
 
-def _raise_non_finite(name: str, g: SliceGroup) -> None:
-    for j, layer in enumerate(g.layers):
-        for label, t in (("lora_A", g.a[j]), ("lora_B", g.b[j])):
-            if not torch.isfinite(t).all():
-                raise InvalidAdapter(f"adapter {name!r}: layers.{layer}.{g.module}.{label} contains NaN or Inf")
+_REDUCIBLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _num_layers(projections) -> int:
@@ -249,11 +298,13 @@ def _read_config(name: str, adapter_dir: Path, roots) -> dict:
     return config
 
 
-def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits) -> tuple[HashedFile, bool]:
-    """The weights file, mapped and being hashed, and whether it is a pickle."""
+def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits,
+                  pin_memory: bool) -> tuple[HashedFile, bool]:
+    """The weights file, read and being hashed, and whether it is a pickle."""
     st, pickle = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     if st.exists():
-        return open_weights(name, contained_file(name, adapter_dir, st.name, roots), limits.max_bytes), False
+        path = contained_file(name, adapter_dir, st.name, roots)
+        return open_weights(name, path, limits.max_bytes, pin_memory), False
     if not pickle.exists():
         raise InvalidAdapter(f"adapter {name!r}: {adapter_dir} has no adapter_model.safetensors")
     if not limits.allow_pickle:
@@ -267,9 +318,9 @@ def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits) ->
 def _pair_tensors(name: str, entries: dict[str, Entry]) -> dict[tuple[int, str, str], list[Entry]]:
     pairs: dict[tuple[int, str, str], list] = {}
     for key, entry in entries.items():
-        if _VISION.fullmatch(key):
-            continue
         m = _TENSOR.fullmatch(key)
+        if not m and _VISION.fullmatch(key):
+            continue
         if not m:
             raise InvalidAdapter(
                 f"adapter {name!r}: unknown tensor {key!r}; expected "

@@ -27,7 +27,7 @@ class LoraRuntime:
         self.downloads = fetcher
         self.layers = wrap_with_lora(model, max_loras, max_rank)
         self._shapes = projection_shapes(self.layers)
-        self._pin = device.type == "cuda"  # adapters are staged in page-locked memory for asynchronous slot copies
+        self._pin = device.type == "cuda"  # adapters are read into page-locked memory for asynchronous slot copies
         self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=self._pin)
         # Built on first use: the engine's steps take their LoRA metadata from the step builder
         # (data_plane.engine.step_inputs); this one serves steps built by hand (tests, benchmarks).

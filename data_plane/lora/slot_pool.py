@@ -2,10 +2,10 @@
 one buffer per role, allocated once at start-up.
 
 Each layer's ``LoRAProjection`` owns a contiguous view of these buffers (``layer_buffers``), in the
-layout the kernels read; the pool writes a whole adapter's groups of its kind into a slot with one
-copy per group (``write``), instead of two per layer and slice. Only the first ``rank`` columns of
-a slot are ever read (``kernels.reference``, the Triton kernels, ``kernels.cpu_lora``), so a write
-copies the adapter's ranks and no padding, and a clear sets the slot's ranks to 0 and leaves its
+layout the kernels read; the pool writes a whole adapter's groups of its kind into a slot
+(``write``), straight from the buffer the adapter's file was read into. Only the first ``rank``
+columns of a slot are ever read (``kernels.reference``, the Triton kernels, ``kernels.cpu_lora``),
+so a write copies the adapter's ranks and no padding, and a clear sets the slot's ranks to 0 and leaves its
 bytes: an empty slot is one of rank 0 everywhere, whatever its buffers hold.
 """
 
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from data_plane.lora.lora_adapter import SliceGroup
+from data_plane.lora.lora_adapter import SliceGroup, write_a, write_b
 
 
 class SlotOwner(Protocol):
@@ -49,21 +49,19 @@ class SlotPool:
         return self.a[layer], self.b[layer], self.ranks[layer]
 
     def write(self, slot: int, groups: list[SliceGroup]) -> None:
-        """Puts ``groups`` (an adapter's groups of this kind) into ``slot`` of every layer; slices and
-        layers they lack get rank 0. Copies are asynchronous from pinned memory on a GPU."""
+        """Puts ``groups`` (an adapter's groups of this kind) into ``slot`` of every layer, in the pool's
+        dtype with B's scale folded in (``lora_adapter.write_b``); slices and layers they lack get
+        rank 0. Copies are asynchronous from pinned memory on a GPU."""
         table = [[0] * len(self.slice_index) for _ in self.owners]  # [layers][S] the slot's new ranks
         for g in groups:
             s, r = self.slice_index[g.slice], g.rank
             lo, hi = self.row_offsets[s], self.row_offsets[s + 1]
-            if len(g.layers) == len(self.owners):  # every layer, in order: one copy per role
-                self.a[:, s, slot, :r].copy_(g.a, non_blocking=True)
-                self.b[:, slot, lo:hi, :r].copy_(g.b, non_blocking=True)
-            else:
-                for j, layer in enumerate(g.layers):
-                    self.a[layer, s, slot, :r].copy_(g.a[j], non_blocking=True)
-                    self.b[layer, slot, lo:hi, :r].copy_(g.b[j], non_blocking=True)
-            for layer in g.layers:
-                table[layer][s] = r
+            for run in g.runs:
+                layers = slice(run.layers.start, run.layers.stop)
+                write_a(self.a[layers, s, slot, :r], run.a)
+                write_b(self.b[layers, slot, lo:hi, :r], run.b, run.scale)
+                for layer in run.layers:
+                    table[layer][s] = r
         self.ranks[:, :, slot].copy_(torch.tensor(table, dtype=torch.int32))
         self._tell_owners(slot, table)
 

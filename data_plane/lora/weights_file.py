@@ -1,16 +1,16 @@
-"""An adapter's weights file, memory-mapped and hashed in one pass over its bytes.
+"""An adapter's weights file, read into host memory and hashed in one pass over its bytes.
 
-A safetensors file is mapped, not read into a bytes object: its tensors are views of the mapping,
-so the staging copy (``peft_adapter``) is the only copy the bytes get, and sha256 runs over the
-same mapping on another thread (hashlib releases the GIL) while the header is parsed and the
-tensors are checked and staged. The sha256 is of the whole file, as the registry records it.
+The file is read in chunks into one buffer (page-locked when the slots are on a GPU), and sha256
+runs over each chunk on another thread as soon as it has arrived (hashlib and the reads release
+the GIL), so the hash ends about when the read does. The tensors are views of that buffer: the
+adapter keeps it as its host copy, and a slot write copies from it, so the bytes are written once
+in host memory (by the read) and once into the slots. The sha256 is of the whole file, as the
+registry records it, and of the very bytes the views hold: a file rewritten after the read
+changes nothing that was verified.
 
 The header is parsed here rather than by the safetensors package: the names, dtypes and shapes come
 from it without building a tensor per entry, and every way a file can be truncated or corrupt is
 checked (and named) before a byte of data is used.
-
-A file mapped here must not be truncated in place while it is read (a write to a new file and a
-rename, as the download cache does, is safe): reading a page past a shrunk end raises SIGBUS.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import hashlib
 import io
 import json
 import math
-import mmap
 import pickle
+import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +37,13 @@ DTYPES = {
     "U32": torch.uint32, "U64": torch.uint64,
 }
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound
-# Smaller files are hashed on the reading thread, before the header is parsed: their hash takes a
-# millisecond or two, less than handing it to another thread can cost on a busy machine. The pass
-# still reads the file (through the mapping) for the staging that follows.
-BACKGROUND_HASH_BYTES = 16 << 20
+# Smaller files are hashed on the reading thread after the read: their hash takes well under a
+# millisecond, less than handing it to another thread can cost.
+BACKGROUND_HASH_BYTES = 1 << 20
+# The hashing thread follows the read one chunk behind: the hash ends one chunk's hash (~0.5 ms at
+# 2 GB/s) after the read.
+CHUNK_BYTES = 1 << 20
+_ALIGN = 8  # bytes; every dtype's element size divides it
 
 
 @dataclass(frozen=True)
@@ -49,34 +52,52 @@ class Entry:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    flat: torch.Tensor  # [numel], a view of the file's bytes (or of a loaded tensor)
+    flat: torch.Tensor  # [numel], a view of the weights' buffer
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The tensors of a weights file, all views of one buffer."""
+
+    entries: dict[str, Entry]
+    buffer: torch.Tensor  # [nbytes] uint8, the host memory every entry views
+    runs: tuple[torch.Tensor, ...]  # flat views that together hold every entry's elements (one when one dtype)
 
 
 class HashedFile:
-    """A file's bytes (mapped when it has any) and its sha256, computed on a thread of its own."""
+    """A file's bytes, read into ``bytes``, and their sha256, computed on a thread of its own."""
 
-    def __init__(self, path: Path, size: int) -> None:
-        if size:
-            with open(path, "rb") as f:
-                # A private mapping: writable for torch.frombuffer, and never written, so never copied.
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [size]
-        else:
-            self._map = b""
-            self.bytes = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, path: Path, size: int, pin_memory: bool = False) -> None:
+        self.bytes = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)  # [size]
         self._hash = hashlib.sha256()
         self._hashed = threading.Event()
         self._error: BaseException | None = None
-        if size < BACKGROUND_HASH_BYTES:
-            self._run()
-        else:
+        view = memoryview(self.bytes.numpy())
+        with open(path, "rb", buffering=0) as f:
+            if size < BACKGROUND_HASH_BYTES:
+                _read_into(f, view)
+                _at_end(f)
+                self._run([view, None])
+                return
+            chunks: queue.SimpleQueue = queue.SimpleQueue()  # memoryviews read so far, then None
             # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
             # costs a scheduling round before any of the work that overlaps the hash can begin.
-            _thread.start_new_thread(self._run, ())
+            _thread.start_new_thread(self._run, (iter(chunks.get, None),))
+            try:
+                for start in range(0, size, CHUNK_BYTES):
+                    chunk = view[start : start + CHUNK_BYTES]
+                    _read_into(f, chunk)
+                    chunks.put(chunk)
+                _at_end(f)
+            finally:
+                chunks.put(None)
 
-    def _run(self) -> None:
+    def _run(self, chunks) -> None:
         try:
-            self._hash.update(self._map)
+            for chunk in chunks:
+                if chunk is None:
+                    break
+                self._hash.update(chunk)
         except BaseException as e:  # noqa: BLE001 - handed to the reader, on whose thread it is raised
             self._error = e
         finally:
@@ -90,18 +111,37 @@ class HashedFile:
         return self._hash.hexdigest()
 
 
-def open_weights(name: str, path: Path, max_bytes: int) -> HashedFile:
-    """Maps ``path`` and starts hashing it; refuses a file over ``max_bytes``."""
+class _Changed(OSError):
+    """The file's size changed while it was read."""
+
+
+def _read_into(f: io.RawIOBase, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise _Changed(0, "it got shorter while it was read (is it still being written?)")
+        done += n
+
+
+def _at_end(f: io.RawIOBase) -> None:
+    if f.read(1):
+        raise _Changed(0, "it got longer while it was read (is it still being written?)")
+
+
+def open_weights(name: str, path: Path, max_bytes: int, pin_memory: bool = False) -> HashedFile:
+    """Reads ``path`` and hashes it; refuses a file over ``max_bytes``. ``pin_memory``: read it into
+    page-locked memory (for slots on a GPU)."""
     try:
         size = path.stat().st_size
         if size > max_bytes:
             raise InvalidAdapter(f"adapter {name!r}: {path.name} is {size} bytes, over the pod's limit of {max_bytes}")
-        return HashedFile(path, size)
+        return HashedFile(path, size, pin_memory)
     except OSError as e:
         raise InvalidAdapter(f"adapter {name!r}: cannot read {path.name}: {e.strerror}") from None
 
 
-def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
+def safetensors_weights(name: str, data: torch.Tensor) -> Weights:
     """The tensors of a safetensors file whose bytes are ``data`` ([size] uint8), as views of it.
 
     Raises InvalidAdapter when the header is not a JSON object of well-formed entries, or when the
@@ -146,29 +186,45 @@ def safetensors_entries(name: str, data: torch.Tensor) -> dict[str, Entry]:
         expected = end
     if expected != body.numel():
         raise corrupt(f"its tensors need {expected} bytes of data, but the file holds {body.numel()}")
+    if (8 + header_len) % _ALIGN:  # old writers did not pad the header: one aligned copy of the data
+        body = body.clone()
     dtypes = {dtype for *_, dtype, _ in spans}
     if len(dtypes) == 1:  # the usual file: the whole body as that dtype, split in one call into views
         (dtype,) = dtypes
-        pieces = torch.split(_as_dtype(body, dtype), [(end - start) // dtype.itemsize for start, end, *_ in spans])
+        runs = (body.view(dtype),)
+        pieces = torch.split(runs[0], [(end - start) // dtype.itemsize for start, end, *_ in spans])
     else:
-        pieces = [_as_dtype(p, dtype) for p, (*_, dtype, _) in
-                  zip(torch.split(body, [end - start for start, end, *_ in spans]), spans, strict=True)]
-    return {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
+        raw = torch.split(body, [end - start for start, end, *_ in spans])
+        try:
+            pieces = runs = tuple(p.view(dtype) for p, (*_, dtype, _) in zip(raw, spans, strict=True))
+        except RuntimeError:  # a tensor not aligned to its element size: a copy of each, aligned
+            return _copied({key: (dtype, shape, p) for p, (_, _, key, dtype, shape) in zip(raw, spans, strict=True)})
+    entries = {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
+    return Weights(entries, body, runs)
 
 
-def pickle_entries(name: str, file: HashedFile) -> dict[str, Entry]:
-    """The tensors of a pickled state dict (``adapter_model.bin``), loaded with ``weights_only``."""
+def pickle_weights(name: str, file: HashedFile) -> Weights:
+    """The tensors of a pickled state dict (``adapter_model.bin``), loaded with ``weights_only`` and
+    copied into one buffer."""
     try:
         tensors = torch.load(io.BytesIO(file.bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin was refused by the safe loader: {e}") from None
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise InvalidAdapter(f"adapter {name!r}: adapter_model.bin must hold a dict of tensors")
-    return {key: Entry(t.dtype, tuple(t.shape), t.reshape(-1)) for key, t in tensors.items()}
+    return _copied({key: (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8)) for key, t in tensors.items()})
 
 
-def _as_dtype(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        return piece.view(dtype)
-    except RuntimeError:  # an offset not aligned to the element size (old writers did not pad the header)
-        return piece.clone().view(dtype)
+def _copied(tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]]) -> Weights:
+    """Weights holding a copy of each (dtype, shape, bytes) in one buffer, each aligned."""
+    starts, total = [], 0
+    for _, _, raw in tensors.values():
+        starts.append(total)
+        total += -(-raw.numel() // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)  # [total]
+    entries = {}
+    for start, (key, (dtype, shape, raw)) in zip(starts, tensors.items(), strict=True):
+        target = buffer[start : start + raw.numel()]
+        target.copy_(raw)
+        entries[key] = Entry(dtype, shape, target.view(dtype))
+    return Weights(entries, buffer, tuple(e.flat for e in entries.values()))

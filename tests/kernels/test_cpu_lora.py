@@ -124,13 +124,15 @@ def test_the_pack_holds_real_ranks_only_and_each_slice_on_its_own_block():
     assert sorted(packed.a) == [slot for slot in range(5) if any(ranks[s][slot] for s in range(3))]
     for slot, a in packed.a.items():
         total = sum(ranks[s][slot] for s in range(3))
-        assert a.shape == (QKV.in_features, total) and packed.b[slot].shape == (total, QKV.offsets[-1])
+        assert a.shape == (total, QKV.in_features) and packed.b[slot].shape == (QKV.offsets[-1], total)
         assert not packed.b[slot].isnan().any(), "rank padding of B (NaN in this problem) was packed"
         c = 0
         for s in range(3):
             r, (lo, hi) = ranks[s][slot], (QKV.offsets[s], QKV.offsets[s + 1])
-            block = packed.b[slot][c : c + r]
-            assert not block[:, :lo].any() and not block[:, hi:].any(), f"slice {s} of slot {slot} leaks"
+            block = packed.b[slot][:, c : c + r]
+            assert not block[:lo].any() and not block[hi:].any(), f"slice {s} of slot {slot} leaks"
+            assert torch.equal(a[c : c + r], p.lora_a[s, slot, :r])
+            assert torch.equal(block[lo:hi], p.lora_b[slot, lo:hi, :r])
             c += r
 
 

@@ -1,6 +1,7 @@
-"""What the fast reader stages and writes into slots is what peft's files and config say, bit for
+"""What the reader hands over and writes into slots is what peft's files and config say, bit for
 bit: A in the serving dtype, B times its scale rounded once; slot pools hold what per-layer writes
-would; and every malformed safetensors header is refused by name."""
+would; a value the serving dtype cannot hold is refused by name; and every malformed safetensors
+header is refused by name."""
 
 from __future__ import annotations
 
@@ -61,35 +62,42 @@ def test_staged_deltas_equal_the_files_weights_and_scale(tiny_base, tiny_adapter
         for s, (a, b) in slices.items():
             assert got[path][s].a.dtype == dtype and torch.equal(got[path][s].a, a), (path, s)
             assert torch.equal(got[path][s].b, b), (path, s)
-    assert adapter.nbytes == sum(a.numel() + b.numel() for sl in expected.values() for a, b in sl.values()) \
-        * dtype.itemsize
+    tensors = load_file(tiny_adapters / name / WEIGHTS)
+    if dtype == torch.float32:  # the file's own dtype: its tensors as stored, not a copy
+        assert adapter.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    else:  # converted once, A and B of the serving dtype
+        assert adapter.nbytes == sum(t.numel() for t in tensors.values()) * dtype.itemsize
 
 
-def test_large_pieces_are_staged_row_by_row_to_the_same_bits(tiny_base, tiny_adapters, monkeypatch):
-    from data_plane.lora import peft_adapter
-
-    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", 0)  # every piece counts as large
-    for dtype in (torch.float32, torch.bfloat16):
-        rt = _runtime(tiny_base, tiny_adapters, str(dtype).removeprefix("torch."))
-        for name in ("r16rs", "r64pat"):
-            got = rt.read(name, name).deltas
-            for path, slices in _expected(tiny_adapters / name, dtype).items():
-                for s, (a, b) in slices.items():
-                    assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (name, path, s)
+def _slot_contents(rt, slot):
+    """path -> slice -> (A, B) as slot ``slot`` holds them, at each slice's rank."""
+    held = {}
+    for path, layer in rt.layers.items():
+        for s, name in enumerate(layer.slice_names):
+            r, lo, hi = layer.host_ranks[s][slot], layer.host_offsets[s], layer.host_offsets[s + 1]
+            if r:
+                held.setdefault(path, {})[name] = (layer.lora_a[s, slot, :r], layer.lora_b[slot, lo:hi, :r])
+    return held
 
 
-@pytest.mark.parametrize("row_bytes", [0, 1 << 30])
-def test_a_bfloat16_file_served_in_bfloat16(tiny_base, tiny_adapters, tmp_path, monkeypatch, row_bytes):
-    """The 8B case: B times its scale computed in float32 and rounded once, row by row or stacked."""
-    from data_plane.lora import peft_adapter
-
-    monkeypatch.setattr(peft_adapter, "_ROW_BY_ROW_BYTES", row_bytes)
-    shutil.copytree(tiny_adapters / "r64pat", tmp_path / "half")
-    edit_tensors(tmp_path / "half", lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
-    got = _runtime(tiny_base, tmp_path, "bfloat16").read("half", "half").deltas
-    for path, slices in _expected(tmp_path / "half", torch.bfloat16).items():
+@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                   (torch.float16, torch.bfloat16), (torch.float64, torch.float16)])
+def test_slots_hold_the_files_weights_converted_and_b_scaled_once(tiny_base, tiny_adapters, tmp_path, file_dtype,
+                                                                  dtype):
+    """B goes from the read buffer into its slot: (B.float() * scale) rounded once to the slot's dtype,
+    whatever the file's dtype (the 8B case: bfloat16 in, bfloat16 out)."""
+    shutil.copytree(tiny_adapters / "r64pat", tmp_path / "cast")
+    edit_tensors(tmp_path / "cast", lambda t: t.update({k: v.to(file_dtype) for k, v in t.items()}))
+    rt = _runtime(tiny_base, tmp_path, str(dtype).removeprefix("torch."))
+    rt.load("cast", "cast")
+    held = _slot_contents(rt, rt.cache.acquire("cast"))
+    expected = _expected(tmp_path / "cast", dtype)
+    assert held.keys() == expected.keys()
+    for path, slices in expected.items():
+        assert held[path].keys() == slices.keys(), path
         for s, (a, b) in slices.items():
-            assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (path, s)
+            assert torch.equal(held[path][s][0], a) and torch.equal(held[path][s][1], b), (path, s)
 
 
 def test_pool_writes_hold_what_per_layer_writes_would(tiny_base, tiny_adapters):
@@ -130,7 +138,7 @@ def test_adapter_of_some_layers_only(tiny_base, tiny_adapters, tmp_path):
             assert torch.equal(layer.lora_a[s, slot, :8], a) and torch.equal(layer.lora_b[slot, lo:hi, :8], b)
 
 
-def test_finite_weights_whose_sum_overflows_still_load(tiny_base, tiny_adapters, tmp_path):
+def test_finite_weights_near_the_top_of_the_range_still_load(tiny_base, tiny_adapters, tmp_path):
     shutil.copytree(tiny_adapters / "r8", tmp_path / "huge")
 
     def huge(t):
@@ -147,6 +155,22 @@ def test_a_value_the_serving_dtype_cannot_hold_is_refused(tiny_base, tiny_adapte
     edit_tensors(tmp_path / "wide", wide)
     with pytest.raises(InvalidAdapter, match=r"layers\.1\.up_proj\.lora_A contains NaN or Inf"):
         _runtime(tiny_base, tmp_path, "float16").read("wide", "wide")
+
+
+@pytest.mark.parametrize(("value", "loads"), [(30000.0, True), (40000.0, False)])
+def test_a_b_that_overflows_once_scaled_is_refused(tiny_base, tiny_adapters, tmp_path, value, loads):
+    """r8's scale is 16 / 8 = 2: 30000 scaled fits float16 (60000 <= 65504), 40000 scaled does not."""
+    shutil.copytree(tiny_adapters / "r8", tmp_path / "big")
+
+    def big(t):
+        t["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"][7, 3] = value
+    edit_tensors(tmp_path / "big", big)
+    rt = _runtime(tiny_base, tmp_path, "float16")
+    if loads:
+        assert rt.read("big", "big").rank == 8
+    else:
+        with pytest.raises(InvalidAdapter, match=r"layers\.0\.down_proj\.lora_B contains NaN or Inf"):
+            rt.read("big", "big")
 
 
 def test_a_header_without_padding_still_loads(tiny_base, tiny_adapters, tmp_path):
@@ -227,3 +251,58 @@ def test_mixed_dtypes_in_one_file(tiny_base, tiny_adapters, tmp_path):
     for path, slices in _expected(tmp_path / "mixed", torch.float32).items():
         for s, (a, b) in slices.items():
             assert torch.equal(got[path][s].a, a) and torch.equal(got[path][s].b, b), (path, s)
+
+
+def test_a_large_file_is_hashed_chunk_by_chunk_to_the_whole_files_sha256(tiny_base, tiny_adapters, monkeypatch):
+    """Files from BACKGROUND_HASH_BYTES up are hashed on another thread as their chunks arrive."""
+    import hashlib
+
+    from data_plane.lora import weights_file
+
+    monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
+    monkeypatch.setattr(weights_file, "CHUNK_BYTES", 4096)  # several chunks, the last one partial
+    data = (tiny_adapters / "r64pat" / WEIGHTS).read_bytes()
+    assert len(data) % 4096 and len(data) > 3 * 4096
+    adapter = _runtime(tiny_base, tiny_adapters).read("r64pat", "r64pat", hashlib.sha256(data).hexdigest())
+    assert adapter.sha256 == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(("claimed", "match"), [(+1, "got shorter while it was read"),
+                                                (-1, "got longer while it was read")])
+def test_a_file_that_changes_size_while_read_is_refused(tiny_adapters, monkeypatch, claimed, match):
+    """Its size is taken before the read; a file still being written has another size after it."""
+    from data_plane.lora import weights_file
+
+    path = tiny_adapters / "r8" / WEIGHTS
+    size = path.stat().st_size
+    for background in (0, 1 << 30):
+        monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", background)
+        with pytest.raises(OSError, match=match):
+            weights_file.HashedFile(path, size + claimed)
+
+
+@pytest.mark.parametrize("name", ["r64pat", "r16rs"])
+def test_an_adapter_moved_to_another_buffer_holds_the_same_weights(tiny_base, tiny_adapters, name):
+    """What pin_memory does on a GPU pod (page-locked memory needs a GPU; a plain buffer here)."""
+    adapter = _runtime(tiny_base, tiny_adapters).read(name, name)
+    moved = adapter.with_buffer(torch.empty_like(adapter.buffer))
+    end = adapter.buffer.data_ptr() + adapter.nbytes
+    for g in moved.groups:
+        for run in g.runs:
+            for t in (run.a, run.b):
+                assert not adapter.buffer.data_ptr() <= t.data_ptr() < end  # nothing left in the old buffer
+    expected = adapter.deltas
+    assert moved.deltas.keys() == expected.keys()
+    for path, slices in expected.items():
+        for s, delta in slices.items():
+            got = moved.deltas[path][s]
+            assert torch.equal(got.a, delta.a) and torch.equal(got.b, delta.b), (path, s)
+
+
+def test_a_file_in_another_dtype_is_converted_once_into_one_run_per_group(tiny_base, tiny_adapters):
+    """The tiny adapters are float32; served in bfloat16 they are staged, each group's layers side by side."""
+    adapter = _runtime(tiny_base, tiny_adapters, "bfloat16").read("r8", "r8")
+    for g in adapter.groups:
+        assert len(g.runs) == 1 and g.runs[0].layers == range(2) and g.runs[0].scale == 1.0
+        assert g.runs[0].a.dtype == g.runs[0].b.dtype == torch.bfloat16
+        assert g.runs[0].a.is_contiguous() and g.runs[0].b.is_contiguous()
