@@ -177,3 +177,12 @@ def test_work_past_the_steps_followed_one_by_one_counts_at_the_last_steps_rate()
     # the work ahead of a huge prompt still shows in the part of its wait that is not its own
     ahead = e.estimate(Ahead(1, 40 * 100), huge, decoding) - e.own_prefill(huge, decoding)
     assert ahead == pytest.approx(100 * 0.14)
+
+
+def test_an_estimate_past_what_admission_allows_counts_the_rest_at_the_last_steps_rate():
+    e = estimator()
+    decoding = Load(2, 2, (5, 5))  # 40 tokens a step of 0.14 s
+    followed = e.estimate(Ahead(1, 40 * 100), 40, decoding)
+    assert followed == pytest.approx(101 * 0.14)
+    # stopped after 1 s (8 steps), the other 93 at the same rate: the same wait, as long as steps are alike
+    assert e.estimate(Ahead(1, 40 * 100), 40, decoding, enough_s=1.0) == pytest.approx(followed)
