@@ -100,8 +100,9 @@ class Arrivals:
         seen = self._seen.get(tenant)
         if not seen or within_s <= 0:
             return 0
-        span = max(now - seen[0][0], self._window_s / 4)  # a tenant seen only just now: a rate over a quarter window
-        return round(len(seen) * within_s / span)
+        # the rate over the whole window, however recent the first of them: a burst sent at once is not
+        # taken for a rate that lasts
+        return round(len(seen) * within_s / self._window_s)
 
     def mean_prompt(self, tenant: object) -> int:
         seen = self._seen.get(tenant)
