@@ -336,7 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-growth", type=float, default=d.itl_growth, metavar="FACTOR",
                    help="a step that prefills new prompts beside running streams lasts at most FACTOR times their "
                         f"decodes alone, by the step-time model the pod fits to its own steps (default {d.itl_growth}: "
-                        "streams' inter-token gaps grow by at most that while prompts arrive); 0 = throughput "
+                        "streams' inter-token gaps grow by at most that while prompts arrive, except in steps "
+                        "that make up for an admitted request about to miss its --max-queue-delay); 0 = throughput "
                         "instead: such a step may last as long as the step whose prefill runs at "
                         f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate (more prompts per second, "
                         "several times longer gaps while they are prefilled)")

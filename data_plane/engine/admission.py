@@ -239,12 +239,19 @@ def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
         return Late("deadline", f"this pod would give the request its first token in about {wait_s:.2f} s, after "
                                 f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
                     retry_after(wait_s, timeout_s))
-    allowed_s = max(max_queue_delay_s, 2 * own_s)
-    if max_queue_delay_s and wait_s > allowed_s:
+    allowed_s = promise_s(own_s, max_queue_delay_s)
+    if allowed_s is not None and wait_s > allowed_s:
         return Late("queue_delay", f"this pod would give the request its first token in about {wait_s:.2f} s, "
                                    f"beyond its --max-queue-delay of {max_queue_delay_s:g} s; retry on another "
                                    "pod or later", retry_after(wait_s, allowed_s))
     return None
+
+
+def promise_s(own_s: float, max_queue_delay_s: float) -> float | None:
+    """How soon an admitted request's first token is promised (None: no --max-queue-delay, no promise):
+    within the queue delay, or for a prompt whose own prefill (``own_s``) takes more than half of it,
+    within twice that."""
+    return max(max_queue_delay_s, 2 * own_s) if max_queue_delay_s else None
 
 
 def retry_after(estimate_s: float, allowed_s: float) -> float:

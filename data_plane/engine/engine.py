@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from conventions.prefix_chain import RoutingPrefix
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
-from data_plane.engine.admission import DelayEstimator, Load, lateness, retry_after
+from data_plane.engine.admission import DelayEstimator, Load, lateness, promise_s, retry_after
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
@@ -240,8 +240,9 @@ class Engine:
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
+        promised = promise_s(own_s * self.delays.tail(), self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        ttft_estimate=wait_s)
+                        ttft_estimate=wait_s, first_token_due=None if promised is None else now + promised)
 
     def _estimate_first_token(self, adapter: str | None, prompt_tokens: int, load: Load,
                               timeout_s: float | None) -> tuple[float, float]:

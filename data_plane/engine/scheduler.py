@@ -94,14 +94,15 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
                  policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
-                 prefill_budget: Callable[[int, int], int] | None = None) -> None:
+                 prefill_budget: Callable[[int, int, bool], int] | None = None) -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
         under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
-        tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters)``:
-        the prefill tokens a step with those decodes may carry (``StepCost.prefill_budget``; default: all
-        that ``max_num_batched_tokens`` leaves)."""
+        tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters, rush)``:
+        the prefill tokens a step with those decodes may carry, ``rush`` when an admitted request's
+        first-token promise is at risk (``StepCost.prefill_budget``; default: all that
+        ``max_num_batched_tokens`` leaves)."""
         self._salt = salt
-        self._prefill_budget = prefill_budget or (lambda decode_rows, adapters: limits.max_num_batched_tokens)
+        self._prefill_budget = prefill_budget or (lambda decode_rows, adapters, rush: limits.max_num_batched_tokens)
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -218,7 +219,7 @@ class Scheduler:
             if self._make_room(seq, 1, batch):
                 budget -= self._take(batch, seq, 1)
         adapters = len({item.seq.slot for item in batch if item.seq.slot >= 0})
-        budget = min(budget, self._prefill_budget(len(batch), adapters))
+        budget = min(budget, self._prefill_budget(len(batch), adapters, self._promise_at_risk(time.monotonic())))
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
         admitting = True
@@ -246,6 +247,15 @@ class Scheduler:
                 continue
             budget -= self._take(batch, waiting, *admitted)
         return batch
+
+    def _promise_at_risk(self, now: float) -> bool:
+        """Whether a request admitted with a first-token promise has waited more than half of it without
+        its first token: its step then prefills up to the device's throughput knee (``StepCost``), so a
+        wait the admission estimate got wrong is made up at the cost of a longer gap for running streams
+        in those steps, instead of breaking the promise."""
+        return any(seq.first_token_due is not None and not seq.output_ids
+                   and now - seq.arrival > (seq.first_token_due - seq.arrival) / 2
+                   for seq in (*self._prefilling(), *self.waiting))
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

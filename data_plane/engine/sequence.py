@@ -101,6 +101,7 @@ class Sequence:
     first_scheduled: float | None = None  # time.monotonic() of its first admission
     started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
     ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
+    first_token_due: float | None = None  # time.monotonic() its first token was promised by (None: no promise)
     first_token_time: float | None = None
     last_token_time: float | None = None
 

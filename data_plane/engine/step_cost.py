@@ -18,6 +18,11 @@ step that also prefills lasts at most that many times its decodes alone: the gap
 stream's tokens grows by at most that factor whatever arrives, on any device, since both figures come
 from the same fitted model. ``--target-itl`` gives an absolute target in seconds instead.
 
+A step is rushed (``rush``) while an admitted request has waited more than half its promised time
+for a first token without it (``Scheduler._promise_at_risk``): it then prefills up to the throughput
+knee below whatever the growth, so a wait the admission estimate got wrong is made up by a few longer
+steps instead of a broken promise.
+
 ``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
 throughput knee. A step pays its fixed part once whatever it computes (``fixed``: the fixed cost, one
 prefilling sequence, one adapter), so a step of ``n`` prompt tokens prefills at
@@ -113,29 +118,33 @@ class StepCost:
             return 0.0
         return float(np.dot(self.coef, shape.features()))
 
-    def step_target(self, decode_rows: int, adapters: int) -> float:
-        """The time a step with these decodes may take once prefill fills it."""
+    def step_target(self, decode_rows: int, adapters: int, rush: bool = False) -> float:
+        """The time a step with these decodes may take once prefill fills it; with ``rush`` (an admitted
+        request's first-token promise is at risk) at least up to the device's throughput knee."""
         decodes = self.predict(StepShape(decode_rows, adapters=adapters))
+        knee = max(DEFAULT_ITL_GROWTH * decodes, self.knee_step_s())
         if self.target_itl_s:
-            return max(self.target_itl_s, decodes)
-        if self.itl_growth:
-            return self.itl_growth * decodes
-        return max(DEFAULT_ITL_GROWTH * decodes, self.knee_step_s())
+            target = max(self.target_itl_s, decodes)
+        elif self.itl_growth:
+            target = self.itl_growth * decodes
+        else:
+            target = knee
+        return max(target, knee) if rush else target
 
     def knee_step_s(self) -> float:
         """The shortest step whose prefill runs at ``KNEE_EFFICIENCY`` of the device's peak prefill rate:
         its fixed part (a step, one prefilling sequence, one adapter) over ``1 - KNEE_EFFICIENCY``."""
         return self.predict(StepShape(0, 0, 1, 1)) / (1.0 - KNEE_EFFICIENCY)
 
-    def prefill_budget(self, decode_rows: int, adapters: int) -> int:
+    def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False) -> int:
         """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry
         (one prefilling sequence assumed): all the step has room for when nothing decodes, else as many as
-        fit the target, and never fewer than MIN_PREFILL_TOKENS."""
+        fit the target (``rush``: see ``step_target``), and never fewer than MIN_PREFILL_TOKENS."""
         room = max(0, self._max_tokens - decode_rows)
         if decode_rows == 0 or self.coef is None:
             return room
         per_token = float(self.coef[2])
-        spare = self.step_target(decode_rows, adapters) - self.predict(
+        spare = self.step_target(decode_rows, adapters, rush) - self.predict(
             StepShape(decode_rows, 0, 1, adapters))
         fits = room if per_token <= 0 else int(spare / per_token + 1e-6)  # a token that fits to rounding fits
         return min(room, max(MIN_PREFILL_TOKENS, fits))

@@ -101,7 +101,7 @@ def test_running_requests_go_first_and_new_ones_get_what_is_left_of_the_budget()
 
 def test_every_running_decode_gets_its_token_and_prefill_gets_only_the_step_budget():
     # the step-time model allows 2 prefill tokens a step beside decodes (and 64 with nothing decoding)
-    s = scheduler(budget=64, prefill_budget=lambda decodes, adapters: 2 if decodes else 64)
+    s = scheduler(budget=64, prefill_budget=lambda decodes, adapters, rush: 2 if decodes else 64)
     for name in "ab":
         request(s, name, 3)
     assert step(s) == [("a", 3), ("b", 3)]  # nothing decodes yet: both prompts whole
@@ -113,7 +113,7 @@ def test_every_running_decode_gets_its_token_and_prefill_gets_only_the_step_budg
 
 def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
     asked = []
-    s = scheduler(prefill_budget=lambda decodes, adapters: asked.append((decodes, adapters)) or 64)
+    s = scheduler(prefill_budget=lambda decodes, adapters, rush: asked.append((decodes, adapters)) or 64)
     request(s, "a", 3, adapter="x")
     request(s, "b", 3, adapter="y")
     request(s, "c", 3)
@@ -122,8 +122,25 @@ def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
     assert asked == [(0, 0), (3, 2)]
 
 
+def test_a_step_rushes_when_a_request_has_waited_half_its_promised_first_token_without_it():
+    asked = []
+    s = scheduler(max_num_seqs=1, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
+    request(s, "running", 3, max_tokens=50)
+    step(s)
+    now = time.monotonic()
+    late = request(s, "late", 3)
+    late.arrival, late.first_token_due = now - 1.5, now + 0.5  # promised 2 s, waited 1.5 s
+    fresh = request(s, "fresh", 3)
+    fresh.first_token_due = fresh.arrival + 2.0
+    step(s)
+    assert asked == [False, True]
+    late.arrival, late.first_token_due = now - 0.5, now + 1.5  # waited a quarter of its promise: no rush
+    step(s)
+    assert asked[-1] is False
+
+
 def test_a_started_prompt_is_finished_before_a_tenant_served_as_much_starts():
-    s = scheduler(prefill_budget=lambda decodes, adapters: 4)
+    s = scheduler(prefill_budget=lambda decodes, adapters, rush: 4)
     for i in range(3):
         request(s, f"flood{i}", 12, adapter="x")
     step(s)  # the flood's first prompt starts: 4 of its 12 tokens
@@ -138,7 +155,7 @@ def test_a_started_prompt_is_finished_before_a_tenant_served_as_much_starts():
 
 
 def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_flood_s_long_prompt():
-    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters: 64)
+    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 64)
     request(s, "long", STARTED_QUANTUM + 256, adapter="x")
     step(s)  # 64 of its tokens
     request(s, "quiet", 4, adapter="y")  # joins at x's standing then: 64
@@ -151,7 +168,7 @@ def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_floo
 
 
 def test_under_fcfs_prompts_being_chunked_keep_going_before_newer_ones():
-    s = scheduler(policy=Policy.FCFS, prefill_budget=lambda decodes, adapters: 4)
+    s = scheduler(policy=Policy.FCFS, prefill_budget=lambda decodes, adapters, rush: 4)
     request(s, "old", 12, adapter="x")
     step(s)
     request(s, "new", 4, adapter="y")
@@ -494,7 +511,7 @@ def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
 
 
 def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
-    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters: 4)
+    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush: 4)
     request(s, "flood", 12, adapter="x")
     step(s)  # 8 of its tokens still to compute; it holds one of the two seats
     assert s.ahead_of("x", 4) == Ahead(0, 8)

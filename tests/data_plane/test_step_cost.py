@@ -136,3 +136,10 @@ def test_a_growth_that_would_not_let_prefill_in_is_refused():
     for bad in (-1.0, 0.5, 1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="itl_growth"):
             StepCost(itl_growth=bad)
+
+
+def test_a_rushed_step_prefills_up_to_the_knee_whatever_the_growth():
+    assert fitted().prefill_budget(8, 2, rush=True) == fitted(itl_growth=0).prefill_budget(8, 2)
+    assert fitted().prefill_budget(8, 2, rush=True) > fitted().prefill_budget(8, 2)
+    # an absolute target longer than the knee stays
+    assert fitted(target_itl_s=1.0).prefill_budget(8, 2, rush=True) == fitted(target_itl_s=1.0).prefill_budget(8, 2)
