@@ -137,7 +137,8 @@ class DataPlaneConfig:
             raise ValueError(f"--max-queue-delay must be a number of seconds >= 0 (0 = no limit), "
                              f"got {self.max_queue_delay_s}")
         if not 0 <= self.target_itl_s < math.inf:
-            raise ValueError(f"--target-itl must be a number of seconds >= 0 (0 = automatic), got {self.target_itl_s}")
+            raise ValueError(f"--target-itl must be a number of seconds >= 0 (0 = relative, by --itl-growth), "
+                             f"got {self.target_itl_s}")
         if not (self.itl_growth == 0 or 1 < self.itl_growth < math.inf):
             raise ValueError(f"--itl-growth must be a factor above 1 (e.g. {DEFAULT_ITL_GROWTH}), or 0 for the "
                              f"device's throughput knee, got {self.itl_growth}")
@@ -337,8 +338,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a step that prefills new prompts beside running streams lasts at most FACTOR times their "
                         f"decodes alone, by the step-time model the pod fits to its own steps (default {d.itl_growth}: "
                         "streams' inter-token gaps grow by at most that while prompts arrive, except in steps "
-                        "that make up for an admitted request about to miss its --max-queue-delay); 0 = throughput "
-                        "instead: such a step may last as long as the step whose prefill runs at "
+                        "that make up for an admitted request past half its promised first-token time); 0 = "
+                        "throughput instead: such a step may last at least as long as the step whose prefill runs at "
                         f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate (more prompts per second, "
                         "several times longer gaps while they are prefilled)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fair", "fcfs"],

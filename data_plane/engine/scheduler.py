@@ -6,7 +6,9 @@ model allows (``step_cost.py``: the step stays near its target inter-token laten
 chunked across steps and newly admitted requests, by fair share: each tenant (an adapter, or the
 base model) has a virtual token counter (``fair_share.py``), and the next prefill work is the oldest
 of the least-served tenant, whether its prompt is already being chunked or still waits (then while
-seats, KV blocks and its adapter allow); within a tenant, arrival order. So a new tenant's prompt
+seats, KV blocks and its adapter allow); within a tenant, arrival order. A started prompt keeps the
+standing it started with for its first STARTED_QUANTUM tokens (``_order``), so prompts are finished
+in the order they started rather than side by side a few tokens each. So a new tenant's prompt
 is not stuck behind a flood's long prompts. Under the ``fcfs`` policy the oldest request goes first.
 When a waiting request's KV blocks do not fit, nothing else is admitted this step, so it is not
 overtaken.
@@ -160,7 +162,8 @@ class Scheduler:
         by side, chunk by chunk, and another tenant goes on until its counter reaches what the new
         request's tenant's will be then (scaled by the weights). Requests of other tenants that arrive
         while it waits take their share too: ``within_s`` (the wait it would have) counts those expected
-        at each tenant's recent rate, each of that tenant's recent mean prompt size."""
+        at each tenant's recent rate, each of that tenant's recent mean prompt size (the engine passes the
+        time until the new request's prompt would start: once started, later arrivals no longer go first)."""
         chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
@@ -175,8 +178,12 @@ class Scheduler:
             work = [seq.num_uncomputed for seq in queue]
             share = math.inf
             if self.policy is Policy.FAIR and other != tenant:
-                work += [self.arrivals.mean_prompt(other)] * self.arrivals.expected(other, within_s, now)
+                coming = self.arrivals.expected(other, within_s, now)
+                if not work and not coming:
+                    continue
                 share = max(0.0, (done_at - self.shares.standing(other)) * self.shares.weight(other))
+                mean = max(1, self.arrivals.mean_prompt(other))
+                work += [mean] * min(coming, math.ceil(share / mean))  # no more than its share can take
             for i, size in enumerate(work):
                 if share < 1:
                     break
@@ -249,13 +256,16 @@ class Scheduler:
         return batch
 
     def _promise_at_risk(self, now: float) -> bool:
-        """Whether a request admitted with a first-token promise has waited more than half of it without
-        its first token: its step then prefills up to the device's throughput knee (``StepCost``), so a
-        wait the admission estimate got wrong is made up at the cost of a longer gap for running streams
-        in those steps, instead of breaking the promise."""
+        """Whether a request admitted with a first-token promise, prefilling or able to start now (a seat
+        free, its adapter ready and in a slot), has waited more than half of it without its first token:
+        the step then prefills up to the device's throughput knee (``StepCost``), so a wait the admission
+        estimate got wrong is made up at the cost of a longer gap for running streams in those steps,
+        instead of breaking the promise. A request that could not run this step does not rush it."""
+        seated = len(self.running) < self.limits.max_num_seqs
         return any(seq.first_token_due is not None and not seq.output_ids
                    and now - seq.arrival > (seq.first_token_due - seq.arrival) / 2
-                   for seq in (*self._prefilling(), *self.waiting))
+                   for seq in (*self._prefilling(),
+                               *(seq for seq in self.waiting if seated and self._can_run_now(seq.adapter))))
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""
@@ -263,18 +273,23 @@ class Scheduler:
 
     def _order(self, seq: Sequence) -> tuple:
         """Who gets prefill work first: the least-served tenant, then the oldest request (under FCFS the
-        oldest request). A started prompt keeps the standing its tenant had when it started for its first
-        STARTED_QUANTUM tokens, and stands behind by what it computes past them: prompts up to that long
-        are finished in the order they started, not side by side chunk by chunk, so each first token comes
-        as early as the budget allows and later arrivals of tenants served as much do not slow it; a
-        longer prompt then shares the budget with the rest, so nobody waits behind one for more than a
-        quantum of it; a request of a tenant served less still goes first."""
+        oldest request). A started prompt keeps the standing its tenant had when it started for the first
+        STARTED_QUANTUM tokens it computes, and stands behind by what it computes past them, but never more
+        than a quantum behind its tenant's counter as it is now: prompts up to that long are finished in
+        the order they started, not side by side chunk by chunk, so each first token comes as early as the
+        budget allows and later arrivals of tenants served as much do not slow it; a longer prompt then
+        shares the budget with the rest, so nobody waits behind one for more than about a quantum of it;
+        a request of a tenant served less still goes first."""
         if self.policy is Policy.FCFS:
             return (seq.arrival,)
+        served = self.shares.served(seq.adapter)
         if seq.started_at_standing is None:
-            return self.shares.served(seq.adapter), seq.arrival
-        past_quantum = max(0, seq.num_computed - STARTED_QUANTUM) / self.shares.weight(seq.adapter)
-        return seq.started_at_standing + past_quantum, seq.arrival
+            return served, seq.arrival
+        weight = self.shares.weight(seq.adapter)
+        past_quantum = max(0, seq.num_computed - seq.started_at_computed - STARTED_QUANTUM) / weight
+        # its tenant's other work (decodes, other prompts) moves its counter on meanwhile: never more than a
+        # quantum behind it
+        return max(seq.started_at_standing + past_quantum, served - STARTED_QUANTUM / weight), seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
@@ -292,6 +307,7 @@ class Scheduler:
             self._reserved.pop(tenant, None)
         self._dequeue(seq)
         seq.started_at_standing = self.shares.served(tenant)
+        seq.started_at_computed = seq.num_computed + num_cached  # cached tokens were never computed for it
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()

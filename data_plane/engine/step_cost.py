@@ -24,13 +24,13 @@ knee below whatever the growth, so a wait the admission estimate got wrong is ma
 steps instead of a broken promise.
 
 ``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
-throughput knee. A step pays its fixed part once whatever it computes (``fixed``: the fixed cost, one
-prefilling sequence, one adapter), so a step of ``n`` prompt tokens prefills at
-``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of the device's peak rate
-``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``. Where the fixed part is most
-of a decode step (a small model, or a GPU reading its weights once per step), that is several times
-the decodes alone: more prompt tokens per second, longer gaps for running streams while prompts
-arrive (benchmarks/RESULTS.md, "Overload").
+throughput knee (or 1.4× its decodes alone when that is longer). A step pays its fixed part once
+whatever it computes (``fixed``: the fixed cost, one prefilling sequence, one adapter), so a step of
+``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of
+the device's peak rate ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``.
+Where the fixed part is most of a decode step (a small model, or a GPU reading its weights once per
+step), that is several times the decodes alone: more prompt tokens per second, longer gaps for
+running streams while prompts arrive (benchmarks/RESULTS.md, "Overload").
 
 A pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
 """
@@ -77,7 +77,8 @@ class StepCost:
         alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
         ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together)."""
         if not 0 <= target_itl_s < math.inf:
-            raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = automatic), got {target_itl_s}")
+            raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = relative, by itl_growth), "
+                             f"got {target_itl_s}")
         if not (itl_growth == 0 or 1 < itl_growth < math.inf):
             raise ValueError(f"itl_growth must be a factor > 1, or 0 for the throughput knee, got {itl_growth}")
         self.target_itl_s = target_itl_s

@@ -122,21 +122,55 @@ def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
     assert asked == [(0, 0), (3, 2)]
 
 
-def test_a_step_rushes_when_a_request_has_waited_half_its_promised_first_token_without_it():
+def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_first_token():
     asked = []
-    s = scheduler(max_num_seqs=1, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
+    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
     request(s, "running", 3, max_tokens=50)
     step(s)
     now = time.monotonic()
     late = request(s, "late", 3)
     late.arrival, late.first_token_due = now - 1.5, now + 0.5  # promised 2 s, waited 1.5 s
-    fresh = request(s, "fresh", 3)
-    fresh.first_token_due = fresh.arrival + 2.0
     step(s)
     assert asked == [False, True]
-    late.arrival, late.first_token_due = now - 0.5, now + 1.5  # waited a quarter of its promise: no rush
+    assert late.output_ids  # it ran, and got its first token
+    step(s)
+    assert asked[-1] is False  # a request with its first token rushes nothing
+    waited = request(s, "waited", 3)
+    waited.arrival, waited.first_token_due = now - 0.5, now + 1.5  # waited a quarter of its promise
     step(s)
     assert asked[-1] is False
+
+
+def test_a_request_that_cannot_run_does_not_rush_the_step():
+    asked = []
+    s = scheduler(max_num_seqs=1, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
+    request(s, "running", 3, max_tokens=50)
+    step(s)
+    now = time.monotonic()
+    seatless = request(s, "seatless", 3)  # the only seat is taken
+    seatless.arrival, seatless.first_token_due = now - 1.5, now + 0.5
+    step(s)
+    assert asked == [False, False]
+
+
+def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_against_its_quantum():
+    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 16)
+    cached = request(s, "cached", 200, adapter="x")
+    step(s)
+    # as if its first 150 tokens had been found in the prefix cache at admission: computed, never charged
+    cached.started_at_computed = 150
+    cached.num_computed += 150 - 16
+    request(s, "quiet", 4, adapter="y")
+    assert s._order(cached)[0] == pytest.approx(cached.started_at_standing)  # 16 computed, within the quantum
+    assert step(s)[0] == ("cached", 16)
+
+
+def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counter():
+    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 16)
+    long = request(s, "long", 400, adapter="x")
+    step(s)
+    s.shares.charge("x", 1000)  # the tenant's decodes and other prompts moved its counter on
+    assert s._order(long)[0] == pytest.approx(s.shares.served("x") - STARTED_QUANTUM)
 
 
 def test_a_started_prompt_is_finished_before_a_tenant_served_as_much_starts():
@@ -464,14 +498,14 @@ def test_a_new_request_of_a_tenant_without_a_seat_takes_one_at_once_and_one_with
 def test_requests_of_other_adapters_expected_while_one_waits_take_their_share_before_it():
     s = flooded(y_before=(8.0, 6.0, 4.0, 2.0))  # y sent four 6-token prompts over the last 8 s, then y0
     assert s.ahead_of("x", 5) == Ahead(requests=11, tokens=10 * 5 + 7)
-    # waiting 5 s, an x request expects y's 5 requests in the last 10 s to go on at that rate: 2.5, rounded
-    # to 2 more y requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) served before its own is done
-    assert s.ahead_of("x", 5, within_s=5.0) == Ahead(requests=10 + 3, tokens=10 * 5 + 7 + 2 * 6)
+    # waiting 6 s, an x request expects y's 5 requests in the last 10 s to go on at that rate: 3 more y
+    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) served before its own is done
+    assert s.ahead_of("x", 5, within_s=6.0) == Ahead(requests=10 + 4, tokens=10 * 5 + 7 + 3 * 6)
     # but no more than their share: x, however many it sends, is served 14 tokens before a y request
     assert s.ahead_of("y", 7, within_s=100.0) == s.ahead_of("y", 7) == Ahead(requests=4, tokens=7 + 14)
     # first come, first served: nobody arriving later goes first
     fcfs = flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0))
-    assert fcfs.ahead_of("x", 5, within_s=5.0) == fcfs.ahead_of("x", 5)
+    assert fcfs.ahead_of("x", 5, within_s=6.0) == fcfs.ahead_of("x", 5)
 
 
 def test_arrivals_forget_what_is_older_than_their_window_and_rate_over_the_whole_window():
