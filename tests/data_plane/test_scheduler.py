@@ -122,33 +122,37 @@ def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
     assert asked == [(0, 0), (3, 2)]
 
 
-def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_first_token():
-    asked = []
-    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
+def one_running(max_num_seqs: int) -> tuple[Scheduler, list[bool], float]:
+    """A scheduler with one request running, the ``rush`` of every budget it asks for, and the time now."""
+    asked: list[bool] = []
+    s = scheduler(max_num_seqs=max_num_seqs, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
     request(s, "running", 3, max_tokens=50)
     step(s)
-    now = time.monotonic()
-    late = request(s, "late", 3)
-    late.arrival, late.first_token_due = now - 1.5, now + 0.5  # promised 2 s, waited 1.5 s
+    return s, asked, time.monotonic()
+
+
+def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float) -> Sequence:
+    seq = request(s, name, 3)
+    seq.arrival, seq.first_token_due = now - waited_s, now - waited_s + promise_s
+    return seq
+
+
+def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_first_token():
+    s, asked, now = one_running(max_num_seqs=2)
+    late = promised(s, "late", 1.5, 2.0, now)
     step(s)
     assert asked == [False, True]
     assert late.output_ids  # it ran, and got its first token
     step(s)
     assert asked[-1] is False  # a request with its first token rushes nothing
-    waited = request(s, "waited", 3)
-    waited.arrival, waited.first_token_due = now - 0.5, now + 1.5  # waited a quarter of its promise
+    promised(s, "waited", 0.5, 2.0, now)  # waited a quarter of its promise
     step(s)
     assert asked[-1] is False
 
 
 def test_a_request_that_cannot_run_does_not_rush_the_step():
-    asked = []
-    s = scheduler(max_num_seqs=1, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
-    request(s, "running", 3, max_tokens=50)
-    step(s)
-    now = time.monotonic()
-    seatless = request(s, "seatless", 3)  # the only seat is taken
-    seatless.arrival, seatless.first_token_due = now - 1.5, now + 0.5
+    s, asked, now = one_running(max_num_seqs=1)
+    promised(s, "seatless", 1.5, 2.0, now)  # the only seat is taken
     step(s)
     assert asked == [False, False]
 
