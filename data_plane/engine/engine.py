@@ -170,6 +170,9 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
         seq.tenant = tenant or None
+        # its first token waits for its adapter's load, which the estimate does not foresee: it teaches the
+        # estimate nothing about the queue
+        seq.waited_for_adapter = adapter is not None and not self.adapters.is_resident(adapter)
         if params.constraint is not None:  # INVALID_ARGUMENT for what the grammar engine cannot honour, here
             seq.grammar = await asyncio.get_running_loop().run_in_executor(None, self.grammars.state, params.constraint)
             self.metrics.constrained_requests.labels(params.constraint.kind.value).inc()
@@ -371,7 +374,8 @@ class Engine:
             self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
             if seq.ttft_estimate is not None:
                 self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
-                self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival)
+                if not seq.waited_for_adapter:
+                    self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from data_plane.engine.sequence import SamplingParams
+from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.errors import DeadlineExceeded, Overloaded
 from data_plane.metrics import PodMetrics
 from data_plane.pod import build_engine
@@ -236,3 +237,26 @@ def test_a_prompt_longer_than_the_queue_delay_is_served_when_no_more_work_is_ahe
     wait_s = float(re.search(r"first token in about ([0-9.]+) s", str(refused)).group(1))
     assert refused.retry_after_s <= wait_s - own_s
     assert waiting == 0
+
+
+def test_a_first_token_that_waited_for_its_adapters_load_teaches_the_estimate_nothing(demo_model_dir):
+    async def go():
+        engine = engine_for(demo_model_dir)
+        try:
+            await tokens_of(engine, engine.tokenizer.encode("warm"), 1)
+            before = engine.delays.bias
+            cold = Sequence("cold", None, [1, 2, 3], SamplingParams(max_tokens=1), 4, arrival=time.monotonic() - 3.0,
+                            ttft_estimate=1.0)
+            cold.waited_for_adapter = True
+            engine._record_latency(cold, time.monotonic())  # three times later than estimated: the load
+            after_cold = engine.delays.bias
+            warm = Sequence("warm", None, [1, 2, 3], SamplingParams(max_tokens=1), 4, arrival=time.monotonic() - 3.0,
+                            ttft_estimate=1.0)
+            engine._record_latency(warm, time.monotonic())
+            return before, after_cold, engine.delays.bias
+        finally:
+            await engine.stop()
+
+    before, after_cold, after_warm = asyncio.run(go())
+    assert after_cold == before
+    assert after_warm > before  # the same lateness without a load does correct the estimate
