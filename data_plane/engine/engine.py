@@ -60,7 +60,7 @@ class EngineLimits:
     block_size: int
     num_kv_blocks: int
     max_model_len: int
-    max_queue_delay_s: float  # longest estimated wait behind other work a new request is admitted with; 0 = any
+    max_queue_delay_s: float  # longest estimated wait for a first token a new request is admitted with; 0 = any
     target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = relative, by itl_growth (step_cost.py)
     itl_growth: float = DEFAULT_ITL_GROWTH  # a step that prefills lasts at most this × its decodes; 0 = the knee
 
@@ -161,8 +161,8 @@ class Engine:
                        tenant: str | None = None, routing: RoutingPrefix | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
         output for a bad request, or for one whose estimated first token comes after ``timeout_s`` (the
-        caller's deadline; None: none) or that would wait behind other work longer than --max-queue-delay
-        (Overloaded, with a retry hint); a request still
+        caller's deadline; None: none) or after --max-queue-delay (``admission.lateness``; Overloaded, with
+        a retry hint); a request still
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
         request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
         fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in
@@ -231,31 +231,32 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
-        wait_s, own_s = self._estimate_first_token(adapter, len(prompt_ids), load, timeout_s)
+        tail = self.delays.tail()
+        wait_s, own_s = self._estimate_first_token(adapter, len(prompt_ids), load, timeout_s, tail)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
-        late = lateness(wait_s, own_s, self.delays.tail(), self.limits.max_queue_delay_s, timeout_s)
+        late = lateness(wait_s, own_s, tail, self.limits.max_queue_delay_s, timeout_s)
         if late is not None:
             self.metrics.refusals.labels(late.reason).inc()
             raise Overloaded(late.message, retry_after_s=late.retry_after_s)
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        promised = promise_s(own_s * self.delays.tail(), self.limits.max_queue_delay_s)
+        promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
                         ttft_estimate=wait_s, first_token_due=None if promised is None else now + promised)
 
     def _estimate_first_token(self, adapter: str | None, prompt_tokens: int, load: Load,
-                              timeout_s: float | None) -> tuple[float, float]:
+                              timeout_s: float | None, tail: float) -> tuple[float, float]:
         """(seconds until a new request's first token, the part of them its own prefill takes), as
-        admission judges them. Other tenants' requests that arrive before its prompt starts take their share
+        admission judges them (``tail``: DelayEstimator.tail, read once per request). Other tenants' requests that arrive before its prompt starts take their share
         first, which makes it start later, in which more arrive: the estimate follows that until it settles,
         or until it is past anything admission would allow (then the rest is counted at the last step's
         rate: the refusal is certain and its hint needs no more)."""
         own_s = self.delays.own_prefill(prompt_tokens, load)
-        tail, cap = self.delays.tail(), self.limits.max_queue_delay_s
+        cap = self.limits.max_queue_delay_s
         enough_s = min(timeout_s if timeout_s is not None else math.inf,
                        max(cap, 2 * own_s * tail) if cap else math.inf) / tail
         wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, prompt_tokens), prompt_tokens, load, enough_s)
