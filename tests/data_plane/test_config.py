@@ -93,6 +93,16 @@ def test_a_max_queue_delay_that_is_not_a_finite_non_negative_number_is_refused(v
         config("--max-queue-delay", value)
 
 
+@pytest.mark.parametrize("value", ["-1", "0.5", "1", "nan", "inf"])
+def test_an_itl_growth_that_leaves_prefill_no_room_is_refused_with_what_to_give(value):
+    with pytest.raises(ValueError, match=r"--itl-growth must be a factor above 1 \(e.g. 1.4\), or 0"):
+        config("--itl-growth", value)
+
+
+def test_itl_growth_defaults_to_1_4_and_0_chooses_the_knee():
+    assert config().itl_growth == 1.4 and config("--itl-growth", "0").itl_growth == 0.0
+
+
 @pytest.mark.parametrize(("flag", "words"), [
     ("pirate", "is not NAME=WEIGHT"),
     ("-bad=2", "is not NAME=WEIGHT"),
