@@ -86,11 +86,15 @@ class Report:
         the issue's target for it."""
         self.rows.append({"section": section, "what": what, "value": value, "unit": unit, "against": against,
                           "ratio": ratio, "target": target})
+        # at once too: a run stopped at a time limit still leaves every figure it reached in its output
+        print(f"  {section}: {what}: {_cell(value)} {unit}" + (f" ({_cell(ratio)} of {against}, target {target})"
+                                                             if ratio is not None else ""), flush=True)
 
     def check(self, ok: bool, what: str) -> None:
         """A correctness check: a failed one is listed and makes the run exit non-zero."""
         if not ok:
             self.failures.append(what)
+            print(f"  FAILED: {what}", flush=True)
 
     @property
     def passed(self) -> bool:

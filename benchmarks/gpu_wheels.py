@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 ENTRY = REPO / "benchmarks" / "gpu.py"
 LIMIT_BYTES = 64 << 20
 PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+# pip matches a manylinux tag exactly: every glibc the GPU image's (2.39) can run, newest first.
+PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)), "manylinux2014_x86_64", "manylinux1_x86_64")
 # The GPU image's Python packages (its package list, read on a machine running it, 2026-11-17).
 IMAGE = frozenset(canonicalize_name(n) for n in """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -64,7 +64,7 @@ triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkz
 def _own_file(name: str, siblings: Path) -> Path | None:
     """The project file of module ``name``: under the repository, or beside gpu.py for its bare imports."""
     parts = name.split(".")
-    for root in (REPO, siblings):
+    for root in (REPO, REPO / "protos", siblings):
         for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
             if path.is_file():
                 return path
