@@ -80,6 +80,7 @@ SIZES = {
 SERVING = [f"r16-{i}" for i in range(64)]  # 64 distinct rank-16 adapters
 RANKS = {"r8": 8, "r64": 64, **dict.fromkeys(SERVING, 16)}
 PARITY = [(None, 0), ("r8", 8), ("r16-0", 16), ("r64", 64)]  # (adapter, rank): one mixed batch
+PARTS = ("kernels", "parity", "serving", "no-lora", "peft")
 OPEN_LOOP_LOAD = 0.7  # open-loop arrival rate over the closed 64-adapter run's request rate
 
 
@@ -243,6 +244,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on a CPU")
     parser.add_argument("--out", type=Path, help="the JSON file (default: $OUT/gpu-MODEL-DEVICE.json or "
                                                  "benchmarks/results/gpu-MODEL-DEVICE-DATE.json)")
+    parser.add_argument("--skip", action="append", default=[], choices=PARTS,
+                        help="leave a part out (repeatable), to rerun the others within a device lease")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -271,7 +274,8 @@ def main() -> None:
         clock = Clock(torch.device(args.device), sizes.iters, sizes.warmup)
         gbs = report.sections["copy_gbs"] = copy_bandwidth(clock, sizes.copy_bytes)
         report.row("copy", f"device-to-device copy of {sizes.copy_bytes >> 20} MiB (read + write)", gbs, "GB/s")
-        report.run("kernels", kernels, report, clock, preset, dtype, sizes, gbs)
+        if "kernels" not in args.skip:
+            report.run("kernels", kernels, report, clock, preset, dtype, sizes, gbs)
         del clock  # its L2-flush buffer: the pods' KV caches take what the device has free
         if written is not None:
             model_dir, root = written
@@ -280,12 +284,15 @@ def main() -> None:
             report.sections["serving"] = found["runs"]
             # One event loop per pod: a stopped engine stays referenced until its loop is gone (the cancelled
             # step loop's traceback), and the next pod's KV cache takes what the device has free.
-            for eager in (False, True):
+            for eager in (False, True) if "parity" not in args.skip else ():
                 report.run(f"parity pod, enforce_eager={eager}", asyncio.run,
                            parity_pod(report, args, sizes, model_dir, root, floor_ms, found, eager))
-            report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
-            report.run("no-LoRA pod", asyncio.run, no_lora_pod(report, args, sizes, model_dir, found))
-            report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
+            if "serving" not in args.skip:
+                report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
+            if "no-lora" not in args.skip:
+                report.run("no-LoRA pod", asyncio.run, no_lora_pod(report, args, sizes, model_dir, found))
+            if "peft" not in args.skip:
+                report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
             report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms)
     if args.device == "cpu":
