@@ -111,3 +111,38 @@ def test_parity_fails_a_pod_that_ignored_the_adapter(reference):
     ref, parity_row = reference
     row = parity_row(ref, torch.float32, "r16", 16, PROMPT, _greedy(ref, None))
     assert not row["ok"] and row["max_diff"] > row["atol"]
+
+
+@pytest.mark.slow
+def test_skipped_parts_are_left_out_and_the_others_still_run(tmp_path):
+    """``--skip`` reruns some parts within a device lease: the skipped ones write nothing, the rest run."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--model", "tiny", "--device", "cpu",
+                           "--skip", "kernels", "--skip", "parity", "--skip", "peft", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "lora_kernels" not in data and "parity" not in data and "peft" not in data["serving"]
+    assert not any(label.startswith("decode b1") for label in data["serving"])
+    assert data["serving"]["64 adapters"]["tok_s"] > 0 and data["serving"]["no-LoRA pod, base only"]["tok_s"] > 0
+    # each figure is printed as it is measured, before the table
+    assert done.stdout.index("  serving: 64 adapters") < done.stdout.index("| section |")
+
+
+@pytest.mark.slow
+def test_profile_script_reports_both_runs_in_cpu_mode():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_profile.py"), "--model", "tiny", "--device", "cpu",
+                           "--new-tokens", "2", "--rows", "3"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for label in ("64 adapters", "base only"):
+        line = next(x for x in done.stdout.splitlines() if x.startswith(f"== {label}:"))
+        assert "128 tokens" in line and "ms/step wall" in line, line
+
+
+def test_benchmark_pods_keep_a_given_queue_delay_and_lift_the_default(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_pods import pod_config
+
+    lifted, _ = pod_config(tmp_path, "cpu", "float32")
+    kept, _ = pod_config(tmp_path, "cpu", "float32", max_queue_delay_s=0.5)
+    assert lifted.max_queue_delay_s == 3600.0 and kept.max_queue_delay_s == 0.5
