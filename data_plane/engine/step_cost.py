@@ -2,21 +2,33 @@
 
 A step's time is modelled as linear in what it computes::
 
-    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters
+    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·prefills
 
-(``adapters``: distinct adapters in the step, each a LoRA segment). On a GPU decode rows are almost
-free next to the fixed cost (weights are read once per step) and prefill tokens cost compute; on a CPU
-both cost compute. The coefficients are not guessed: ``Engine.warm_up`` times a few steps of known
-shapes at start-up (the prior, kept for good so every coefficient stays identified), and every served
+(``adapters``: distinct adapters in the step, each a LoRA segment; ``prefills``: 1 for a step with any
+prompt tokens, else 0). On a GPU decode rows are almost free next to the fixed cost (weights are read
+once per step) and prefill tokens cost compute; on a CPU both cost compute. ``c5`` is what a step pays
+for prefilling at all: on a pod that replays CUDA graphs for decode-only steps, a step with prompt
+tokens runs eagerly, and that launch cost is paid once per step, not per prompt. The coefficients are
+not guessed: ``Engine.warm_up`` times a few steps of known shapes at start-up (the prior, kept for
+good so every coefficient stays identified: one and two prompts of the same length tell ``c3`` from
+``c5``), and every served
 step adds its measured time; the fit is a least-squares solve over the prior and the most recent
 steps, redone every few steps, with coefficients kept non-negative.
 
 The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
 step, and prefill work fills what is left of a target step time, so running streams keep their pace
 while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
-step that also prefills lasts at most that many times its decodes alone: the gap between a running
-stream's tokens grows by at most that factor whatever arrives, on any device, since both figures come
-from the same fitted model. ``--target-itl`` gives an absolute target in seconds instead.
+step that also prefills lasts at most that many times the shortest step that prefills beside the same
+decodes: its decodes alone plus a step's and one sequence's cost of prefilling (``c5 + c3``), all from
+the same fitted model. On a CPU those are small and that is about the decodes alone, so a running
+stream's gap grows by about that factor whatever arrives. On a pod that replays CUDA graphs for
+decode-only steps, ``c5`` holds the eager step's launch cost (an H100 with an 8B model:
+a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
+evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
+step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
+starved. Measured against the shortest prefilling step, such a step carries prompt tokens worth 40% of
+it; the gaps while prompts arrive are then that eager step's length, not 1.4x a replayed decode step.
+``--target-itl`` gives an absolute target in seconds instead.
 
 A step is rushed (``rush``) while an admitted request has waited more than half its promised time
 for a first token without it (``Scheduler._promise_at_risk``): it then prefills up to the throughput
@@ -43,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# How many times its decodes alone a step that also prefills may last, by default (see above).
+# How many times the shortest step that prefills beside its decodes a step that prefills may last (see above).
 DEFAULT_ITL_GROWTH = 1.4
 # Under --itl-growth 0: the step whose prefill runs at this fraction of the device's peak prefill rate.
 KNEE_EFFICIENCY = 0.8
@@ -65,7 +77,9 @@ class StepShape:
     adapters: int = 0
 
     def features(self) -> tuple[float, ...]:
-        return 1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs), float(self.adapters)
+        prefills = float(self.prefill_seqs > 0 or self.prefill_tokens > 0)
+        return (1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs),
+                float(self.adapters), prefills)
 
 
 class StepCost:
@@ -87,7 +101,7 @@ class StepCost:
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
         self._since_fit = 0
-        self.coef: np.ndarray | None = None  # [5] seconds per feature; None until something was timed
+        self.coef: np.ndarray | None = None  # [6] seconds per feature; None until something was timed
 
     # ---- fitting -----------------------------------------------------------------------------
     def observe_prior(self, shape: StepShape, seconds: float) -> None:
@@ -107,7 +121,7 @@ class StepCost:
         rows = [*self._prior, *self._recent]
         if not rows:
             return
-        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 5]
+        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 6]
         y = np.array([s for _, s in rows], dtype=np.float64)  # [n]
         w = np.sqrt(np.array([_PRIOR_WEIGHT] * len(self._prior) + [1.0] * len(self._recent)))
         self.coef = _nonnegative_least_squares(x * w[:, None], y * w)
@@ -127,14 +141,15 @@ class StepCost:
         if self.target_itl_s:
             target = max(self.target_itl_s, decodes)
         elif self.itl_growth:
-            target = self.itl_growth * decodes
+            target = self.itl_growth * self.predict(StepShape(decode_rows, 0, 1, adapters))
         else:
             target = knee
         return max(target, knee) if rush else target
 
     def knee_step_s(self) -> float:
         """The shortest step whose prefill runs at ``KNEE_EFFICIENCY`` of the device's peak prefill rate:
-        its fixed part (a step, one prefilling sequence, one adapter) over ``1 - KNEE_EFFICIENCY``."""
+        its fixed part (a step that prefills, one prefilling sequence, one adapter) over
+        ``1 - KNEE_EFFICIENCY``."""
         return self.predict(StepShape(0, 0, 1, 1)) / (1.0 - KNEE_EFFICIENCY)
 
     def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False) -> int:
@@ -154,11 +169,13 @@ class StepCost:
         """The fitted coefficients in milliseconds, for the start-up log."""
         if self.coef is None:
             return "not measured"
-        names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter")
+        names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter",
+                 "per step that prefills")
         if self.target_itl_s:
             target = f"--target-itl {self.target_itl_s:g} s"
         elif self.itl_growth:
-            target = f"a step that prefills lasts at most {self.itl_growth:g}x its decodes alone (--itl-growth)"
+            target = (f"a step that prefills lasts at most {self.itl_growth:g}x its decodes and one prefilling "
+                      "sequence alone (--itl-growth)")
         else:
             target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
         return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True)) + "; " + target

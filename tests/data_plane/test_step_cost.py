@@ -14,8 +14,8 @@ from data_plane.engine.step_cost import (
 )
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
-# sequence and 4 ms per adapter.
-TRUE = (0.020, 0.002, 0.001, 0.003, 0.004)
+# sequence, 4 ms per adapter and 5 ms more when it prefills at all.
+TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.005)
 SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
           StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4)]
 
@@ -62,20 +62,41 @@ def most_prefill_within(costs: StepCost, rows: int, adapters: int, target: float
     assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > target
 
 
-def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_its_decodes_alone():
+def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_the_shortest_step_that_prefills():
     costs = fitted()
-    for rows, adapters in ((8, 2), (16, 3), (32, 4), (120, 4)):
-        decodes = costs.predict(StepShape(rows, adapters=adapters))
-        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * decodes)
-    # one decode of 26 ms: 1.4x leaves 36.4 - 29 ms, 7 tokens; prefill still gets its floor
-    assert costs.prefill_budget(1, 1) == MIN_PREFILL_TOKENS
-    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms; 1.4x that is 61.6 ms, less the prefilling
-    # sequence's 3 ms: 14 tokens at 1 ms each
-    assert costs.prefill_budget(8, 2) == 14
+    for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
+        shortest = costs.predict(StepShape(rows, 0, 1, adapters))  # the decodes and one prefilling sequence
+        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * shortest)
+    # one decode of 26 ms, a prefilling sequence's 3 ms and a prefilling step's 5 ms: 1.4 x 34 = 47.6 ms
+    # leaves 13 tokens at 1 ms
+    assert costs.prefill_budget(1, 1) == 13
+    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms, 52 ms with the prefilling; 1.4x that is
+    # 72.8 ms: 20 tokens at 1 ms each
+    assert costs.prefill_budget(8, 2) == 20
+
+
+def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries_a_share_of_prompt():
+    """A pod that replays CUDA graphs for decode-only steps runs a step with prompt tokens eagerly: on an H100
+    with an 8B model a batch-1 decode step took 9.64 ms replayed and 34.7 ms eagerly. That launch cost is
+    the prefilling sequence's fixed part; measured against the decodes alone no token would fit, and
+    every step beside running streams would be an eager step of MIN_PREFILL_TOKENS."""
+    gpu = (0.0094, 0.00008, 0.00003, 0.0, 0.0001, 0.025)  # replayed step, per row, token, seq, adapter; eager
+    costs = StepCost()
+    for shape in [*SHAPES, StepShape(64, adapters=8), StepShape(0, 1024, 1, 1)]:
+        costs.observe_prior(shape, seconds(shape, gpu))
+    # the launch cost is told apart from a prompt's own: paid once per step that prefills
+    assert costs.coef[5] == pytest.approx(0.025) and costs.coef[3] == pytest.approx(0.0, abs=1e-9)
+    decodes = costs.predict(StepShape(64, adapters=8))
+    assert costs.predict(StepShape(64, 0, 1, 8)) > DEFAULT_ITL_GROWTH * decodes  # the old rule's dead end
+    budget = costs.prefill_budget(64, 8)
+    # 64 decodes over 8 adapters: 9.4 + 5.12 + 0.8 = 15.32 ms, 40.32 ms with the eager prefilling sequence;
+    # 1.4x that leaves 16.13 ms: 537 tokens at 0.03 ms
+    assert budget == 537
+    most_prefill_within(costs, 64, 8, DEFAULT_ITL_GROWTH * costs.predict(StepShape(64, 0, 1, 8)))
 
 
 def test_a_larger_growth_lets_a_step_prefill_more():
-    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 41  # 88 - 44 - 3 ms
+    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 52  # 2 x 52 - 52 ms
     assert fitted(itl_growth=2.0).prefill_budget(8, 2) > fitted().prefill_budget(8, 2)
 
 
@@ -89,13 +110,13 @@ def test_growth_zero_fills_a_step_to_the_larger_of_the_knee_and_the_growth_over_
 def test_the_knee_is_the_step_whose_prefill_runs_at_the_chosen_fraction_of_the_peak_rate():
     costs = fitted(itl_growth=0)
     knee = costs.knee_step_s()
-    # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 ms; at the knee its prompt tokens take
-    # KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
-    assert knee == pytest.approx(0.027 / (1 - KNEE_EFFICIENCY))
-    tokens = (knee - 0.027) / TRUE[2]
+    # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 + 5 ms; at the knee its prompt tokens
+    # take KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
+    assert knee == pytest.approx(0.032 / (1 - KNEE_EFFICIENCY))
+    tokens = (knee - 0.032) / TRUE[2]
     assert tokens / knee == pytest.approx(KNEE_EFFICIENCY / TRUE[2])
-    # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (135 ms: 106 tokens)
-    assert costs.prefill_budget(1, 1) == 106  # (135 - 29) ms of the step left at 1 ms per token
+    # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (160 ms: 126 tokens)
+    assert costs.prefill_budget(1, 1) == 126  # (160 - 34) ms of the step left at 1 ms per token
     # a full batch: 1.4x its decodes is longer than the knee and sets the step
     assert DEFAULT_ITL_GROWTH * costs.predict(StepShape(120, adapters=4)) > knee
 
