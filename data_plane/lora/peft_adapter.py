@@ -29,7 +29,15 @@ import torch
 from data_plane.errors import InvalidAdapter
 from data_plane.lora.lora_adapter import LayerRun, LoraAdapter, SliceDelta, SliceGroup, write_a, write_b
 from data_plane.lora.sources import contained_file, resolve_adapter_dir
-from data_plane.lora.weights_file import Entry, HashedFile, open_weights, pickle_weights, safetensors_weights
+from data_plane.lora.weights_file import (
+    Entry,
+    HashedFile,
+    open_weights,
+    pickle_weights,
+    safetensors_lead,
+    safetensors_weights,
+    wait_read,
+)
 
 __all__ = ["AdapterLimits", "LoraAdapter", "SliceDelta", "SliceGroup", "load_peft_adapter"]
 
@@ -89,11 +97,16 @@ def load_peft_adapter(name: str, source: str, roots: tuple[Path, ...], expected_
     config = _read_config(name, adapter_dir, roots)
     file, is_pickle = _open_weights(name, adapter_dir, roots, limits, pin_memory)
     try:
-        weights = pickle_weights(name, file) if is_pickle else safetensors_weights(name, file.bytes)
+        # A safetensors file's data is still arriving here: its header is parsed and its entries paired,
+        # checked against the model and grouped (views only) while the rest is read.
+        weights = pickle_weights(name, file) if is_pickle else safetensors_weights(
+            name, file.bytes, lambda: wait_read(name, file))
         groups, max_rank = _group(name, config, _pair_tensors(name, weights.entries), projections, limits)
+        wait_read(name, file)
         _check_finite(name, groups, weights.runs, dtype)
     except InvalidAdapter:
-        _check_sha(name, file.sha256(), expected_sha256)  # other bytes than the registered ones: say that first
+        wait_read(name, file)  # the buffer is no longer written to, and a failed read says so first
+        _check_sha(name, file.sha256(), expected_sha256)  # other bytes than the registered ones: say that next
         raise
     buffer = weights.buffer
     if any(t.dtype != dtype for g in groups for run in g.runs for t in (run.a, run.b)):
@@ -304,7 +317,7 @@ def _open_weights(name: str, adapter_dir: Path, roots, limits: AdapterLimits,
     st, pickle = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     if st.exists():
         path = contained_file(name, adapter_dir, st.name, roots)
-        return open_weights(name, path, limits.max_bytes, pin_memory), False
+        return open_weights(name, path, limits.max_bytes, pin_memory, safetensors_lead), False
     if not pickle.exists():
         raise InvalidAdapter(f"adapter {name!r}: {adapter_dir} has no adapter_model.safetensors")
     if not limits.allow_pickle:

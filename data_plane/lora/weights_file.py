@@ -23,6 +23,7 @@ import math
 import pickle
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,32 +66,74 @@ class Weights:
 
 
 class HashedFile:
-    """A file's bytes, read into ``bytes``, and their sha256, computed on a thread of its own."""
+    """A file's bytes, read into ``bytes``, and their sha256, computed on a thread of its own.
 
-    def __init__(self, path: Path, size: int, pin_memory: bool = False) -> None:
+    With ``lead`` (given the file's first 8 bytes, how many leading bytes are needed at once: a
+    safetensors header), a file of at least BACKGROUND_HASH_BYTES returns once those are read and
+    reads the rest on a thread of its own too, so that the header's entries are parsed and checked
+    while the data arrives; ``wait_read`` waits for the rest, and raises what the read raised. Without
+    it, or for a smaller file, the whole file is read before the constructor returns."""
+
+    def __init__(self, path: Path, size: int, pin_memory: bool = False,
+                 lead: Callable[[bytes], int] | None = None) -> None:
+        self.path = path
         self.bytes = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)  # [size]
         self._hash = hashlib.sha256()
         self._hashed = threading.Event()
+        self._read = threading.Event()
         self._error: BaseException | None = None
+        self._read_error: BaseException | None = None
         view = memoryview(self.bytes.numpy())
-        with open(path, "rb", buffering=0) as f:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by whichever thread reads the end
+        try:
             if size < BACKGROUND_HASH_BYTES:
                 _read_into(f, view)
                 _at_end(f)
                 self._run([view, None])
+                self._read.set()
                 return
+            head = 0
+            if lead is not None and size >= 8:
+                _read_into(f, view[:8])
+                head = min(size, max(8, lead(bytes(view[:8]))))
+                _read_into(f, view[8:head])
             chunks: queue.SimpleQueue = queue.SimpleQueue()  # memoryviews read so far, then None
             # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
             # costs a scheduling round before any of the work that overlaps the hash can begin.
             _thread.start_new_thread(self._run, (iter(chunks.get, None),))
-            try:
-                for start in range(0, size, CHUNK_BYTES):
-                    chunk = view[start : start + CHUNK_BYTES]
-                    _read_into(f, chunk)
-                    chunks.put(chunk)
-                _at_end(f)
-            finally:
-                chunks.put(None)
+            if head:
+                chunks.put(view[:head])
+                _thread.start_new_thread(self._read_rest, (f, view, head, chunks))
+                f = None  # the reading thread closes it
+                return
+            self._read_rest(f, view, 0, chunks)
+            f = None
+            if self._read_error is not None:
+                raise self._read_error
+        finally:
+            if f is not None:
+                f.close()
+
+    def _read_rest(self, f: io.RawIOBase, view: memoryview, start: int, chunks: queue.SimpleQueue) -> None:
+        """Reads ``view[start:]`` chunk by chunk, handing each to the hash; closes ``f``."""
+        try:
+            for at in range(start, len(view), CHUNK_BYTES):
+                chunk = view[at : at + CHUNK_BYTES]
+                _read_into(f, chunk)
+                chunks.put(chunk)
+            _at_end(f)
+        except BaseException as e:  # noqa: BLE001 - raised by wait_read, on the caller's thread
+            self._read_error = e
+        finally:
+            chunks.put(None)
+            f.close()
+            self._read.set()
+
+    def wait_read(self) -> None:
+        """Waits until every byte is in ``bytes``; raises what the read raised (OSError)."""
+        self._read.wait()
+        if self._read_error is not None:
+            raise self._read_error
 
     def _run(self, chunks) -> None:
         try:
@@ -104,7 +147,8 @@ class HashedFile:
             self._hashed.set()
 
     def sha256(self) -> str:
-        """The file's sha256 (waits for the hashing thread)."""
+        """The file's sha256 (waits for the read and the hashing thread)."""
+        self.wait_read()
         self._hashed.wait()
         if self._error is not None:
             raise self._error
@@ -129,23 +173,46 @@ def _at_end(f: io.RawIOBase) -> None:
         raise _Changed(0, "it got longer while it was read (is it still being written?)")
 
 
-def open_weights(name: str, path: Path, max_bytes: int, pin_memory: bool = False) -> HashedFile:
+def open_weights(name: str, path: Path, max_bytes: int, pin_memory: bool = False,
+                 lead: Callable[[bytes], int] | None = None) -> HashedFile:
     """Reads ``path`` and hashes it; refuses a file over ``max_bytes``. ``pin_memory``: read it into
-    page-locked memory (for slots on a GPU)."""
+    page-locked memory (for slots on a GPU). ``lead``: see ``HashedFile``; then ``wait_read`` before
+    any byte past the lead is looked at."""
     try:
         size = path.stat().st_size
         if size > max_bytes:
             raise InvalidAdapter(f"adapter {name!r}: {path.name} is {size} bytes, over the pod's limit of {max_bytes}")
-        return HashedFile(path, size, pin_memory)
+        return HashedFile(path, size, pin_memory, lead)
     except OSError as e:
-        raise InvalidAdapter(f"adapter {name!r}: cannot read {path.name}: {e.strerror}") from None
+        raise _unreadable(name, path, e) from None
 
 
-def safetensors_weights(name: str, data: torch.Tensor) -> Weights:
+def wait_read(name: str, file: HashedFile) -> None:
+    """Waits for the rest of ``file``; a read that failed is refused as ``open_weights`` refuses it."""
+    try:
+        file.wait_read()
+    except OSError as e:
+        raise _unreadable(name, file.path, e) from None
+
+
+def _unreadable(name: str, path: Path, e: OSError) -> InvalidAdapter:
+    return InvalidAdapter(f"adapter {name!r}: cannot read {path.name}: {e.strerror}")
+
+
+def safetensors_lead(first: bytes) -> int:
+    """The leading bytes of a safetensors file to read at once, from its first 8: the length field and
+    the header (8 alone when the length is implausible: ``safetensors_weights`` refuses it unread)."""
+    header_len = int.from_bytes(first, "little")
+    return 8 + header_len if header_len <= MAX_HEADER_BYTES else 8
+
+
+def safetensors_weights(name: str, data: torch.Tensor, ready: Callable[[], None] = lambda: None) -> Weights:
     """The tensors of a safetensors file whose bytes are ``data`` ([size] uint8), as views of it.
 
-    Raises InvalidAdapter when the header is not a JSON object of well-formed entries, or when the
-    entries' data do not tile the rest of the file exactly (a truncated or padded file)."""
+    Only the length field and the header are read here, unless the data must be copied to be aligned:
+    ``ready`` is called first then (a file still being read: ``wait_read``). Raises InvalidAdapter when
+    the header is not a JSON object of well-formed entries, or when the entries' data do not tile the
+    rest of the file exactly (a truncated or padded file)."""
 
     def corrupt(detail: str) -> InvalidAdapter:
         return InvalidAdapter(f"adapter {name!r}: adapter_model.safetensors is truncated or corrupt: {detail}")
@@ -187,6 +254,7 @@ def safetensors_weights(name: str, data: torch.Tensor) -> Weights:
     if expected != body.numel():
         raise corrupt(f"its tensors need {expected} bytes of data, but the file holds {body.numel()}")
     if (8 + header_len) % _ALIGN:  # old writers did not pad the header: one aligned copy of the data
+        ready()
         body = body.clone()
     dtypes = {dtype for *_, dtype, _ in spans}
     if len(dtypes) == 1:  # the usual file: the whole body as that dtype, split in one call into views
@@ -198,6 +266,7 @@ def safetensors_weights(name: str, data: torch.Tensor) -> Weights:
         try:
             pieces = runs = tuple(p.view(dtype) for p, (*_, dtype, _) in zip(raw, spans, strict=True))
         except RuntimeError:  # a tensor not aligned to its element size: a copy of each, aligned
+            ready()
             return _copied({key: (dtype, shape, p) for p, (_, _, key, dtype, shape) in zip(raw, spans, strict=True)})
     entries = {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
     return Weights(entries, body, runs)

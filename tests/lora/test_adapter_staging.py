@@ -5,11 +5,13 @@ header is refused by name."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 import shutil
 import struct
+import threading
 
 import pytest
 import torch
@@ -306,3 +308,56 @@ def test_a_file_in_another_dtype_is_converted_once_into_one_run_per_group(tiny_b
         assert len(g.runs) == 1 and g.runs[0].layers == range(2) and g.runs[0].scale == 1.0
         assert g.runs[0].a.dtype == g.runs[0].b.dtype == torch.bfloat16
         assert g.runs[0].a.is_contiguous() and g.runs[0].b.is_contiguous()
+
+
+def test_the_header_is_checked_and_grouped_while_the_data_is_still_being_read(tiny_base, tiny_adapters,
+                                                                               monkeypatch):
+    """A safetensors file's header is read first; the rest arrives on another thread while the entries are
+    paired, checked against the model and grouped, and nothing looks at the data before it is all in."""
+    from data_plane.lora import peft_adapter, weights_file
+
+    monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
+    monkeypatch.setattr(weights_file, "CHUNK_BYTES", 4096)
+    data = (tiny_adapters / "r64pat" / WEIGHTS).read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    release, grouped = threading.Event(), threading.Event()
+    read_into = weights_file._read_into
+
+    def held_back(f, view):  # the data past the header waits until the entries were grouped
+        if f.tell() >= header_end:
+            assert release.wait(30)
+        read_into(f, view)
+
+    def group(*args):
+        result = real_group(*args)
+        grouped.set()
+        release.set()
+        return result
+
+    real_group = peft_adapter._group
+    monkeypatch.setattr(weights_file, "_read_into", held_back)
+    monkeypatch.setattr(peft_adapter, "_group", group)
+    adapter = _runtime(tiny_base, tiny_adapters).read("r64pat", "r64pat", hashlib.sha256(data).hexdigest())
+    assert grouped.is_set() and adapter.sha256 == hashlib.sha256(data).hexdigest()
+    expected = _expected(tiny_adapters / "r64pat", torch.float32)
+    for path, slices in adapter.deltas.items():
+        for s, delta in slices.items():
+            a, b = expected[path][s]
+            assert torch.equal(delta.a, a) and torch.equal(delta.b, b), (path, s)
+
+
+@pytest.mark.parametrize(("claimed", "match"), [(+1, "got shorter while it was read"),
+                                                (-1, "got longer while it was read")])
+def test_a_size_change_found_after_the_header_is_raised_when_the_rest_is_waited_for(tiny_adapters, monkeypatch,
+                                                                                      claimed, match):
+    from data_plane.lora import weights_file
+
+    monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
+    path = tiny_adapters / "r8" / WEIGHTS
+    file = weights_file.HashedFile(path, path.stat().st_size + claimed, lead=weights_file.safetensors_lead)
+    with pytest.raises(OSError, match=match):
+        file.wait_read()
+    with pytest.raises(InvalidAdapter, match=f"cannot read {WEIGHTS}: it {match}"):
+        weights_file.wait_read("r8", file)
+    with pytest.raises(OSError, match=match):  # and the hash of bytes that are not the file's is never given
+        file.sha256()
