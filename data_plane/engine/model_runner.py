@@ -40,6 +40,8 @@ class ModelRunner:
             GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), max_context,
                         capture=self.device.type == "cuda")
             if graphs else EagerRunner(model, kv_cache))
+        # decode-only steps replayed from graphs, so a step with prompt tokens runs eagerly beside them
+        self.replays_graphs = graphs and self.device.type == "cuda"
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -4,14 +4,18 @@ A step's time is modelled as linear in what it computes::
 
     seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·prefills
 
-(``adapters``: distinct adapters in the step, each a LoRA segment; ``prefills``: 1 for a step with any
-prompt tokens, else 0). On a GPU decode rows are almost free next to the fixed cost (weights are read
-once per step) and prefill tokens cost compute; on a CPU both cost compute. ``c5`` is what a step pays
-for prefilling at all: on a pod that replays CUDA graphs for decode-only steps, a step with prompt
-tokens runs eagerly, and that launch cost is paid once per step, not per prompt. The coefficients are
-not guessed: ``Engine.warm_up`` times a few steps of known shapes at start-up (the prior, kept for
-good so every coefficient stays identified: one and two prompts of the same length tell ``c3`` from
-``c5``), and every served
+(``adapters``: distinct adapters in the step, each a LoRA segment; ``prefills``: on a pod that replays
+CUDA graphs for decode-only steps, 1 for a step with prompt tokens, which runs eagerly, else 0). On a
+GPU decode rows are almost free next to the fixed cost (weights are read once per step) and prefill
+tokens cost compute; on a CPU both cost compute. ``c5`` is the eager step's launch cost, paid once per
+step, not per prompt; a pod without graphs has no such feature (always 0, so ``c5`` is 0). It is not
+a general "cost of prefilling at all": on the CPU pod a step of 31 decodes took 73 ms, with one more
+row of prompt 70 ms, with 8 more 125 ms, because its projections run in 32-row tiles
+(``model.cpu_linear``); a prefill indicator fitted there took that tile's cost for a cost of
+prefilling and gave steps that prefill 2-3x their decodes. The coefficients are not guessed:
+``Engine.warm_up`` times a few steps of known shapes at start-up (the prior, kept for good so every
+coefficient stays identified: one and two prompts of the same length tell ``c3`` from ``c5``, and a
+few prompt tokens beside the decodes tell ``c5`` from ``c2``), and every served
 step adds its measured time; the fit is a least-squares solve over the prior and the most recent
 steps, redone every few steps, with coefficients kept non-negative.
 
@@ -20,9 +24,9 @@ step, and prefill work fills what is left of a target step time, so running stre
 while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
 step that also prefills lasts at most that many times the shortest step that prefills beside the same
 decodes: its decodes alone plus a step's and one sequence's cost of prefilling (``c5 + c3``), all from
-the same fitted model. On a CPU those are small and that is about the decodes alone, so a running
-stream's gap grows by about that factor whatever arrives. On a pod that replays CUDA graphs for
-decode-only steps, ``c5`` holds the eager step's launch cost (an H100 with an 8B model:
+the same fitted model. On a CPU ``c5`` is 0 and ``c3`` small, so that is about the decodes alone and a
+running stream's gap grows by about that factor whatever arrives. On a pod that replays CUDA graphs
+for decode-only steps, ``c5`` is the eager step's launch cost (an H100 with an 8B model:
 a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
 evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
 step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
@@ -76,20 +80,23 @@ class StepShape:
     prefill_seqs: int = 0
     adapters: int = 0
 
-    def features(self) -> tuple[float, ...]:
-        prefills = float(self.prefill_seqs > 0 or self.prefill_tokens > 0)
+    def features(self, graphs: bool = False) -> tuple[float, ...]:
+        """The model's features; ``graphs``: the pod replays CUDA graphs for decode-only steps, so a
+        step with prompt tokens runs eagerly (the last feature)."""
+        eager = float(graphs and (self.prefill_seqs > 0 or self.prefill_tokens > 0))
         return (1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs),
-                float(self.adapters), prefills)
+                float(self.adapters), eager)
 
 
 class StepCost:
     """The fitted step-time model, and the prefill budget it implies under a target."""
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
-                 itl_growth: float = DEFAULT_ITL_GROWTH) -> None:
+                 itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False) -> None:
         """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
         alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
-        ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together)."""
+        ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together);
+        ``graphs``: the pod replays CUDA graphs for decode-only steps (``StepShape.features``)."""
         if not 0 <= target_itl_s < math.inf:
             raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = relative, by itl_growth), "
                              f"got {target_itl_s}")
@@ -97,6 +104,7 @@ class StepCost:
             raise ValueError(f"itl_growth must be a factor > 1, or 0 for the throughput knee, got {itl_growth}")
         self.target_itl_s = target_itl_s
         self.itl_growth = itl_growth
+        self.graphs = graphs
         self._max_tokens = max_batched_tokens
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
@@ -106,12 +114,12 @@ class StepCost:
     # ---- fitting -----------------------------------------------------------------------------
     def observe_prior(self, shape: StepShape, seconds: float) -> None:
         """A step timed at start-up; kept for good, and the model is solved again at once."""
-        self._prior.append((shape.features(), seconds))
+        self._prior.append((shape.features(self.graphs), seconds))
         self._fit()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A served step took ``seconds``."""
-        self._recent.append((shape.features(), seconds))
+        self._recent.append((shape.features(self.graphs), seconds))
         self._since_fit += 1
         if self.coef is None or self._since_fit >= _REFIT_EVERY:
             self._fit()
@@ -131,7 +139,7 @@ class StepCost:
         """Seconds a step of ``shape`` is expected to take (0.0 before anything was timed)."""
         if self.coef is None:
             return 0.0
-        return float(np.dot(self.coef, shape.features()))
+        return float(np.dot(self.coef, shape.features(self.graphs)))
 
     def step_target(self, decode_rows: int, adapters: int, rush: bool = False) -> float:
         """The time a step with these decodes may take once prefill fills it; with ``rush`` (an admitted
@@ -170,7 +178,7 @@ class StepCost:
         if self.coef is None:
             return "not measured"
         names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter",
-                 "per step that prefills")
+                 "per eager step beside graphs")[: 6 if self.graphs else 5]
         if self.target_itl_s:
             target = f"--target-itl {self.target_itl_s:g} s"
         elif self.itl_growth:
@@ -178,7 +186,7 @@ class StepCost:
                       "sequence alone (--itl-growth)")
         else:
             target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
-        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=True)) + "; " + target
+        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=False)) + "; " + target
 
 
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from data_plane.engine.scheduler import ScheduledSeq, step_shape
 from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.engine.step_cost import MIN_PREFILL_TOKENS
 
 if TYPE_CHECKING:  # the engine calls in here: only its type is named
     from data_plane.engine.engine import Engine
@@ -42,19 +43,26 @@ def warm_up(engine: Engine, rank: int = 8) -> None:
 
 def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int) -> None:
     """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
-    with and without adapters, prefill in one and two sequences, and decodes beside prefill (steps
-    of at most ``chunk`` tokens, of at most ``max_num_seqs`` sequences)."""
+    with and without adapters, prefill in one and two sequences, decodes beside prefill, and where
+    decode steps replay graphs decodes beside a few prompt tokens (steps of at most ``chunk`` tokens,
+    of at most ``max_num_seqs`` sequences)."""
     def prompt(name: str, length: int) -> Sequence:
         return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
 
     base = Sequence("warm-up-base", None, [0], SamplingParams(), 2)
     half = max(1, tokens // 2)
     beside = max(1, min(half, chunk - len(decodes) + 1))
-    for batch in ([ScheduledSeq(base, 1)], [ScheduledSeq(decodes[0], 1)],
-                  [ScheduledSeq(seq, 1) for seq in decodes],
-                  [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
-                  [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
-                  [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-p", beside), beside)]):
+    few = min(beside, MIN_PREFILL_TOKENS)
+    batches = [[ScheduledSeq(base, 1)], [ScheduledSeq(decodes[0], 1)], [ScheduledSeq(seq, 1) for seq in decodes],
+               [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
+               [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
+               [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-p", beside), beside)]]
+    if engine.costs.graphs:
+        # A few prompt tokens beside the decodes: the eager step's own cost apart from its tokens'. Not on a
+        # pod without graphs: there a few tokens may cross a row tile (model/cpu_linear.py), which the linear
+        # model would take for a cost of every prefilling sequence.
+        batches.append([*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-f", few), few)])
+    for batch in batches:
         if len(batch) > engine.limits.max_num_seqs:
             continue
         start = time.monotonic()

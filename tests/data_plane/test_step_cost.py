@@ -14,14 +14,14 @@ from data_plane.engine.step_cost import (
 )
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
-# sequence, 4 ms per adapter and 5 ms more when it prefills at all.
-TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.005)
+# sequence and 4 ms per adapter (a pod without CUDA graphs: no eager-step cost).
+TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.0)
 SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
           StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4)]
 
 
-def seconds(shape: StepShape, coef=TRUE) -> float:
-    return sum(c * f for c, f in zip(coef, shape.features(), strict=True))
+def seconds(shape: StepShape, coef=TRUE, graphs: bool = False) -> float:
+    return sum(c * f for c, f in zip(coef, shape.features(graphs), strict=True))
 
 
 def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024,
@@ -67,12 +67,11 @@ def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_the_short
     for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
         shortest = costs.predict(StepShape(rows, 0, 1, adapters))  # the decodes and one prefilling sequence
         most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * shortest)
-    # one decode of 26 ms, a prefilling sequence's 3 ms and a prefilling step's 5 ms: 1.4 x 34 = 47.6 ms
-    # leaves 13 tokens at 1 ms
-    assert costs.prefill_budget(1, 1) == 13
-    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms, 52 ms with the prefilling; 1.4x that is
-    # 72.8 ms: 20 tokens at 1 ms each
-    assert costs.prefill_budget(8, 2) == 20
+    # one decode of 26 ms and a prefilling sequence's 3 ms: 1.4 x 29 = 40.6 ms leaves 11 tokens at 1 ms
+    assert costs.prefill_budget(1, 1) == 11
+    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms, 47 ms with the prefilling sequence; 1.4x that
+    # is 65.8 ms: 18 tokens at 1 ms each
+    assert costs.prefill_budget(8, 2) == 18
 
 
 def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries_a_share_of_prompt():
@@ -81,11 +80,12 @@ def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries
     the prefilling sequence's fixed part; measured against the decodes alone no token would fit, and
     every step beside running streams would be an eager step of MIN_PREFILL_TOKENS."""
     gpu = (0.0094, 0.00008, 0.00003, 0.0, 0.0001, 0.025)  # replayed step, per row, token, seq, adapter; eager
-    costs = StepCost()
-    for shape in [*SHAPES, StepShape(64, adapters=8), StepShape(0, 1024, 1, 1)]:
-        costs.observe_prior(shape, seconds(shape, gpu))
+    costs = StepCost(graphs=True)
+    for shape in [*SHAPES, StepShape(64, adapters=8), StepShape(63, 8, 1, 8)]:
+        costs.observe_prior(shape, seconds(shape, gpu, graphs=True))
     # the launch cost is told apart from a prompt's own: paid once per step that prefills
     assert costs.coef[5] == pytest.approx(0.025) and costs.coef[3] == pytest.approx(0.0, abs=1e-9)
+    assert "per eager step beside graphs 25 ms" in costs.summary()
     decodes = costs.predict(StepShape(64, adapters=8))
     assert costs.predict(StepShape(64, 0, 1, 8)) > DEFAULT_ITL_GROWTH * decodes  # the old rule's dead end
     budget = costs.prefill_budget(64, 8)
@@ -96,7 +96,7 @@ def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries
 
 
 def test_a_larger_growth_lets_a_step_prefill_more():
-    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 52  # 2 x 52 - 52 ms
+    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 47  # 2 x 47 - 47 ms
     assert fitted(itl_growth=2.0).prefill_budget(8, 2) > fitted().prefill_budget(8, 2)
 
 
@@ -110,13 +110,13 @@ def test_growth_zero_fills_a_step_to_the_larger_of_the_knee_and_the_growth_over_
 def test_the_knee_is_the_step_whose_prefill_runs_at_the_chosen_fraction_of_the_peak_rate():
     costs = fitted(itl_growth=0)
     knee = costs.knee_step_s()
-    # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 + 5 ms; at the knee its prompt tokens
-    # take KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
-    assert knee == pytest.approx(0.032 / (1 - KNEE_EFFICIENCY))
-    tokens = (knee - 0.032) / TRUE[2]
+    # fixed part of a prefill step on the TRUE device: 20 + 3 + 4 ms; at the knee its prompt tokens take
+    # KNEE_EFFICIENCY of the step, so the step prefills at that fraction of 1 / (1 ms per token)
+    assert knee == pytest.approx(0.027 / (1 - KNEE_EFFICIENCY))
+    tokens = (knee - 0.027) / TRUE[2]
     assert tokens / knee == pytest.approx(KNEE_EFFICIENCY / TRUE[2])
-    # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (160 ms: 126 tokens)
-    assert costs.prefill_budget(1, 1) == 126  # (160 - 34) ms of the step left at 1 ms per token
+    # nothing decoding but one: the knee, not 1.4x a 26 ms decode, sets the step (135 ms: 106 tokens)
+    assert costs.prefill_budget(1, 1) == 106  # (135 - 29) ms of the step left at 1 ms per token
     # a full batch: 1.4x its decodes is longer than the knee and sets the step
     assert DEFAULT_ITL_GROWTH * costs.predict(StepShape(120, adapters=4)) > knee
 
@@ -164,3 +164,20 @@ def test_a_rushed_step_prefills_up_to_the_knee_whatever_the_growth():
     assert fitted().prefill_budget(8, 2, rush=True) > fitted().prefill_budget(8, 2)
     # an absolute target longer than the knee stays
     assert fitted(target_itl_s=1.0).prefill_budget(8, 2, rush=True) == fitted(target_itl_s=1.0).prefill_budget(8, 2)
+
+
+def test_a_pod_without_graphs_has_no_eager_step_cost_whatever_its_prefill_steps_cost():
+    """On a CPU pod a step with a few prompt tokens may cost far more than its decodes (its projections run
+    in fixed row tiles: 31 decodes took 73 ms, with 8 prompt tokens 125 ms): that is not a cost of
+    prefilling at all, and must not raise the step a prefill may fill."""
+    costs = StepCost()
+    tile = 0.050  # a second row tile, paid by any step past 32 rows, decode or prefill
+    for shape, s in [(StepShape(1), 0.060), (StepShape(1, adapters=1), 0.062), (StepShape(32, adapters=4), 0.073),
+                     (StepShape(0, 256, 1, 1), 0.060 + 7 * tile), (StepShape(0, 256, 2, 1), 0.061 + 7 * tile),
+                     (StepShape(31, 128, 1, 4), 0.073 + 4 * tile), (StepShape(31, 8, 1, 4), 0.073 + tile)]:
+        costs.observe_prior(shape, s)
+    assert costs.coef[5] == 0.0
+    shortest = costs.predict(StepShape(31, 0, 1, 4))
+    assert shortest < DEFAULT_ITL_GROWTH * costs.predict(StepShape(31, adapters=4))
+    most_prefill_within(costs, 31, 4, DEFAULT_ITL_GROWTH * shortest)
+    assert "eager" not in costs.summary()
