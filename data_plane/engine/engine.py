@@ -114,7 +114,7 @@ class Engine:
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens, limits.itl_growth,
-                              graphs=self.runner.replays_graphs)
+                              graphs=self.runner.replays_graphs, row_tile=model.row_tile)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
                                    self._prefix_salt, self.costs.prefill_budget)

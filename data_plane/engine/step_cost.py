@@ -2,20 +2,22 @@
 
 A step's time is modelled as linear in what it computes::
 
-    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·prefills
+    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·eager
+              + c6·row_tiles
 
-(``adapters``: distinct adapters in the step, each a LoRA segment; ``prefills``: on a pod that replays
-CUDA graphs for decode-only steps, 1 for a step with prompt tokens, which runs eagerly, else 0). On a
-GPU decode rows are almost free next to the fixed cost (weights are read once per step) and prefill
-tokens cost compute; on a CPU both cost compute. ``c5`` is the eager step's launch cost, paid once per
-step, not per prompt; a pod without graphs has no such feature (always 0, so ``c5`` is 0). It is not
-a general "cost of prefilling at all": on the CPU pod a step of 31 decodes took 73 ms, with one more
-row of prompt 70 ms, with 8 more 125 ms, because its projections run in 32-row tiles
-(``model.cpu_linear``); a prefill indicator fitted there took that tile's cost for a cost of
-prefilling and gave steps that prefill 2-3x their decodes. The coefficients are not guessed:
-``Engine.warm_up`` times a few steps of known shapes at start-up (the prior, kept for good so every
-coefficient stays identified: one and two prompts of the same length tell ``c3`` from ``c5``, and a
-few prompt tokens beside the decodes tell ``c5`` from ``c2``), and every served
+(``adapters``: distinct adapters in the step, each a LoRA segment; ``eager``: on a pod that replays
+CUDA graphs for decode-only steps, 1 for a step with prompt tokens, which runs eagerly, else 0;
+``row_tiles``: on a CPU pod, whose projections multiply fixed tiles of rows (``model.cpu_linear``),
+the tiles the step's rows fill). On a GPU decode rows are almost free next to the fixed cost (weights
+are read once per step) and prefill tokens cost compute; on a CPU both cost compute, by the tile.
+``c5`` is the eager step's launch cost, paid once per step, not per prompt. ``c6`` is a tile's
+projections: on the CPU pod (demo model, bfloat16 matmuls, 32-row tiles, 2-core EPYC) a step of 16
+decodes took 48 ms, with 16 prompt tokens beside them 65 ms, with 17 95 ms, with 48 99 ms, with 49
+136 ms. A pod without graphs, or without tiles, has the feature at 0 always, and its coefficient is
+0. The coefficients are not guessed: ``Engine.warm_up`` times a few steps of known shapes at start-up
+(the prior, kept for good so every coefficient stays identified: one and two prompts of the same
+length tell ``c3`` from ``c5``; a few prompt tokens beside the decodes tell ``c5`` from ``c2``; a
+prompt that fills a tile and one a token longer tell ``c6`` from ``c2``), and every served
 step adds its measured time; the fit is a least-squares solve over the prior and the most recent
 steps, redone every few steps, with coefficients kept non-negative.
 
@@ -80,23 +82,27 @@ class StepShape:
     prefill_seqs: int = 0
     adapters: int = 0
 
-    def features(self, graphs: bool = False) -> tuple[float, ...]:
-        """The model's features; ``graphs``: the pod replays CUDA graphs for decode-only steps, so a
-        step with prompt tokens runs eagerly (the last feature)."""
+    def features(self, graphs: bool = False, row_tile: int = 0) -> tuple[float, ...]:
+        """The model's features; ``graphs``: the pod replays CUDA graphs for decode-only steps, so a step
+        with prompt tokens runs eagerly; ``row_tile``: the rows its projections multiply at once (0: not
+        tiled). A step with any sequence fills at least one tile."""
         eager = float(graphs and (self.prefill_seqs > 0 or self.prefill_tokens > 0))
+        rows = self.decode_rows + self.prefill_tokens
+        tiles = max(-(-rows // row_tile), int(rows > 0 or self.prefill_seqs > 0)) if row_tile else 0
         return (1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs),
-                float(self.adapters), eager)
+                float(self.adapters), eager, float(tiles))
 
 
 class StepCost:
     """The fitted step-time model, and the prefill budget it implies under a target."""
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
-                 itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False) -> None:
+                 itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False, row_tile: int = 0) -> None:
         """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
         alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
         ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together);
-        ``graphs``: the pod replays CUDA graphs for decode-only steps (``StepShape.features``)."""
+        ``graphs``: the pod replays CUDA graphs for decode-only steps; ``row_tile``: the rows its
+        projections multiply at once, 0 where not tiled (both: ``StepShape.features``)."""
         if not 0 <= target_itl_s < math.inf:
             raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = relative, by itl_growth), "
                              f"got {target_itl_s}")
@@ -105,31 +111,37 @@ class StepCost:
         self.target_itl_s = target_itl_s
         self.itl_growth = itl_growth
         self.graphs = graphs
+        self.row_tile = row_tile
+        self._budgets: dict[tuple[int, int, bool], int] = {}  # prefill_budget's answers since the last fit
         self._max_tokens = max_batched_tokens
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
         self._since_fit = 0
-        self.coef: np.ndarray | None = None  # [6] seconds per feature; None until something was timed
+        self.coef: np.ndarray | None = None  # [7] seconds per feature; None until something was timed
 
     # ---- fitting -----------------------------------------------------------------------------
     def observe_prior(self, shape: StepShape, seconds: float) -> None:
         """A step timed at start-up; kept for good, and the model is solved again at once."""
-        self._prior.append((shape.features(self.graphs), seconds))
+        self._prior.append((self._features(shape), seconds))
         self._fit()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A served step took ``seconds``."""
-        self._recent.append((shape.features(self.graphs), seconds))
+        self._recent.append((self._features(shape), seconds))
         self._since_fit += 1
         if self.coef is None or self._since_fit >= _REFIT_EVERY:
             self._fit()
 
+    def _features(self, shape: StepShape) -> tuple[float, ...]:
+        return shape.features(self.graphs, self.row_tile)
+
     def _fit(self) -> None:
         self._since_fit = 0
+        self._budgets.clear()
         rows = [*self._prior, *self._recent]
         if not rows:
             return
-        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 6]
+        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 7]
         y = np.array([s for _, s in rows], dtype=np.float64)  # [n]
         w = np.sqrt(np.array([_PRIOR_WEIGHT] * len(self._prior) + [1.0] * len(self._recent)))
         self.coef = _nonnegative_least_squares(x * w[:, None], y * w)
@@ -139,7 +151,7 @@ class StepCost:
         """Seconds a step of ``shape`` is expected to take (0.0 before anything was timed)."""
         if self.coef is None:
             return 0.0
-        return float(np.dot(self.coef, shape.features(self.graphs)))
+        return float(np.dot(self.coef, self._features(shape)))
 
     def step_target(self, decode_rows: int, adapters: int, rush: bool = False) -> float:
         """The time a step with these decodes may take once prefill fills it; with ``rush`` (an admitted
@@ -167,18 +179,42 @@ class StepCost:
         room = max(0, self._max_tokens - decode_rows)
         if decode_rows == 0 or self.coef is None:
             return room
-        per_token = float(self.coef[2])
-        spare = self.step_target(decode_rows, adapters, rush) - self.predict(
-            StepShape(decode_rows, 0, 1, adapters))
-        fits = room if per_token <= 0 else int(spare / per_token + 1e-6)  # a token that fits to rounding fits
-        return min(room, max(MIN_PREFILL_TOKENS, fits))
+        key = (decode_rows, adapters, rush)
+        if key not in self._budgets:  # the admission estimate asks the same few questions many times a fit
+            target = self.step_target(decode_rows, adapters, rush) + 1e-9  # a token that fits to rounding fits
+            self._budgets[key] = min(room, max(MIN_PREFILL_TOKENS, self._most_tokens(decode_rows, adapters,
+                                                                                     target, room)))
+        return self._budgets[key]
+
+    def _most_tokens(self, decode_rows: int, adapters: int, target: float, room: int) -> int:
+        """The most prompt tokens (at most ``room``) one prefilling sequence may add to a step with these
+        decodes within ``target`` seconds: linear in the tokens, or with row tiles a step function too,
+        so searched (the predicted time never falls as tokens are added)."""
+        def within(tokens: int) -> bool:
+            return self.predict(StepShape(decode_rows, tokens, 1, adapters)) <= target
+
+        if not self.row_tile or self.coef[6] <= 0:
+            per_token = float(self.coef[2])
+            spare = target - self.predict(StepShape(decode_rows, 0, 1, adapters))
+            return room if per_token <= 0 else max(0, int(spare / per_token))
+        if within(room):
+            return room
+        low, high = 0, room  # within(low) or low == 0; not within(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if within(mid) else (low, mid)
+        return low
 
     def summary(self) -> str:
         """The fitted coefficients in milliseconds, for the start-up log."""
         if self.coef is None:
             return "not measured"
-        names = ("fixed", "per decode row", "per prefill token", "per prefilling sequence", "per adapter",
-                 "per eager step beside graphs")[: 6 if self.graphs else 5]
+        names = dict(enumerate(("fixed", "per decode row", "per prefill token", "per prefilling sequence",
+                                "per adapter", "per eager step beside graphs", f"per {self.row_tile}-row tile")))
+        if not self.graphs:
+            del names[5]
+        if not self.row_tile:
+            del names[6]
         if self.target_itl_s:
             target = f"--target-itl {self.target_itl_s:g} s"
         elif self.itl_growth:
@@ -186,7 +222,7 @@ class StepCost:
                       "sequence alone (--itl-growth)")
         else:
             target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
-        return ", ".join(f"{name} {c * 1e3:.3g} ms" for name, c in zip(names, self.coef, strict=False)) + "; " + target
+        return ", ".join(f"{name} {self.coef[i] * 1e3:.3g} ms" for i, name in names.items()) + "; " + target
 
 
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -43,9 +43,10 @@ def warm_up(engine: Engine, rank: int = 8) -> None:
 
 def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int) -> None:
     """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
-    with and without adapters, prefill in one and two sequences, decodes beside prefill, and where
-    decode steps replay graphs decodes beside a few prompt tokens (steps of at most ``chunk`` tokens,
-    of at most ``max_num_seqs`` sequences)."""
+    with and without adapters, prefill in one and two sequences, decodes beside prefill, where decode
+    steps replay graphs or projections run in row tiles decodes beside a few prompt tokens, and with row
+    tiles a prompt beside one decode that fills a tile and one a token longer (steps of at most
+    ``chunk`` tokens, of at most ``max_num_seqs`` sequences)."""
     def prompt(name: str, length: int) -> Sequence:
         return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
 
@@ -57,11 +58,16 @@ def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int)
                [ScheduledSeq(prompt("warm-up-p", tokens), tokens)],
                [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
                [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-p", beside), beside)]]
-    if engine.costs.graphs:
-        # A few prompt tokens beside the decodes: the eager step's own cost apart from its tokens'. Not on a
-        # pod without graphs: there a few tokens may cross a row tile (model/cpu_linear.py), which the linear
-        # model would take for a cost of every prefilling sequence.
+    tile = engine.costs.row_tile
+    if engine.costs.graphs or tile:
+        # A few prompt tokens beside the decodes: the eager step's own cost apart from its tokens'. Where
+        # neither eager steps nor row tiles are modelled, a few tokens that cross a tile (model/cpu_linear.py)
+        # would be taken for a cost of every prefilling sequence.
         batches.append([*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-f", few), few)])
+    if tile and tile + 1 <= chunk:
+        # A prompt that fills one decode's tile, and one a token longer that needs a second tile.
+        batches += [[ScheduledSeq(decodes[0], 1), ScheduledSeq(prompt(f"warm-up-t{n}", n), n)]
+                    for n in (tile - 1, tile)]
     for batch in batches:
         if len(batch) > engine.limits.max_num_seqs:
             continue

@@ -233,6 +233,13 @@ class LlamaForCausalLM(nn.Module):
         self._packed_head = cpu_linear.pack(self.head_weight)
 
     @property
+    def row_tile(self) -> int:
+        """The rows every projection multiplies at once on CPU (``cpu_linear``: a step's projections cost
+        the same for any row count up to it, and again for each tile past it); 0 where not tiled."""
+        first = next(m for m in self.modules() if isinstance(m, Projection))
+        return first.packed.rows if first.packed is not None else 0
+
+    @property
     def precision(self) -> Precision:
         """The precision the model computes in, read from its weights and its projections' packed copies."""
         weights = self.embed_tokens.weight.dtype

@@ -14,14 +14,14 @@ from data_plane.engine.step_cost import (
 )
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
-# sequence and 4 ms per adapter (a pod without CUDA graphs: no eager-step cost).
-TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.0)
+# sequence and 4 ms per adapter (a pod without CUDA graphs or row tiles: no eager-step or tile cost).
+TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.0, 0.0)
 SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
           StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4)]
 
 
-def seconds(shape: StepShape, coef=TRUE, graphs: bool = False) -> float:
-    return sum(c * f for c, f in zip(coef, shape.features(graphs), strict=True))
+def seconds(shape: StepShape, coef=TRUE, graphs: bool = False, row_tile: int = 0) -> float:
+    return sum(c * f for c, f in zip(coef, shape.features(graphs, row_tile), strict=True))
 
 
 def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024,
@@ -79,7 +79,7 @@ def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries
     with an 8B model a batch-1 decode step took 9.64 ms replayed and 34.7 ms eagerly. That launch cost is
     the prefilling sequence's fixed part; measured against the decodes alone no token would fit, and
     every step beside running streams would be an eager step of MIN_PREFILL_TOKENS."""
-    gpu = (0.0094, 0.00008, 0.00003, 0.0, 0.0001, 0.025)  # replayed step, per row, token, seq, adapter; eager
+    gpu = (0.0094, 0.00008, 0.00003, 0.0, 0.0001, 0.025, 0.0)  # replayed step, per row, token, seq, adapter; eager
     costs = StepCost(graphs=True)
     for shape in [*SHAPES, StepShape(64, adapters=8), StepShape(63, 8, 1, 8)]:
         costs.observe_prior(shape, seconds(shape, gpu, graphs=True))
@@ -181,3 +181,50 @@ def test_a_pod_without_graphs_has_no_eager_step_cost_whatever_its_prefill_steps_
     assert shortest < DEFAULT_ITL_GROWTH * costs.predict(StepShape(31, adapters=4))
     most_prefill_within(costs, 31, 4, DEFAULT_ITL_GROWTH * shortest)
     assert "eager" not in costs.summary()
+
+
+# A CPU pod whose projections run in 32-row tiles: a step costs 10 ms, 0.5 ms per decode row, 0.2 ms per
+# prompt token, 30 ms per tile of rows (measured on the demo pod: 16 decodes 48 ms, with 16 prompt tokens
+# 65 ms, with 17 95 ms).
+TILED = (0.010, 0.0005, 0.0002, 0.0, 0.001, 0.0, 0.030)
+TILED_SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
+                StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4), StepShape(31, 8, 1, 4), StepShape(1, 31, 1, 1),
+                StepShape(1, 32, 1, 1)]
+
+
+def tiled() -> StepCost:
+    costs = StepCost(row_tile=32)
+    for shape in TILED_SHAPES:
+        costs.observe_prior(shape, seconds(shape, TILED, row_tile=32))
+    return costs
+
+
+def test_row_tiles_are_counted_from_the_rows_and_a_step_with_a_sequence_fills_one():
+    assert StepShape(16, 16, 1).features(row_tile=32)[6] == 1.0
+    assert StepShape(16, 17, 1).features(row_tile=32)[6] == 2.0
+    assert StepShape(0, 0, 1, 1).features(row_tile=32)[6] == 1.0  # the knee's fixed part pays a tile
+    assert StepShape(0).features(row_tile=32)[6] == 0.0
+    assert StepShape(40, 40, 1).features()[6] == 0.0  # not tiled (a GPU pod)
+
+
+def test_the_start_up_shapes_recover_a_tiled_pods_costs():
+    costs = tiled()
+    assert costs.coef == pytest.approx(TILED, rel=1e-6, abs=1e-9)
+    assert "per 32-row tile 30 ms" in costs.summary() and "eager" not in costs.summary()
+
+
+def test_with_row_tiles_a_step_fills_the_tile_it_pays_for_and_crosses_into_another_only_within_its_target():
+    costs = tiled()
+    # 16 decodes over 2 adapters: 10 + 8 + 2 + 30 = 50 ms; 1.4x is 70 ms: the 16 rows left in the first tile
+    # (3.2 ms) fit, a second tile (30 ms) does not
+    assert costs.prefill_budget(16, 2) == 16
+    assert costs.predict(StepShape(16, 16, 1, 2)) <= 0.070 < costs.predict(StepShape(16, 17, 1, 2))
+    # with a larger growth a second tile fits: 2x 50 = 100 ms, room for 48 tokens past the decodes' tile
+    relaxed = StepCost(row_tile=32, itl_growth=2.0)
+    for shape in TILED_SHAPES:
+        relaxed.observe_prior(shape, seconds(shape, TILED, row_tile=32))
+    assert relaxed.prefill_budget(16, 2) == 48
+    # 31 decodes leave one row in their tile; the floor still prefills MIN_PREFILL_TOKENS
+    assert costs.prefill_budget(31, 4) == MIN_PREFILL_TOKENS
+    for rows, adapters in ((1, 1), (8, 2), (16, 3)):
+        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * costs.predict(StepShape(rows, 0, 1, adapters)))
