@@ -3,8 +3,9 @@ torch.profiler, for a run of 64 distinct adapters and one of the base model alon
 
     python benchmarks/gpu_profile.py [--model 8b|tiny] [--device cuda|cpu] [--new-tokens 24]
 
-Prints, per run, the wall time per generated step against the device's busy time in the same window
-(host overhead is their difference), and the operators with the most device time.
+Prints, per run, the wall time and the device's busy time over the profiled window divided by the steps
+that generated tokens (the window holds the batch's prefill too, so these are not a decode step's alone),
+and the operators with the most device time.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ async def profiled(args, model_dir: Path, root: Path) -> None:
             device_us = sum(e.self_device_time_total for e in events)
             steps = args.new_tokens
             print(f"\n== {label}: {run.tokens} tokens in {run.wall_s * 1e3:.0f} ms wall, {steps} steps: "
-                  f"{run.wall_s * 1e3 / steps:.2f} ms/step wall, device busy {device_us / 1e3 / steps:.2f} ms/step")
+                  f"{run.wall_s * 1e3 / steps:.2f} ms/step wall, device busy {device_us / 1e3 / steps:.2f} ms/step "
+                  "(the batch's prefill included)")
             sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
             print(events.table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
             if os.environ.get("OUT"):

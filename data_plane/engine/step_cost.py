@@ -25,9 +25,11 @@ The step budget (stall-free batching, after Sarathi-Serve): every running decode
 step, and prefill work fills what is left of a target step time, so running streams keep their pace
 while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
 step that also prefills lasts at most that many times the shortest step that prefills beside the same
-decodes: its decodes alone plus a step's and one sequence's cost of prefilling (``c5 + c3``), all from
-the same fitted model. On a CPU ``c5`` is 0 and ``c3`` small, so that is about the decodes alone and a
-running stream's gap grows by about that factor whatever arrives. On a pod that replays CUDA graphs
+decodes: its decodes alone plus a step's and one sequence's cost of prefilling (``c5 + c3``, and on a
+CPU pod the rows' tiles), all from the same fitted model. On a CPU ``c5`` is 0 and ``c3`` small, so
+that is about the decodes alone and a running stream's gap grows by about that factor whatever
+arrives, except where the floor of MIN_PREFILL_TOKENS crosses into another row tile (a step of 31
+decodes and 8 prompt tokens pays a second tile). On a pod that replays CUDA graphs
 for decode-only steps, ``c5`` is the eager step's launch cost (an H100 with an 8B model:
 a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
 evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
@@ -98,8 +100,9 @@ class StepCost:
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
                  itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False, row_tile: int = 0) -> None:
-        """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
-        alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
+        """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the shortest step
+        that prefills beside the step's decodes, or with ``itl_growth`` 0 up to the device's throughput
+        knee; see the module's notes);
         ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together);
         ``graphs``: the pod replays CUDA graphs for decode-only steps; ``row_tile``: the rows its
         projections multiply at once, 0 where not tiled (both: ``StepShape.features``)."""
@@ -169,8 +172,10 @@ class StepCost:
     def knee_step_s(self) -> float:
         """The shortest step whose prefill runs at ``KNEE_EFFICIENCY`` of the device's peak prefill rate:
         its fixed part (a step that prefills, one prefilling sequence, one adapter) over
-        ``1 - KNEE_EFFICIENCY``."""
-        return self.predict(StepShape(0, 0, 1, 1)) / (1.0 - KNEE_EFFICIENCY)
+        ``1 - KNEE_EFFICIENCY``. A row tile is not part of it: tiles are paid by the rows, so at the
+        peak rate a token costs its own part and its share of a tile (``c2 + c6 / row_tile``)."""
+        tile = float(self.coef[6]) if self.coef is not None and self.row_tile else 0.0
+        return (self.predict(StepShape(0, 0, 1, 1)) - tile) / (1.0 - KNEE_EFFICIENCY)
 
     def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False) -> int:
         """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry

@@ -100,10 +100,17 @@ class HashedFile:
             chunks: queue.SimpleQueue = queue.SimpleQueue()  # memoryviews read so far, then None
             # Not threading.Thread: its start() waits until the new thread runs, which on a busy machine
             # costs a scheduling round before any of the work that overlaps the hash can begin.
-            _thread.start_new_thread(self._run, (iter(chunks.get, None),))
+            try:
+                _thread.start_new_thread(self._run, (iter(chunks.get, None),))
+            except RuntimeError as e:
+                raise OSError(0, f"no thread to hash it on ({e})") from None
             if head:
                 chunks.put(view[:head])
-                _thread.start_new_thread(self._read_rest, (f, view, head, chunks))
+                try:
+                    _thread.start_new_thread(self._read_rest, (f, view, head, chunks))
+                except RuntimeError as e:  # no thread to be had: the hash thread must still end
+                    chunks.put(None)
+                    raise OSError(0, f"no thread to read it on ({e})") from None
                 f = None  # the reading thread closes it
                 return
             self._read_rest(f, view, 0, chunks)

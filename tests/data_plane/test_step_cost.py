@@ -228,3 +228,13 @@ def test_with_row_tiles_a_step_fills_the_tile_it_pays_for_and_crosses_into_anoth
     assert costs.prefill_budget(31, 4) == MIN_PREFILL_TOKENS
     for rows, adapters in ((1, 1), (8, 2), (16, 3)):
         most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * costs.predict(StepShape(rows, 0, 1, adapters)))
+
+
+def test_with_row_tiles_the_knee_counts_a_tile_by_its_rows_not_as_a_fixed_cost():
+    """At the knee a step's prompt tokens take KNEE_EFFICIENCY of it, each token costing its own part and its
+    share of a tile: the fixed part is the step, the prefilling sequence and the adapter (10 + 0 + 1 ms)."""
+    costs = tiled()
+    assert costs.knee_step_s() == pytest.approx(0.011 / (1 - KNEE_EFFICIENCY))
+    knee = costs.knee_step_s()
+    per_token = TILED[2] + TILED[6] / 32
+    assert (knee - 0.011) / per_token / knee == pytest.approx(KNEE_EFFICIENCY / per_token)

@@ -313,32 +313,48 @@ def test_a_file_in_another_dtype_is_converted_once_into_one_run_per_group(tiny_b
 def test_the_header_is_checked_and_grouped_while_the_data_is_still_being_read(tiny_base, tiny_adapters,
                                                                                monkeypatch):
     """A safetensors file's header is read first; the rest arrives on another thread while the entries are
-    paired, checked against the model and grouped, and nothing looks at the data before it is all in."""
+    paired, checked against the model and grouped, and nothing looks at the data before it is all in: here
+    the rest is held back until the loader waits for it, so a loader that touched the data first would
+    find it missing (and wait forever; the hold gives up after 30 s and fails the load)."""
     from data_plane.lora import peft_adapter, weights_file
 
     monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
     monkeypatch.setattr(weights_file, "CHUNK_BYTES", 4096)
     data = (tiny_adapters / "r64pat" / WEIGHTS).read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
-    release, grouped = threading.Event(), threading.Event()
-    read_into = weights_file._read_into
+    release, seen = threading.Event(), []
+    read_into, wait_read, real_group = weights_file._read_into, peft_adapter.wait_read, peft_adapter._group
+    real_finite, real_staged = peft_adapter._check_finite, peft_adapter._staged
 
-    def held_back(f, view):  # the data past the header waits until the entries were grouped
+    def held_back(f, view):  # the data past the header waits until the loader waits for it
         if f.tell() >= header_end:
-            assert release.wait(30)
+            assert release.wait(30), "the loader never waited for the data"
         read_into(f, view)
 
-    def group(*args):
-        result = real_group(*args)
-        grouped.set()
+    def waited(name, file):
         release.set()
-        return result
+        wait_read(name, file)
+        seen.append("read")
 
-    real_group = peft_adapter._group
+    def group(*args):
+        seen.append("grouped")
+        return real_group(*args)
+
+    def after_read(real, label):
+        def check(*args):
+            seen.append(label)
+            assert "read" in seen, f"{label} before the data was all in"
+            return real(*args)
+        return check
+
     monkeypatch.setattr(weights_file, "_read_into", held_back)
+    monkeypatch.setattr(peft_adapter, "wait_read", waited)
     monkeypatch.setattr(peft_adapter, "_group", group)
+    monkeypatch.setattr(peft_adapter, "_check_finite", after_read(real_finite, "finite"))
+    monkeypatch.setattr(peft_adapter, "_staged", after_read(real_staged, "staged"))
     adapter = _runtime(tiny_base, tiny_adapters).read("r64pat", "r64pat", hashlib.sha256(data).hexdigest())
-    assert grouped.is_set() and adapter.sha256 == hashlib.sha256(data).hexdigest()
+    assert seen[:2] == ["grouped", "read"] and "finite" in seen
+    assert adapter.sha256 == hashlib.sha256(data).hexdigest()
     expected = _expected(tiny_adapters / "r64pat", torch.float32)
     for path, slices in adapter.deltas.items():
         for s, delta in slices.items():
@@ -361,3 +377,23 @@ def test_a_size_change_found_after_the_header_is_raised_when_the_rest_is_waited_
         weights_file.wait_read("r8", file)
     with pytest.raises(OSError, match=match):  # and the hash of bytes that are not the file's is never given
         file.sha256()
+
+
+def test_no_thread_to_read_on_is_a_clear_refusal_and_the_hash_thread_ends(tiny_adapters, monkeypatch):
+    from data_plane.lora import weights_file
+
+    monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
+    started, real_start = [], weights_file._thread.start_new_thread
+
+    def second_fails(fn, args):
+        if started:
+            raise RuntimeError("can't start new thread")
+        started.append(fn)
+        return real_start(fn, args)
+
+    monkeypatch.setattr(weights_file._thread, "start_new_thread", second_fails)
+    path = tiny_adapters / "r8" / WEIGHTS
+    with pytest.raises(InvalidAdapter, match="cannot read .*no thread to read it on"):
+        weights_file.open_weights("r8", path, 1 << 30, lead=weights_file.safetensors_lead)
+    hasher = started[0].__self__
+    assert hasher._hashed.wait(10)  # the hash thread was told the file ended, and did
