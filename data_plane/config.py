@@ -73,8 +73,8 @@ class DataPlaneConfig:
     max_queue_delay_s: float = 2.0
     # The step time prefill work may fill a step up to, beside its decodes; 0 = relative, by itl_growth.
     target_itl_s: float = 0.0
-    # A step that also prefills lasts at most this many times the shortest step that prefills beside the same
-    # decodes (their decodes alone and one prefilling sequence); 0 = up to the device's
+    # A step that also prefills lasts at most this many times its decodes alone (a graph pod: the eager step
+    # that prefills beside them); 0 = up to the device's
     # throughput knee instead (engine/step_cost.py).
     itl_growth: float = DEFAULT_ITL_GROWTH
     scheduling_policy: str = "fair"  # "fair" (fair shares across adapters) or "fcfs" (arrival order)
@@ -336,11 +336,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"get their token (default {d.target_itl_s}: relative, see --itl-growth; with nothing "
                         "decoding a step prefills up to --max-num-batched-tokens)")
     p.add_argument("--itl-growth", type=float, default=d.itl_growth, metavar="FACTOR",
-                   help="a step that prefills new prompts beside running streams lasts at most FACTOR times the "
-                        "shortest step that prefills beside them (their decodes alone plus one prefilling sequence's "
-                        f"fixed cost), by the step-time model the pod fits to its own steps (default {d.itl_growth}: "
-                        "on a CPU, streams' inter-token gaps grow by about that while prompts arrive, except in steps "
-                        "that make up for an admitted request past half its promised first-token time); 0 = "
+                   help="a step that prefills new prompts beside running streams lasts at most FACTOR times their "
+                        "decodes alone (on a pod replaying CUDA graphs for decode steps, FACTOR times the eager step "
+                        "that prefills beside them), by the step-time model the pod fits to its own steps (default "
+                        f"{d.itl_growth}: streams' inter-token gaps grow by about that while prompts arrive, except in "
+                        "steps that make up for an admitted request past half its promised first-token time); 0 = "
                         "throughput instead: such a step may last at least as long as the step whose prefill runs at "
                         f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate (more prompts per second, "
                         "several times longer gaps while they are prefilled)")

@@ -62,7 +62,7 @@ class EngineLimits:
     max_model_len: int
     max_queue_delay_s: float  # longest estimated wait for a first token a new request is admitted with; 0 = any
     target_itl_s: float = 0.0  # the step time prefill may fill up to; 0 = relative, by itl_growth (step_cost.py)
-    itl_growth: float = DEFAULT_ITL_GROWTH  # a step that prefills lasts ≤ this × the shortest such; 0 = the knee
+    itl_growth: float = DEFAULT_ITL_GROWTH  # a step that prefills lasts ≤ this × its decodes; 0 = the knee
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size, self.num_kv_blocks) <= 0:

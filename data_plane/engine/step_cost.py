@@ -24,13 +24,12 @@ steps, redone every few steps, with coefficients kept non-negative.
 The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
 step, and prefill work fills what is left of a target step time, so running streams keep their pace
 while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
-step that also prefills lasts at most that many times the shortest step that prefills beside the same
-decodes: its decodes alone plus a step's and one sequence's cost of prefilling (``c5 + c3``, and on a
-CPU pod the rows' tiles), all from the same fitted model. On a CPU ``c5`` is 0 and ``c3`` small, so
-that is about the decodes alone and a running stream's gap grows by about that factor whatever
-arrives, except where the floor of MIN_PREFILL_TOKENS crosses into another row tile (a step of 31
-decodes and 8 prompt tokens pays a second tile). On a pod that replays CUDA graphs
-for decode-only steps, ``c5`` is the eager step's launch cost (an H100 with an 8B model:
+step that also prefills lasts at most that many times its decodes alone, by the same fitted model, so a
+running stream's gap grows by about that factor whatever arrives (except where the floor of
+MIN_PREFILL_TOKENS crosses into another row tile: a CPU step of 31 decodes and 8 prompt tokens pays a
+second tile). On a pod that replays CUDA graphs for decode-only steps the base is instead the shortest
+step that prefills beside the same decodes, the eager one: its decodes alone plus the eager step's and
+one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
 a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
 evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
 step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
@@ -100,9 +99,9 @@ class StepCost:
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
                  itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False, row_tile: int = 0) -> None:
-        """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the shortest step
-        that prefills beside the step's decodes, or with ``itl_growth`` 0 up to the device's throughput
-        knee; see the module's notes);
+        """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
+        alone, on a graph pod × the shortest step that prefills beside them, or with ``itl_growth`` 0 up
+        to the device's throughput knee; see the module's notes);
         ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together);
         ``graphs``: the pod replays CUDA graphs for decode-only steps; ``row_tile``: the rows its
         projections multiply at once, 0 where not tiled (both: ``StepShape.features``)."""
@@ -164,7 +163,9 @@ class StepCost:
         if self.target_itl_s:
             target = max(self.target_itl_s, decodes)
         elif self.itl_growth:
-            target = self.itl_growth * self.predict(StepShape(decode_rows, 0, 1, adapters))
+            # On a graph pod a step with prompt tokens runs eagerly: the shortest such step is the base.
+            base = StepShape(decode_rows, 0, 1, adapters) if self.graphs else StepShape(decode_rows, adapters=adapters)
+            target = self.itl_growth * self.predict(base)
         else:
             target = knee
         return max(target, knee) if rush else target
@@ -223,8 +224,8 @@ class StepCost:
         if self.target_itl_s:
             target = f"--target-itl {self.target_itl_s:g} s"
         elif self.itl_growth:
-            target = (f"a step that prefills lasts at most {self.itl_growth:g}x its decodes and one prefilling "
-                      "sequence alone (--itl-growth)")
+            base = "the shortest eager step beside its decodes" if self.graphs else "its decodes alone"
+            target = f"a step that prefills lasts at most {self.itl_growth:g}x {base} (--itl-growth)"
         else:
             target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
         return ", ".join(f"{name} {self.coef[i] * 1e3:.3g} ms" for i, name in names.items()) + "; " + target

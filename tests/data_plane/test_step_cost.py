@@ -62,16 +62,17 @@ def most_prefill_within(costs: StepCost, rows: int, adapters: int, target: float
     assert costs.predict(StepShape(rows, budget + 1, 1, adapters)) > target
 
 
-def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_the_shortest_step_that_prefills():
+def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_its_decodes_alone():
     costs = fitted()
-    for rows, adapters in ((1, 1), (8, 2), (16, 3), (32, 4), (120, 4)):
-        shortest = costs.predict(StepShape(rows, 0, 1, adapters))  # the decodes and one prefilling sequence
-        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * shortest)
-    # one decode of 26 ms and a prefilling sequence's 3 ms: 1.4 x 29 = 40.6 ms leaves 11 tokens at 1 ms
-    assert costs.prefill_budget(1, 1) == 11
-    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms, 47 ms with the prefilling sequence; 1.4x that
-    # is 65.8 ms: 18 tokens at 1 ms each
-    assert costs.prefill_budget(8, 2) == 18
+    for rows, adapters in ((8, 2), (16, 3), (32, 4), (120, 4)):
+        decodes = costs.predict(StepShape(rows, adapters=adapters))
+        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * decodes)
+    # one decode of 26 ms: 1.4x leaves 36.4 - 29 ms, 7 tokens; prefill still gets its floor
+    assert costs.prefill_budget(1, 1) == MIN_PREFILL_TOKENS
+    # 8 decodes over 2 adapters take 20 + 16 + 8 = 44 ms; 1.4x that is 61.6 ms, less the prefilling
+    # sequence's 3 ms: 14 tokens at 1 ms each
+    assert costs.prefill_budget(8, 2) == 14
+    assert "1.4x its decodes alone" in costs.summary()
 
 
 def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries_a_share_of_prompt():
@@ -86,6 +87,7 @@ def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries
     # the launch cost is told apart from a prompt's own: paid once per step that prefills
     assert costs.coef[5] == pytest.approx(0.025) and costs.coef[3] == pytest.approx(0.0, abs=1e-9)
     assert "per eager step beside graphs 25 ms" in costs.summary()
+    assert "1.4x the shortest eager step beside its decodes" in costs.summary()
     decodes = costs.predict(StepShape(64, adapters=8))
     assert costs.predict(StepShape(64, 0, 1, 8)) > DEFAULT_ITL_GROWTH * decodes  # the old rule's dead end
     budget = costs.prefill_budget(64, 8)
@@ -96,7 +98,7 @@ def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries
 
 
 def test_a_larger_growth_lets_a_step_prefill_more():
-    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 47  # 2 x 47 - 47 ms
+    assert fitted(itl_growth=2.0).prefill_budget(8, 2) == 41  # 88 - 44 - 3 ms
     assert fitted(itl_growth=2.0).prefill_budget(8, 2) > fitted().prefill_budget(8, 2)
 
 
@@ -170,16 +172,16 @@ def test_a_pod_without_graphs_has_no_eager_step_cost_whatever_its_prefill_steps_
     """On a CPU pod a step with a few prompt tokens may cost far more than its decodes (its projections run
     in fixed row tiles: 31 decodes took 73 ms, with 8 prompt tokens 125 ms): that is not a cost of
     prefilling at all, and must not raise the step a prefill may fill."""
-    costs = StepCost()
+    costs = StepCost()  # neither graphs nor row tiles modelled
     tile = 0.050  # a second row tile, paid by any step past 32 rows, decode or prefill
     for shape, s in [(StepShape(1), 0.060), (StepShape(1, adapters=1), 0.062), (StepShape(32, adapters=4), 0.073),
                      (StepShape(0, 256, 1, 1), 0.060 + 7 * tile), (StepShape(0, 256, 2, 1), 0.061 + 7 * tile),
                      (StepShape(31, 128, 1, 4), 0.073 + 4 * tile), (StepShape(31, 8, 1, 4), 0.073 + tile)]:
         costs.observe_prior(shape, s)
     assert costs.coef[5] == 0.0
-    shortest = costs.predict(StepShape(31, 0, 1, 4))
-    assert shortest < DEFAULT_ITL_GROWTH * costs.predict(StepShape(31, adapters=4))
-    most_prefill_within(costs, 31, 4, DEFAULT_ITL_GROWTH * shortest)
+    decodes = costs.predict(StepShape(31, adapters=4))
+    assert costs.predict(StepShape(31, 0, 1, 4)) < DEFAULT_ITL_GROWTH * decodes
+    most_prefill_within(costs, 31, 4, DEFAULT_ITL_GROWTH * decodes)
     assert "eager" not in costs.summary()
 
 
@@ -227,7 +229,8 @@ def test_with_row_tiles_a_step_fills_the_tile_it_pays_for_and_crosses_into_anoth
     # 31 decodes leave one row in their tile; the floor still prefills MIN_PREFILL_TOKENS
     assert costs.prefill_budget(31, 4) == MIN_PREFILL_TOKENS
     for rows, adapters in ((1, 1), (8, 2), (16, 3)):
-        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * costs.predict(StepShape(rows, 0, 1, adapters)))
+        decodes = costs.predict(StepShape(rows, adapters=adapters))
+        most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * decodes)
 
 
 def test_with_row_tiles_the_knee_counts_a_tile_by_its_rows_not_as_a_fixed_cost():
