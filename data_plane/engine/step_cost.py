@@ -44,9 +44,10 @@ steps instead of a broken promise.
 
 ``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
 throughput knee (or 1.4× its decodes alone when that is longer). A step pays its fixed part once
-whatever it computes (``fixed``: the fixed cost, one prefilling sequence, one adapter), so a step of
-``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of
-the device's peak rate ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)``.
+whatever it computes (``fixed``: the fixed cost, one prefilling sequence, one adapter, and on a graph
+pod the eager step), so a step of ``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which
+reaches ``KNEE_EFFICIENCY`` of the device's peak rate ``1 / per_token`` when the step lasts
+``fixed / (1 - KNEE_EFFICIENCY)`` (with row tiles, a token's cost includes its share of a tile).
 Where the fixed part is most of a decode step (a small model, or a GPU reading its weights once per
 step), that is several times the decodes alone: more prompt tokens per second, longer gaps for
 running streams while prompts arrive (benchmarks/RESULTS.md, "Overload").
