@@ -258,9 +258,8 @@ class Engine:
         admission would allow (then the rest is counted at the last step's rate: the refusal is certain
         and its hint needs no more)."""
         own_s = self.delays.own_prefill(prompt_tokens, load)
-        cap = self.limits.max_queue_delay_s
-        enough_s = min(timeout_s if timeout_s is not None else math.inf,
-                       max(cap, 2 * own_s * tail) if cap else math.inf) / tail
+        promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
+        enough_s = min(math.inf if timeout_s is None else timeout_s, math.inf if promised is None else promised) / tail
         wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, prompt_tokens), prompt_tokens, load, enough_s)
         for _ in range(_SETTLE_PASSES):
             if wait_s > enough_s:

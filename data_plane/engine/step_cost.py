@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# How many times the shortest step that prefills beside its decodes a step that prefills may last (see above).
+# How many times its decodes alone (on a graph pod, the eager step beside them) a step that prefills may last.
 DEFAULT_ITL_GROWTH = 1.4
 # Under --itl-growth 0: the step whose prefill runs at this fraction of the device's peak prefill rate.
 KNEE_EFFICIENCY = 0.8

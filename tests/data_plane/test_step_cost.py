@@ -194,8 +194,8 @@ TILED_SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4
                 StepShape(1, 32, 1, 1)]
 
 
-def tiled() -> StepCost:
-    costs = StepCost(row_tile=32)
+def tiled(itl_growth: float = DEFAULT_ITL_GROWTH) -> StepCost:
+    costs = StepCost(row_tile=32, itl_growth=itl_growth)
     for shape in TILED_SHAPES:
         costs.observe_prior(shape, seconds(shape, TILED, row_tile=32))
     return costs
@@ -222,10 +222,7 @@ def test_with_row_tiles_a_step_fills_the_tile_it_pays_for_and_crosses_into_anoth
     assert costs.prefill_budget(16, 2) == 16
     assert costs.predict(StepShape(16, 16, 1, 2)) <= 0.070 < costs.predict(StepShape(16, 17, 1, 2))
     # with a larger growth a second tile fits: 2x 50 = 100 ms, room for 48 tokens past the decodes' tile
-    relaxed = StepCost(row_tile=32, itl_growth=2.0)
-    for shape in TILED_SHAPES:
-        relaxed.observe_prior(shape, seconds(shape, TILED, row_tile=32))
-    assert relaxed.prefill_budget(16, 2) == 48
+    assert tiled(itl_growth=2.0).prefill_budget(16, 2) == 48
     # 31 decodes leave one row in their tile; the floor still prefills MIN_PREFILL_TOKENS
     assert costs.prefill_budget(31, 4) == MIN_PREFILL_TOKENS
     for rows, adapters in ((1, 1), (8, 2), (16, 3)):
