@@ -58,6 +58,10 @@ class FairShare:
         """The account's counter (the floor for one with no requests)."""
         return self._served.get(account, self._floor)
 
+    def active(self, flow: Flow, tenant: str | None = None) -> bool:
+        """Whether the account of ``flow`` for ``tenant`` has requests queued or running."""
+        return self._requests[account_of(flow, tenant)] > 0
+
     def weight(self, flow: Flow) -> float:
         return self._weights.get(flow, 1.0)
 

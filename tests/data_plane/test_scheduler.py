@@ -171,33 +171,68 @@ def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_agai
 
 def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counter():
     s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 16)
+    first = request(s, "first", 400, adapter="x")  # x had nothing in flight: it arrived idle
     long = request(s, "long", 400, adapter="x")
     step(s)
+    step(s)
+    assert long.started_at_standing is None  # waits behind first
+    s.finish(first)
+    step(s)  # long starts; x had first in flight when it arrived
     s.shares.charge("x", 1000)  # the tenant's decodes and other prompts moved its counter on
     assert s._order(long)[0] == pytest.approx(s.shares.served("x") - STARTED_QUANTUM)
+    s.finish(long)
+    idle = request(s, "idle", 400, adapter="x")  # arrived idle: started a quantum below, so up to two behind
+    step(s)
+    s.shares.charge("x", 1000)
+    assert s._order(idle)[0] == pytest.approx(s.shares.served("x") - 2 * STARTED_QUANTUM)
 
 
-def test_a_started_prompt_is_finished_before_a_tenant_served_as_much_starts():
+def flood_started_then_quiet(quiet_busy: bool) -> Scheduler:
+    """x decodes one request and queues three 12-token prompts, the first of which starts (4 tokens a
+    step); then y queues a 4-token request, while a request of y decodes too (``quiet_busy``) or not."""
     s = scheduler(prefill_budget=lambda decodes, adapters, rush: 4)
+    if quiet_busy:
+        request(s, "y-running", 1, adapter="y")
+    request(s, "x-running", 1, adapter="x")
+    step(s)
     for i in range(3):
-        request(s, f"flood{i}", 12, adapter="x")
+        request(s, f"flood{i}", 12, adapter="x")  # x is busy: ordinary arrivals
     step(s)  # the flood's first prompt starts: 4 of its 12 tokens
     request(s, "quiet", 4, adapter="y")
-    # the quiet adapter joins level with the flood (no credit for idling): the flood's started prompt
-    # keeps its standing from when it started and is finished first; then the quiet one, which has had
-    # less, goes before the flood's next prompt
-    assert step(s) == [("flood0", 4)]
-    assert step(s) == [("flood0", 4)]
-    assert step(s) == [("flood0", 1), ("quiet", 4)]
-    assert step(s) == [("flood0", 1), ("quiet", 1), ("flood1", 4)]
+    return s
+
+
+def prefill_of(batch: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    return [(name, n) for name, n in batch if not name.endswith("-running")]
+
+
+def test_a_started_prompt_is_finished_before_a_busy_tenant_served_as_much_starts_another():
+    s = flood_started_then_quiet(quiet_busy=True)
+    # y, already running a request, stands at its counter, level with the flood's: the flood's started
+    # prompt keeps its standing from when it started and is finished first; then the quiet one, which
+    # has had less, goes before the flood's next prompt
+    assert prefill_of(step(s)) == [("flood0", 4)]
+    assert prefill_of(step(s)) == [("flood0", 4)]
+    assert prefill_of(step(s)) == [("flood0", 1), ("quiet", 4)]
+    assert prefill_of(step(s)) == [("flood0", 1), ("quiet", 1), ("flood1", 4)]
+
+
+def test_a_request_of_a_tenant_with_nothing_in_flight_goes_before_a_flood_s_started_prompt():
+    s = flood_started_then_quiet(quiet_busy=False)
+    # y had nothing queued or running: its request stands a quantum below y's counter, as if started
+    # when it arrived, ahead of the flood's prompt started at the flood's counter
+    assert prefill_of(step(s)) == [("quiet", 4)]
+    assert prefill_of(step(s)) == [("quiet", 1), ("flood0", 4)]
 
 
 def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_flood_s_long_prompt():
     s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 64)
     request(s, "long", STARTED_QUANTUM + 256, adapter="x")
     step(s)  # 64 of its tokens
-    request(s, "quiet", 4, adapter="y")  # joins at x's standing then: 64
-    assert step(s) == [("long", 64)]  # within its first quantum (128) it keeps its standing (0)
+    # both arrived idle, each standing a quantum below its counter: the quiet one at x's counter then (64)
+    # less 128, -64; the long one keeps the standing it started with (-128) for its first quantum
+    request(s, "quiet", 4, adapter="y")
+    assert step(s) == [("long", 64)]
     assert step(s) == [("long", 64)]
     # past the quantum it stands behind by what it computed beyond it: 64 at 192 computed, level with
     # the quiet one (the older goes first), then 128: the quiet one goes first
@@ -334,7 +369,7 @@ def test_weights_shift_the_shares():
     assert (sum(n.startswith("x") for n in first), sum(n.startswith("y") for n in first)) == (9, 3)
 
 
-def test_an_adapter_back_from_idling_gets_no_credit_for_the_idle_time():
+def test_an_adapter_back_from_idling_gets_a_quantum_for_its_first_request_not_a_catch_up_for_the_idle_time():
     s = scheduler(max_num_seqs=1)
     request(s, "y-early", 4, adapter="y", max_tokens=2)
     admission_order(s)
@@ -343,7 +378,9 @@ def test_an_adapter_back_from_idling_gets_no_credit_for_the_idle_time():
     assert admission_order(s, steps=10) == [f"x{i}" for i in range(5)]  # x has had 5 times y's tokens
     request(s, "y0", 4, adapter="y", max_tokens=2)
     request(s, "y1", 4, adapter="y", max_tokens=2)
-    assert admission_order(s) == ["x5", "y0", "x6", "y1", "x7"]  # turns from now on, not a catch-up for y
+    # y0 arrived idle and stands a quantum below y's counter (``Scheduler._standing``); after it, turns
+    # from y's counter at the floor (x's), not a catch-up for y's idle time
+    assert admission_order(s) == ["y0", "x5", "x6", "y1", "x7"]
 
 
 def test_when_blocks_run_out_the_most_served_adapter_gives_back_its_latest_request():
