@@ -189,10 +189,13 @@ class DelayEstimator:
         decodes, seconds = load.running_decodes, 0.0
         left = deque(work)
         for _ in range(_MAX_STEPS):
-            budget = max(1, self.costs.prefill_budget(decodes, load.adapters))
             used = seqs = done = 0
-            while left and used < budget:
-                take = min(left[0], budget - used)
+            while left:
+                # as the scheduler asks: each further prefilling sequence fits what its own cost leaves
+                take = min(left[0], max(int(seqs == 0), self.costs.prefill_budget(decodes, load.adapters,
+                                                                                  prefill_seqs=seqs + 1) - used))
+                if take <= 0:
+                    break
                 used, seqs = used + take, seqs + 1
                 left[0] -= take
                 if left[0] == 0:

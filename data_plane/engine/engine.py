@@ -332,6 +332,10 @@ class Engine:
             took = time.monotonic() - start
             self.metrics.step_duration.observe(took)
             self.delays.observe_step(shape, took)
+            if log.isEnabledFor(logging.DEBUG):  # the step-time model against each step, for --log-level DEBUG
+                log.debug("step of %d decodes, %d prompt tokens in %d prompts, %d adapters: %.1f ms, model %.1f ms",
+                          shape.decode_rows, shape.prefill_tokens, shape.prefill_seqs, shape.adapters, took * 1e3,
+                          self.costs.predict(shape) * 1e3)
             self.metrics.prefill_budget.set(self.costs.prefill_budget(shape.decode_rows, shape.adapters))
 
     def _end_expired(self, now: float) -> None:

@@ -2,7 +2,10 @@
 
 Decodes first: every running sequence past its prompt gets its next token each step, in the order
 they were admitted. Prefill work fills the rest of the step, up to the prefill budget the step-time
-model allows (``step_cost.py``: the step stays near its target inter-token latency): prompts being
+model allows (``step_cost.py``: the step stays near its target inter-token latency), asked again for
+each prefilling sequence the step takes with the adapters the prefill brings, so a prompt of an
+adapter the decodes have not got, or a second prompt in the step, pays its own cost from the same
+target instead of stretching the step past it: prompts being
 chunked across steps and newly admitted requests, by fair share: each tenant (an adapter, or the
 base model) has a virtual token counter (``fair_share.py``), and the next prefill work is the oldest
 of the least-served tenant, whether its prompt is already being chunked or still waits (then while
@@ -99,15 +102,16 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
                  policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
-                 prefill_budget: Callable[[int, int, bool], int] | None = None) -> None:
+                 prefill_budget: Callable[[int, int, bool, int, int], int] | None = None) -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
         under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
-        tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters, rush)``:
-        the prefill tokens a step with those decodes may carry, ``rush`` when an admitted request's
-        first-token promise is at risk (``StepCost.prefill_budget``; default: all that
-        ``max_num_batched_tokens`` leaves)."""
+        tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters, rush,
+        prefill_seqs, new_adapters)``: the prefill tokens a step with those decodes over those adapters may
+        carry in that many prefilling sequences, which bring that many adapters the decodes have not got,
+        ``rush`` when an admitted request's first-token promise is at risk (``StepCost.prefill_budget``;
+        default: all that ``max_num_batched_tokens`` leaves)."""
         self._salt = salt
-        self._prefill_budget = prefill_budget or (lambda decode_rows, adapters, rush: limits.max_num_batched_tokens)
+        self._prefill_budget = prefill_budget or (lambda *_: limits.max_num_batched_tokens)
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -231,21 +235,37 @@ class Scheduler:
                 break
             if self._make_room(seq, 1, batch):
                 budget -= self._take(batch, seq, 1)
-        adapters = len({item.seq.slot for item in batch if item.seq.slot >= 0})
-        budget = min(budget, self._prefill_budget(len(batch), adapters, self._promise_at_risk(time.monotonic())))
+        decodes = len(batch)
+        decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
+        rush = self._promise_at_risk(time.monotonic())
+        prefill: list[Sequence] = []  # given prompt tokens this step
+        used = 0  # their tokens
+
+        def allowance(seq: Sequence) -> int:
+            """Prompt tokens ``seq`` may have beside the decodes and the prefill taken so far: the budget for
+            one more prefilling sequence, counting the adapter it brings if the step has not got it yet."""
+            new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
+            return min(budget, self._prefill_budget(decodes, len(decode_adapters), rush, len(prefill) + 1,
+                                                    len(new)) - used)
+
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
         admitting = True
-        while budget > 0:
+        while True:
             taken = {item.seq for item in batch}
             ongoing = min((seq for seq in self._prefilling() if seq not in taken), key=self._order, default=None)
             waiting = None
             if admitting and len(self.running) < self.limits.max_num_seqs:
                 waiting = self._queues[seated][0] if seated in self._queues else self._next_in_fair_order(passed)
             if ongoing is not None and (waiting is None or self._order(ongoing) <= self._order(waiting)):
-                num_new = min(ongoing.num_uncomputed, budget)
+                allowed = allowance(ongoing)
+                if allowed <= 0:
+                    break
+                num_new = min(ongoing.num_uncomputed, allowed)
                 if self._make_room(ongoing, num_new, batch):
-                    budget -= self._take(batch, ongoing, num_new)
+                    used += self._take(batch, ongoing, num_new)
+                    budget -= num_new
+                    prefill.append(ongoing)
                 continue
             seated = _NOBODY  # the freed seat is offered once, first
             if waiting is None:
@@ -254,11 +274,16 @@ class Scheduler:
             if not self._can_run(tenant):
                 passed.add(tenant)
                 continue
-            admitted = self._admit(waiting, budget)
+            allowed = allowance(waiting)
+            if allowed <= 0:
+                break  # it keeps its turn for the next step
+            admitted = self._admit(waiting, allowed)
             if admitted is None:
                 admitting = False  # the next request in fair order keeps its turn for KV blocks
                 continue
-            budget -= self._take(batch, waiting, *admitted)
+            used += self._take(batch, waiting, *admitted)
+            budget -= admitted[0]
+            prefill.append(waiting)
         return batch
 
     def _promise_at_risk(self, now: float) -> bool:

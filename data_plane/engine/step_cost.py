@@ -25,17 +25,25 @@ The step budget (stall-free batching, after Sarathi-Serve): every running decode
 step, and prefill work fills what is left of a target step time, so running streams keep their pace
 while new prompts are prefilled beside them. By default (``--itl-growth``, ``DEFAULT_ITL_GROWTH``) a
 step that also prefills lasts at most that many times its decodes alone, by the same fitted model, so a
-running stream's gap grows by about that factor whatever arrives (except where the floor of
-MIN_PREFILL_TOKENS crosses into another row tile: a CPU step of 31 decodes and 8 prompt tokens pays a
-second tile). On a pod that replays CUDA graphs for decode-only steps the base is instead the shortest
-step that prefills beside the same decodes, the eager one: its decodes alone plus the eager step's and
-one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
+running stream's gap grows by about that factor whatever arrives, except where even the floor of
+MIN_PREFILL_TOKENS does not fit the target. The floor's step is then paid whatever it holds, so on a
+tiled pod it fills the row tile its tokens end in: a CPU step of 31 decodes and 8 prompt tokens pays a
+second tile and carries 33; beside 8 base-model decodes a prompt of an adapter pays that adapter's
+segment and its sequence, which on the CPU pod leave almost nothing of 1.4x, and carries the 24 tokens
+left in the decodes' tile (in runs of the same burst, steps of the 8-token floor took 84-115 ms, steps
+of 24 tokens 82-98 ms). On a pod that replays CUDA graphs for decode-only steps the base is instead the
+shortest step that prefills beside the same decodes, the eager one: its decodes alone plus the eager
+step's and one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
 a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
 evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
 step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
 starved. Measured against the shortest prefilling step, such a step carries prompt tokens worth 40% of
 it; the gaps while prompts arrive are then that eager step's length, not 1.4x a replayed decode step.
-``--target-itl`` gives an absolute target in seconds instead.
+``--target-itl`` gives an absolute target in seconds instead. The target is set by the decodes (their
+rows and adapters); the prefill pays from it for its tokens, each prefilling sequence, and each adapter
+its prompts bring that the decodes have not got (a LoRA segment of its own: on the CPU pod with the demo
+model, a prompt of 24 tokens of an adapter beside 8 base-model decodes took 82-97 ms against 56-58 ms
+for the decodes alone, where counting the decodes' adapters only had planned at most 1.4x).
 
 A step is rushed (``rush``) while an admitted request has waited more than half its promised time
 for a first token without it (``Scheduler._promise_at_risk``): it then prefills up to the throughput
@@ -115,7 +123,7 @@ class StepCost:
         self.itl_growth = itl_growth
         self.graphs = graphs
         self.row_tile = row_tile
-        self._budgets: dict[tuple[int, int, bool], int] = {}  # prefill_budget's answers since the last fit
+        self._budgets: dict[tuple[int, int, bool, int, int], int] = {}  # prefill_budget's answers since the last fit
         self._max_tokens = max_batched_tokens
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
@@ -179,30 +187,43 @@ class StepCost:
         tile = float(self.coef[6]) if self.coef is not None and self.row_tile else 0.0
         return (self.predict(StepShape(0, 0, 1, 1)) - tile) / (1.0 - KNEE_EFFICIENCY)
 
-    def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False) -> int:
+    def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False, prefill_seqs: int = 1,
+                       new_adapters: int = 0) -> int:
         """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry
-        (one prefilling sequence assumed): all the step has room for when nothing decodes, else as many as
-        fit the target (``rush``: see ``step_target``), and never fewer than MIN_PREFILL_TOKENS."""
+        in ``prefill_seqs`` prefilling sequences that bring ``new_adapters`` adapters the decodes do not
+        have (each a LoRA segment of its own): all the step has room for when nothing decodes, else as many
+        as fit the target, which the decodes alone set (``rush``: see ``step_target``). With one prefilling
+        sequence never fewer than the floor (``_floor_tokens``), so prefill always progresses; a further
+        sequence fits only where the target leaves room for its own cost (the scheduler asks again for each
+        one)."""
         room = max(0, self._max_tokens - decode_rows)
         if decode_rows == 0 or self.coef is None:
             return room
-        key = (decode_rows, adapters, rush)
+        key = (decode_rows, adapters, rush, prefill_seqs, new_adapters)
         if key not in self._budgets:  # the admission estimate asks the same few questions many times a fit
             target = self.step_target(decode_rows, adapters, rush) + 1e-9  # a token that fits to rounding fits
-            self._budgets[key] = min(room, max(MIN_PREFILL_TOKENS, self._most_tokens(decode_rows, adapters,
-                                                                                     target, room)))
+            most = self._most_tokens(decode_rows, prefill_seqs, adapters + new_adapters, target, room)
+            self._budgets[key] = min(room, max(self._floor_tokens(decode_rows), most) if prefill_seqs <= 1 else most)
         return self._budgets[key]
 
-    def _most_tokens(self, decode_rows: int, adapters: int, target: float, room: int) -> int:
-        """The most prompt tokens (at most ``room``) one prefilling sequence may add to a step with these
-        decodes within ``target`` seconds: linear in the tokens, or with row tiles a step function too,
-        so searched (the predicted time never falls as tokens are added)."""
+    def _floor_tokens(self, decode_rows: int) -> int:
+        """The prompt tokens a step beside ``decode_rows`` decodes carries whatever its target: MIN_PREFILL_TOKENS,
+        and on a tiled pod the rest of the row tile they end in, which the step pays for anyway."""
+        if not self.row_tile or self.coef[6] <= 0:
+            return MIN_PREFILL_TOKENS
+        return -(-(decode_rows + MIN_PREFILL_TOKENS) // self.row_tile) * self.row_tile - decode_rows
+
+    def _most_tokens(self, decode_rows: int, prefill_seqs: int, adapters: int, target: float, room: int) -> int:
+        """The most prompt tokens (at most ``room``) ``prefill_seqs`` prefilling sequences may add to a step
+        with these decodes, over ``adapters`` adapters in all, within ``target`` seconds: linear in the
+        tokens, or with row tiles a step function too, so searched (the predicted time never falls as
+        tokens are added)."""
         def within(tokens: int) -> bool:
-            return self.predict(StepShape(decode_rows, tokens, 1, adapters)) <= target
+            return self.predict(StepShape(decode_rows, tokens, prefill_seqs, adapters)) <= target
 
         if not self.row_tile or self.coef[6] <= 0:
             per_token = float(self.coef[2])
-            spare = target - self.predict(StepShape(decode_rows, 0, 1, adapters))
+            spare = target - self.predict(StepShape(decode_rows, 0, prefill_seqs, adapters))
             return room if per_token <= 0 else max(0, int(spare / per_token))
         if within(room):
             return room

@@ -163,9 +163,9 @@ def test_a_long_prompt_arriving_mid_stream_is_chunked_while_running_streams_get_
     finally:
         streams.stop()
     wait_until(lambda: idle(pod), 60, "pod idle after the streams")
-    # the prompt was prefilled in chunks over several steps, not in one step that stalls the streams: at
-    # least as many as its tokens need at the budget beside two decodes (the budget is refitted as steps
-    # are timed, so one step of slack)
-    assert 0 < budget < prompt_tokens and steps >= max(2, -(-prompt_tokens // budget) - 1), (steps, budget)
+    # the prompt was prefilled in chunks over several steps, not in one step that stalls the streams: about
+    # as many as its tokens need at the budget beside two decodes (the budget is refitted as steps are
+    # timed, and the gauge holds the last step's: 10% of slack)
+    assert 0 < budget < prompt_tokens and steps >= max(2, 0.9 * prompt_tokens / budget), (steps, budget)
     # and every step of it gave each stream its token (the counts are read a step or two apart)
     assert min(got) >= steps - 3, (steps, got)

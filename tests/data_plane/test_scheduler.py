@@ -101,7 +101,7 @@ def test_running_requests_go_first_and_new_ones_get_what_is_left_of_the_budget()
 
 def test_every_running_decode_gets_its_token_and_prefill_gets_only_the_step_budget():
     # the step-time model allows 2 prefill tokens a step beside decodes (and 64 with nothing decoding)
-    s = scheduler(budget=64, prefill_budget=lambda decodes, adapters, rush: 2 if decodes else 64)
+    s = scheduler(budget=64, prefill_budget=lambda decodes, adapters, rush, *_: 2 if decodes else 64)
     for name in "ab":
         request(s, name, 3)
     assert step(s) == [("a", 3), ("b", 3)]  # nothing decodes yet: both prompts whole
@@ -111,22 +111,43 @@ def test_every_running_decode_gets_its_token_and_prefill_gets_only_the_step_budg
     assert step(s) == [("a", 1), ("b", 1), ("c", 1)]
 
 
-def test_the_budget_is_asked_for_with_the_decodes_and_adapters_in_the_step():
+def test_the_budget_is_asked_for_each_prefilling_sequence_with_the_adapters_it_brings():
     asked = []
-    s = scheduler(prefill_budget=lambda decodes, adapters, rush: asked.append((decodes, adapters)) or 64)
-    request(s, "a", 3, adapter="x")
-    request(s, "b", 3, adapter="y")
-    request(s, "c", 3)
+    s = scheduler(max_loras=3, adapters="xyz",
+                  prefill_budget=lambda *question: asked.append(question) or 64)
+    request(s, "a", 3, adapter="x", max_tokens=5)
+    request(s, "b", 3, adapter="y", max_tokens=5)
+    request(s, "c", 3, max_tokens=5)
     step(s)
-    step(s)
-    assert asked == [(0, 0), (3, 2)]
+    # (decodes, their adapters, rush, prefilling sequences, adapters the prefill brings)
+    assert asked == [(0, 0, False, 1, 1), (0, 0, False, 2, 2), (0, 0, False, 3, 2)]
+    asked.clear()
+    step(s)  # three decodes, nothing to prefill: nothing asked
+    assert asked == []
+    request(s, "d", 3, adapter="x")
+    request(s, "e", 3, adapter="z")
+    step(s)  # beside the decodes of x, y and the base model: e first (z had less), bringing z; d brings none
+    assert asked == [(3, 2, False, 1, 1), (3, 2, False, 2, 1)]
 
 
-def one_running(max_num_seqs: int) -> tuple[Scheduler, list[bool], float]:
-    """A scheduler with one request running, the ``rush`` of every budget it asks for, and the time now."""
+def test_a_further_prefilling_sequence_gets_what_its_own_budget_leaves_after_the_first():
+    budgets = {1: 10, 2: 12}  # prefilling sequences -> the step's prompt tokens
+    s = scheduler(prefill_budget=lambda decodes, adapters, rush, seqs, new: budgets.get(seqs, 0))
+    request(s, "a", 6, adapter="x")
+    request(s, "b", 20, adapter="y")
+    request(s, "c", 20)
+    assert step(s) == [("a", 6), ("b", 6)]  # b fits only what two sequences' budget leaves: 12 - 6
+    budgets[2] = 5  # a second sequence's own cost leaves less than the first took: none is added
+    assert step(s) == [("a", 1), ("b", 10)]
+
+
+def one_running(max_num_seqs: int, prompt: int = 3) -> tuple[Scheduler, list[bool], float]:
+    """A scheduler with one request running, its first step taken (64 prompt tokens a step), the ``rush``
+    of every budget it asks for, and the time now."""
     asked: list[bool] = []
-    s = scheduler(max_num_seqs=max_num_seqs, prefill_budget=lambda decodes, adapters, rush: asked.append(rush) or 64)
-    request(s, "running", 3, max_tokens=50)
+    s = scheduler(max_num_seqs=max_num_seqs,
+                  prefill_budget=lambda decodes, adapters, rush, *_: asked.append(rush) or 64)
+    request(s, "running", prompt, max_tokens=50)
     step(s)
     return s, asked, time.monotonic()
 
@@ -138,11 +159,12 @@ def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: fl
 
 
 def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_first_token():
-    s, asked, now = one_running(max_num_seqs=2)
+    s, asked, now = one_running(max_num_seqs=4)
     late = promised(s, "late", 1.5, 2.0, now)
     step(s)
     assert asked == [False, True]
     assert late.output_ids  # it ran, and got its first token
+    request(s, "plain", 3)
     step(s)
     assert asked[-1] is False  # a request with its first token rushes nothing
     promised(s, "waited", 0.5, 2.0, now)  # waited a quarter of its promise
@@ -151,14 +173,14 @@ def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_
 
 
 def test_a_request_that_cannot_run_does_not_rush_the_step():
-    s, asked, now = one_running(max_num_seqs=1)
-    promised(s, "seatless", 1.5, 2.0, now)  # the only seat is taken
+    s, asked, now = one_running(max_num_seqs=1, prompt=200)
+    promised(s, "seatless", 1.5, 2.0, now)  # the only seat is taken by a prompt still being prefilled
     step(s)
     assert asked == [False, False]
 
 
 def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_against_its_quantum():
-    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 16)
+    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 16)
     cached = request(s, "cached", 200, adapter="x")
     step(s)
     # as if its first 150 tokens had been found in the prefix cache at admission: computed, never charged
@@ -170,7 +192,7 @@ def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_agai
 
 
 def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counter():
-    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 16)
+    s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 16)
     first = request(s, "first", 400, adapter="x")  # x had nothing in flight: it arrived idle
     long = request(s, "long", 400, adapter="x")
     step(s)
@@ -190,7 +212,7 @@ def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counte
 def flood_started_then_quiet(quiet_busy: bool) -> Scheduler:
     """x decodes one request and queues three 12-token prompts, the first of which starts (4 tokens a
     step); then y queues a 4-token request, while a request of y decodes too (``quiet_busy``) or not."""
-    s = scheduler(prefill_budget=lambda decodes, adapters, rush: 4)
+    s = scheduler(prefill_budget=lambda decodes, adapters, rush, *_: 4)
     if quiet_busy:
         request(s, "y-running", 1, adapter="y")
     request(s, "x-running", 1, adapter="x")
@@ -226,7 +248,7 @@ def test_a_request_of_a_tenant_with_nothing_in_flight_goes_before_a_flood_s_star
 
 
 def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_flood_s_long_prompt():
-    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush: 64)
+    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 64)
     request(s, "long", STARTED_QUANTUM + 256, adapter="x")
     step(s)  # 64 of its tokens
     # both arrived idle, each standing a quantum below its counter: the quiet one at x's counter then (64)
@@ -241,7 +263,7 @@ def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_floo
 
 
 def test_under_fcfs_prompts_being_chunked_keep_going_before_newer_ones():
-    s = scheduler(policy=Policy.FCFS, prefill_budget=lambda decodes, adapters, rush: 4)
+    s = scheduler(policy=Policy.FCFS, prefill_budget=lambda decodes, adapters, rush, *_: 4)
     request(s, "old", 12, adapter="x")
     step(s)
     request(s, "new", 4, adapter="y")
@@ -586,7 +608,7 @@ def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
 
 
 def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
-    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush: 4)
+    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush, *_: 4)
     request(s, "flood", 12, adapter="x")
     step(s)  # 8 of its tokens still to compute; it holds one of the two seats
     assert s.ahead_of("x", 4) == Ahead(0, 8)

@@ -75,6 +75,21 @@ def test_by_default_a_step_that_prefills_lasts_at_most_the_growth_over_its_decod
     assert "1.4x its decodes alone" in costs.summary()
 
 
+def test_a_prompt_s_own_adapter_and_a_further_prefilling_sequence_are_paid_from_the_same_target():
+    costs = fitted()
+    # 8 decodes over 2 adapters: 61.6 ms, as above; a prompt of a third adapter costs its 4 ms of the 14
+    assert costs.prefill_budget(8, 2, new_adapters=1) == 10
+    # two prefilling sequences pay two sequences' cost (3 ms more), the second's adapter too (4 ms more)
+    assert costs.prefill_budget(8, 2, prefill_seqs=2, new_adapters=1) == 7
+    assert costs.prefill_budget(8, 2, prefill_seqs=2, new_adapters=2) == 3
+    # no floor for a further sequence: where its cost leaves nothing, it gets nothing
+    assert costs.prefill_budget(8, 2, prefill_seqs=6, new_adapters=2) == 0
+    # one decode: the first sequence gets its floor (8, where the target fits 7), two sequences fit 4 in
+    # all, less than the first took: a second never joins it
+    assert costs.prefill_budget(1, 1) == MIN_PREFILL_TOKENS
+    assert costs.prefill_budget(1, 1, prefill_seqs=2) == 4
+
+
 def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries_a_share_of_prompt():
     """A pod that replays CUDA graphs for decode-only steps runs a step with prompt tokens eagerly: on an H100
     with an 8B model a batch-1 decode step took 9.64 ms replayed and 34.7 ms eagerly. That launch cost is
@@ -223,8 +238,10 @@ def test_with_row_tiles_a_step_fills_the_tile_it_pays_for_and_crosses_into_anoth
     assert costs.predict(StepShape(16, 16, 1, 2)) <= 0.070 < costs.predict(StepShape(16, 17, 1, 2))
     # with a larger growth a second tile fits: 2x 50 = 100 ms, room for 48 tokens past the decodes' tile
     assert tiled(itl_growth=2.0).prefill_budget(16, 2) == 48
-    # 31 decodes leave one row in their tile; the floor still prefills MIN_PREFILL_TOKENS
-    assert costs.prefill_budget(31, 4) == MIN_PREFILL_TOKENS
+    # 31 decodes leave one row in their tile; the floor of MIN_PREFILL_TOKENS pays a second tile, and fills it
+    assert costs.prefill_budget(31, 4) == 64 - 31
+    floor_step = costs.predict(StepShape(31, MIN_PREFILL_TOKENS, 1, 4))
+    assert costs.predict(StepShape(31, 33, 1, 4)) == pytest.approx(floor_step + 25 * costs.coef[2])
     for rows, adapters in ((1, 1), (8, 2), (16, 3)):
         decodes = costs.predict(StepShape(rows, adapters=adapters))
         most_prefill_within(costs, rows, adapters, DEFAULT_ITL_GROWTH * decodes)
