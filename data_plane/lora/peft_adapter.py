@@ -53,6 +53,7 @@ MODULE_SLICES = {
     "gate_up_proj": ("mlp.gate_up_proj", ("gate", "up")),
     "down_proj": ("mlp.down_proj", ("down",)),
 }
+_BLOCK = {module: kind.split(".")[0] for module, (kind, _) in MODULE_SLICES.items()}  # "q_proj" -> "self_attn"
 # The language model of a vision-language base sits under `language_model` (Gemma 3: `model.language_model.`
 # from transformers 5, `language_model.model.` before).
 _TENSOR = re.compile(
@@ -78,8 +79,8 @@ class _Gather:
     a_shape: tuple[int, int]  # [r, in]
     b_shape: tuple[int, int]  # [rows, r]
     layers: list[int] = field(default_factory=list)
-    a: list[torch.Tensor] = field(default_factory=list)  # each layer's lora_A entry, flat
-    b: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # lora_B flat, and where its rows start
+    a: list[Entry] = field(default_factory=list)  # each layer's lora_A
+    b: list[tuple[Entry, int]] = field(default_factory=list)  # each layer's lora_B, and where its rows start
     scales: list[float] = field(default_factory=list)
 
 
@@ -140,13 +141,13 @@ def _group(name: str, config: dict, pairs: dict, projections,
                 f"{_num_layers(projections)} layers; it was trained for another base model"
             )
         r = a.shape[0]
-        twice = sorted(adapted.setdefault((layer, kind), set()) & set(slices))
-        if twice:
+        done = adapted.setdefault((layer, kind), set())
+        if not done.isdisjoint(slices):
             raise InvalidAdapter(
-                f"adapter {name!r}: layers.{layer} adapts the {'/'.join(twice)} projection twice, through its packed "
-                f"name and its own (e.g. qkv_proj and q_proj); keep one of them"
+                f"adapter {name!r}: layers.{layer} adapts the {'/'.join(sorted(done.intersection(slices)))} "
+                "projection twice, through its packed name and its own (e.g. qkv_proj and q_proj); keep one of them"
             )
-        adapted[(layer, kind)].update(slices)
+        done.update(slices)
         scale = None if per_layer else scales.get((module, r))
         if scale is None:
             _check_rank(name, config, layer, block, module, r, limits)
@@ -165,8 +166,8 @@ def _group(name: str, config: dict, pairs: dict, projections,
             g = gathers.get((kind, s, module, r)) or gathers.setdefault((kind, s, module, r),
                                                                       _Gather((r, in_features), (width, r)))
             g.layers.append(layer)
-            g.a.append(a.flat)
-            g.b.append((b.flat, row * r))  # a packed B's rows of this slice
+            g.a.append(a)
+            g.b.append((b, row * r))  # a packed B's rows of this slice
             g.scales.append(scale)
             row += width
         max_rank = max(max_rank, r)
@@ -179,8 +180,8 @@ def _group(name: str, config: dict, pairs: dict, projections,
 def _runs(g: _Gather) -> tuple[LayerRun, ...]:
     """``g``'s layers cut into runs of consecutive layers whose A and B each lie evenly spaced in
     the buffer (one dtype, a positive step), with one scale."""
-    a_at = [t.storage_offset() for t in g.a]  # elements; every entry is a view of one buffer
-    b_at = [t.storage_offset() + row for t, row in g.b]
+    a_at = [e.data.storage_offset() + e.at for e in g.a]  # elements; every entry lies in one buffer
+    b_at = [e.data.storage_offset() + e.at + row for e, row in g.b]
     runs, first = [], 0
     for j in range(1, len(g.layers) + 1):
         if j < len(g.layers) and g.layers[j] == g.layers[j - 1] + 1 and g.scales[j] == g.scales[first] and \
@@ -190,8 +191,9 @@ def _runs(g: _Gather) -> tuple[LayerRun, ...]:
         (r, in_features), rows, n = g.a_shape, g.b_shape[0], j - first
         step_a, step_b = (a_at[first + 1] - a_at[first], b_at[first + 1] - b_at[first]) if n > 1 else (0, 0)
         runs.append(LayerRun(g.layers[first],
-                             g.a[first].as_strided((n, r, in_features), (step_a, in_features, 1), a_at[first]),
-                             g.b[first][0].as_strided((n, rows, r), (step_b, r, 1), b_at[first]), g.scales[first]))
+                             g.a[first].data.as_strided((n, r, in_features), (step_a, in_features, 1), a_at[first]),
+                             g.b[first][0].data.as_strided((n, rows, r), (step_b, r, 1), b_at[first]),
+                             g.scales[first]))
         first = j
     return tuple(runs)
 
@@ -340,7 +342,7 @@ def _pair_tensors(name: str, entries: dict[str, Entry]) -> dict[tuple[int, str, 
                 "base_model.model.model.layers.N.{self_attn|mlp}.<module>.lora_{A|B}.weight"
             )
         layer, block, module, which = m.groups()
-        if module not in MODULE_SLICES or MODULE_SLICES[module][0].split(".")[0] != block:
+        if _BLOCK.get(module) != block:
             raise InvalidAdapter(f"adapter {name!r}: {block}.{module} is not a projection this model adapts")
         if not entry.dtype.is_floating_point or len(entry.shape) != 2:
             raise InvalidAdapter(

@@ -2,11 +2,11 @@
 
 The file is read in chunks into one buffer (page-locked when the slots are on a GPU), and sha256
 runs over each chunk on another thread as soon as it has arrived (hashlib and the reads release
-the GIL), so the hash ends about when the read does. The tensors are views of that buffer: the
-adapter keeps it as its host copy, and a slot write copies from it, so the bytes are written once
-in host memory (by the read) and once into the slots. The sha256 is of the whole file, as the
-registry records it, and of the very bytes the views hold: a file rewritten after the read
-changes nothing that was verified.
+the GIL), so the hash ends about when the read does. The tensors lie in that buffer (each
+entry is an offset into one view of it): the adapter keeps it as its host copy, and a slot write
+copies from it, so the bytes are written once in host memory (by the read) and once into the
+slots. The sha256 is of the whole file, as the registry records it, and of the very bytes the
+views hold: a file rewritten after the read changes nothing that was verified.
 
 The header is parsed here rather than by the safetensors package: the names, dtypes and shapes come
 from it without building a tensor per entry, and every way a file can be truncated or corrupt is
@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,13 +48,14 @@ CHUNK_BYTES = 1 << 20
 _ALIGN = 8  # bytes; every dtype's element size divides it
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the file: its dtype and shape, and its elements as a flat view."""
+class Entry(NamedTuple):
+    """One tensor of the file: its dtype and shape, and where its elements lie (a file has hundreds:
+    a tuple, with no view of its own, is the cheapest thing to make per entry)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    flat: torch.Tensor  # [numel], a view of the weights' buffer
+    data: torch.Tensor  # [n] of ``dtype``, a view of the weights' buffer that holds its elements
+    at: int  # the index in ``data`` of its first element
 
 
 @dataclass(frozen=True)
@@ -264,18 +266,18 @@ def safetensors_weights(name: str, data: torch.Tensor, ready: Callable[[], None]
         ready()
         body = body.clone()
     dtypes = {dtype for *_, dtype, _ in spans}
-    if len(dtypes) == 1:  # the usual file: the whole body as that dtype, split in one call into views
+    if len(dtypes) == 1:  # the usual file: the whole body as that dtype, each entry an offset into it
         (dtype,) = dtypes
-        runs = (body.view(dtype),)
-        pieces = torch.split(runs[0], [(end - start) // dtype.itemsize for start, end, *_ in spans])
-    else:
-        raw = torch.split(body, [end - start for start, end, *_ in spans])
-        try:
-            pieces = runs = tuple(p.view(dtype) for p, (*_, dtype, _) in zip(raw, spans, strict=True))
-        except RuntimeError:  # a tensor not aligned to its element size: a copy of each, aligned
-            ready()
-            return _copied({key: (dtype, shape, p) for p, (_, _, key, dtype, shape) in zip(raw, spans, strict=True)})
-    entries = {key: Entry(dtype, shape, piece) for piece, (_, _, key, dtype, shape) in zip(pieces, spans, strict=True)}
+        run = body.view(dtype)
+        entries = {key: Entry(dtype, shape, run, start // dtype.itemsize) for start, _, key, dtype, shape in spans}
+        return Weights(entries, body, (run,))
+    raw = torch.split(body, [end - start for start, end, *_ in spans])
+    try:
+        runs = tuple(p.view(dtype) for p, (*_, dtype, _) in zip(raw, spans, strict=True))
+    except RuntimeError:  # a tensor not aligned to its element size: a copy of each, aligned
+        ready()
+        return _copied({key: (dtype, shape, p) for p, (_, _, key, dtype, shape) in zip(raw, spans, strict=True)})
+    entries = {key: Entry(dtype, shape, run, 0) for run, (_, _, key, dtype, shape) in zip(runs, spans, strict=True)}
     return Weights(entries, body, runs)
 
 
@@ -302,5 +304,5 @@ def _copied(tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]
     for start, (key, (dtype, shape, raw)) in zip(starts, tensors.items(), strict=True):
         target = buffer[start : start + raw.numel()]
         target.copy_(raw)
-        entries[key] = Entry(dtype, shape, target.view(dtype))
-    return Weights(entries, buffer, tuple(e.flat for e in entries.values()))
+        entries[key] = Entry(dtype, shape, target.view(dtype), 0)
+    return Weights(entries, buffer, tuple(e.data for e in entries.values()))
