@@ -397,3 +397,25 @@ def test_no_thread_to_read_on_is_a_clear_refusal_and_the_hash_thread_ends(tiny_a
         weights_file.open_weights("r8", path, 1 << 30, lead=weights_file.safetensors_lead)
     hasher = started[0].__self__
     assert hasher._hashed.wait(10)  # the hash thread was told the file ended, and did
+
+
+def test_the_rest_is_being_read_when_the_header_is_handed_over(tiny_adapters, monkeypatch):
+    """A new thread needs the GIL to begin, and the caller holds it while it parses the header: the
+    constructor returns once the reading thread runs, so that the read overlaps the parse."""
+    from data_plane.lora import weights_file
+
+    monkeypatch.setattr(weights_file, "BACKGROUND_HASH_BYTES", 0)
+    ran, real_start = [], weights_file._thread.start_new_thread
+
+    def recorded(fn, args):
+        def run(*a):
+            ran.append(fn.__name__)
+            fn(*a)
+        return real_start(run, args)
+
+    monkeypatch.setattr(weights_file._thread, "start_new_thread", recorded)
+    path = tiny_adapters / "r8" / WEIGHTS
+    file = weights_file.HashedFile(path, path.stat().st_size, lead=weights_file.safetensors_lead)
+    assert "_read_rest" in ran
+    file.wait_read()
+    assert file.sha256() == hashlib.sha256(path.read_bytes()).hexdigest()
