@@ -10,12 +10,18 @@ An account's counter grows by the tokens computed for it (prefill and decode) di
 weight; a flow's priority is the lowest counter among the accounts that have requests in it, and the
 scheduler admits from the backlogged flow with the lowest. An account that becomes active (its first
 request queued or running) starts no lower than the floor, the lowest counter among active accounts,
-so time spent idle earns no credit and a returning account cannot crowd out those that kept working.
-In the spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+less a fixed credit (``join_credit`` tokens, divided by the flow's weight), so time spent idle earns
+no more than that credit and a returning account cannot crowd out those that kept working for longer
+than it lasts. The scheduler gives one quantum (``scheduler.STARTED_QUANTUM``): a started prompt keeps
+its standing for a quantum, so without the credit a tenant sending a request now and then would join
+level with a flood's counter and wait behind each of its started prompts; with it, that tenant's
+requests go first for as long as it stays that far behind. In the spirit of VTC (Sheng et al.,
+"Fairness in Serving Large Language Models", OSDI 2024), whose joiners start at the floor.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 
@@ -29,11 +35,18 @@ def account_of(flow: Flow, tenant: str | None) -> Account:
 
 
 class FairShare:
-    def __init__(self, weights: Mapping[Flow, float] | None = None) -> None:
+    def __init__(self, weights: Mapping[Flow, float] | None = None, join_credit: float = 0.0) -> None:
+        """``weights``: a flow's share relative to the others (default 1.0); ``join_credit``: the tokens an
+        account that becomes active starts below the floor (at its flow's weight)."""
         self._weights = dict(weights or {})
         bad = {t: w for t, w in self._weights.items() if not w > 0}
         if bad:
             raise ValueError(f"fair-share weights must be positive, got {bad}")
+        if not 0 <= join_credit < math.inf:
+            raise ValueError(f"join_credit must be a number of tokens >= 0, got {join_credit}")
+        self._credit = join_credit
+        # the most any joiner starts below the floor: an idle account at least that far below is forgotten
+        self._most_credit = join_credit / min([1.0, *self._weights.values()])
         self._served: dict[Account, float] = {}
         self._requests: Counter[Account] = Counter()  # queued or running, per active account
         self._in_flow: dict[Flow, Counter[Account]] = {}  # each active flow's requests by account
@@ -48,19 +61,16 @@ class FairShare:
 
     def standing(self, flow: Flow) -> float:
         """The flow's priority as it would stand now: ``served`` for a flow with requests; for one without,
-        the counter its next request would join at (no lower than the lowest among active accounts)."""
+        the counter its next request would join at (no lower than the lowest among active accounts, less
+        the credit)."""
         if self._in_flow.get(flow):
             return self.served(flow)
-        floor = min((self._served[a] for a in self._requests), default=self._floor)
-        return max(self._served.get(account_of(flow, None), 0.0), floor, self._floor)
+        floor = max(min((self._served[a] for a in self._requests), default=self._floor), self._floor)
+        return max(self._served.get(account_of(flow, None), -math.inf), floor - self._credit / self.weight(flow))
 
     def account_served(self, account: Account) -> float:
         """The account's counter (the floor for one with no requests)."""
         return self._served.get(account, self._floor)
-
-    def active(self, flow: Flow, tenant: str | None = None) -> bool:
-        """Whether the account of ``flow`` for ``tenant`` has requests queued or running."""
-        return self._requests[account_of(flow, tenant)] > 0
 
     def weight(self, flow: Flow) -> float:
         return self._weights.get(flow, 1.0)
@@ -70,7 +80,8 @@ class FairShare:
         account = account_of(flow, tenant)
         if not self._requests[account]:
             self._advance_floor()
-            self._served[account] = max(self._served.get(account, 0.0), self._floor)
+            joins_at = self._floor - self._credit / self.weight(flow)
+            self._served[account] = max(self._served.get(account, -math.inf), joins_at)
         self._requests[account] += 1
         self._in_flow.setdefault(flow, Counter())[account] += 1
 
@@ -87,8 +98,9 @@ class FairShare:
         self._requests[account] -= 1
         if self._requests[account] <= 0:
             del self._requests[account]
-            # an idle account at or below the floor would rejoin at the floor anyway: forget it
-            self._served = {a: c for a, c in self._served.items() if a in self._requests or c > self._floor}
+            # an idle account at or below where any joiner starts would rejoin there anyway: forget it
+            self._served = {a: c for a, c in self._served.items()
+                            if a in self._requests or c > self._floor - self._most_credit}
 
     def charge(self, flow: Flow, tokens: int, tenant: str | None = None) -> None:
         account = account_of(flow, tenant)

@@ -12,12 +12,11 @@ of the least-served tenant, whether its prompt is already being chunked or still
 seats, KV blocks and its adapter allow); within a tenant, arrival order. A started prompt keeps the
 standing it started with for its first STARTED_QUANTUM tokens (``_order``), so prompts are finished
 in the order they started rather than side by side a few tokens each. So a new tenant's prompt
-is not stuck behind a flood's long prompts. A request that arrives while its account has nothing
-queued or running stands a quantum below its account's counter, as if it had started on arrival
-(``_standing``), so a tenant sending one request at a time goes ahead of a flood's started prompts
-instead of waiting for each of them. Under the ``fcfs`` policy the oldest request goes first.
-When a waiting request's KV blocks do not fit, nothing else is admitted this step, so it is not
-overtaken.
+is not stuck behind a flood's long prompts. A tenant that becomes active starts a quantum below the
+least-served active tenant (``FairShare``'s join credit), so a tenant sending a request now and then
+goes ahead of a flood's started prompts instead of waiting for each of them. Under the ``fcfs``
+policy the oldest request goes first. When a waiting request's KV blocks do not fit, nothing else is
+admitted this step, so it is not overtaken.
 
 A tenant whose adapter is still loading, or cannot get a slot (every slot pinned or serving), is
 passed over for the step: requests of the base model and of adapters in slots go ahead of it.
@@ -102,14 +101,16 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
                  policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
-                 prefill_budget: Callable[[int, int, bool, int, int], int] | None = None) -> None:
+                 prefill_budget: Callable[[int, int, bool, int, int], int] | None = None,
+                 join_credit: float = STARTED_QUANTUM) -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
         under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
         tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters, rush,
         prefill_seqs, new_adapters)``: the prefill tokens a step with those decodes over those adapters may
         carry in that many prefilling sequences, which bring that many adapters the decodes have not got,
         ``rush`` when an admitted request's first-token promise is at risk (``StepCost.prefill_budget``;
-        default: all that ``max_num_batched_tokens`` leaves)."""
+        default: all that ``max_num_batched_tokens`` leaves); ``join_credit``: the tokens a tenant that
+        becomes active starts below the least-served active one (``FairShare``)."""
         self._salt = salt
         self._prefill_budget = prefill_budget or (lambda *_: limits.max_num_batched_tokens)
         self.limits = limits
@@ -117,7 +118,7 @@ class Scheduler:
         self.blocks = blocks
         self.cache = cache
         self._adapter_ready = adapter_ready  # False while the adapter is still being loaded
-        self.shares = FairShare(weights)
+        self.shares = FairShare(weights, join_credit)
         self._queues: dict[Tenant, deque[Sequence]] = {}  # backlogged tenants only
         self.running: list[Sequence] = []
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
@@ -139,7 +140,6 @@ class Scheduler:
         if error is not None:
             raise error
         self._queues.setdefault(seq.adapter, deque()).append(seq)
-        seq.arrived_idle = not self.shares.active(seq.adapter, seq.tenant)
         self.shares.join(seq.adapter, seq.tenant)
         self.arrivals.record(seq.adapter, seq.num_tokens, time.monotonic())
 
@@ -171,9 +171,7 @@ class Scheduler:
         request's tenant's will be then (scaled by the weights). Requests of other tenants that arrive
         while it waits take their share too: ``within_s`` (the wait it would have) counts those expected
         at each tenant's recent rate, each of that tenant's recent mean prompt size (the engine passes the
-        time until the new request's prompt would start: once started, later arrivals no longer go first).
-        A request that would arrive idle is counted at its tenant's counter, not the quantum below it that
-        it gets (``_standing``): the estimate errs long, not short."""
+        time until the new request's prompt would start: once started, later arrivals no longer go first)."""
         chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
@@ -310,27 +308,17 @@ class Scheduler:
         the order they started, not side by side chunk by chunk, so each first token comes as early as the
         budget allows and later arrivals of tenants served as much do not slow it; a longer prompt then
         shares the budget with the rest, so nobody waits behind one for more than about a quantum of it;
-        a request of a tenant served less, or one that arrived idle (``_standing``), still goes first."""
+        a request of a tenant served less still goes first."""
         if self.policy is Policy.FCFS:
             return (seq.arrival,)
-        if seq.started_at_standing is None:
-            return self._standing(seq), seq.arrival
         served = self.shares.served(seq.adapter)
+        if seq.started_at_standing is None:
+            return served, seq.arrival
         weight = self.shares.weight(seq.adapter)
         past_quantum = max(0, seq.num_computed - seq.started_at_computed - STARTED_QUANTUM) / weight
         # its tenant's other work (decodes, other prompts) moves its counter on meanwhile: never more than a
-        # quantum behind it (one that arrived idle started a quantum below its counter: two quanta)
-        behind = STARTED_QUANTUM * (2 if seq.arrived_idle else 1) / weight
-        return max(seq.started_at_standing + past_quantum, served - behind), seq.arrival
-
-    def _standing(self, seq: Sequence) -> float:
-        """Where waiting ``seq`` stands in fair order: its tenant's counter, or for a request that arrived
-        while its account had nothing queued or running, a quantum below it, as if it had started then: a
-        tenant that sends one request at a time is not put behind a flood's started prompts, whose standing
-        is up to a quantum below the flood's counter (``_order``), and a tenant keeping several requests in
-        flight gets no such credit after its first."""
-        served = self.shares.served(seq.adapter)
-        return served - STARTED_QUANTUM / self.shares.weight(seq.adapter) if seq.arrived_idle else served
+        # quantum behind it
+        return max(seq.started_at_standing + past_quantum, served - STARTED_QUANTUM / weight), seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
@@ -347,7 +335,7 @@ class Scheduler:
             seq.slot = self.cache.acquire(tenant)
             self._reserved.pop(tenant, None)
         self._dequeue(seq)
-        seq.started_at_standing = self._standing(seq)
+        seq.started_at_standing = self.shares.served(tenant)
         seq.started_at_computed = seq.num_computed + num_cached  # cached tokens were never computed for it
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled is None:
@@ -384,7 +372,7 @@ class Scheduler:
         heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
         if self.policy is Policy.FCFS:
             return min(heads, key=lambda seq: seq.arrival, default=None)
-        return min(heads, key=lambda seq: (self._standing(seq), seq.arrival), default=None)
+        return min(heads, key=lambda seq: (self.shares.served(seq.adapter), seq.arrival), default=None)
 
     def _free_a_seat_for_a_tenant_without_one(self) -> Tenant | object:
         """Preempts one request for the least-served backlogged tenant with no seat, when every seat is
@@ -399,7 +387,7 @@ class Scheduler:
         if not seatless or seats[holder] < 2:
             return _NOBODY
         self._preempt(next(seq for seq in reversed(self.running) if account_of(seq.adapter, seq.tenant) == holder))
-        return min(seatless, key=lambda t: (self._standing(self._queues[t][0]), self._queues[t][0].arrival))
+        return min(seatless, key=lambda t: (self.shares.served(t), self._queues[t][0].arrival))
 
     def _can_run_now(self, tenant: Tenant) -> bool:
         """Whether ``tenant``'s next request could start this step as far as its adapter goes (no side effects)."""
@@ -457,7 +445,6 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.started_at_standing = None
-        seq.arrived_idle = False  # queued again as an ordinary request
         seq.status = SequenceStatus.WAITING
         self._queues.setdefault(seq.adapter, deque()).appendleft(seq)
         self.num_preemptions += 1

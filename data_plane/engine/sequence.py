@@ -100,7 +100,6 @@ class Sequence:
     sampling_seed: int = field(init=False)
     first_scheduled: float | None = None  # time.monotonic() of its first admission
     started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
-    arrived_idle: bool = False  # queued while its account had nothing queued or running, and not started since
     started_at_computed: int = 0  # its tokens in the KV cache (computed or cached) when it last started running
     ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
     first_token_due: float | None = None  # time.monotonic() its first token was promised by (None: no promise)

@@ -4,6 +4,8 @@ request without a tenant is its adapter's own account, as before tenants existed
 
 from __future__ import annotations
 
+import pytest
+
 from data_plane.engine.fair_share import FairShare
 from data_plane.engine.sequence import SamplingParams, Sequence
 from tests.data_plane.test_scheduler import admission_order, scheduler, step
@@ -84,3 +86,18 @@ def test_a_flow_without_requests_stands_where_its_next_request_would_join():
     shares.charge("y", 100)
     shares.leave("y")
     assert shares.standing("y") == 140  # a flow that was served more keeps its counter when it returns
+
+
+def test_an_account_that_becomes_active_starts_the_credit_below_the_floor_but_not_below_its_own_counter():
+    shares = FairShare({"w": 2.0}, join_credit=100)
+    shares.join("x")  # the floor is 0: x starts at -100
+    shares.charge("x", 500)
+    shares.join("y")  # the floor is x's 400, the lowest active counter: y starts 100 below it
+    assert shares.served("y") == 300
+    assert shares.standing("w") == 400 - 50  # w's weight is 2: its credit counts half on its counter
+    shares.charge("y", 200)
+    shares.leave("y")
+    shares.join("y")  # y left at 500, above where a joiner starts: it keeps its counter
+    assert shares.served("y") == 500
+    with pytest.raises(ValueError, match="join_credit"):
+        FairShare(join_credit=-1)

@@ -22,13 +22,14 @@ from data_plane.lora.peft_adapter import LoraAdapter
 
 def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, block_size: int = 4,
               max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None,
-              policy: Policy = Policy.FAIR, prefill_budget=None) -> Scheduler:
-    """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``."""
+              policy: Policy = Policy.FAIR, prefill_budget=None, join_credit: float = STARTED_QUANTUM) -> Scheduler:
+    """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``;
+    ``join_credit``: as the pod's (a quantum), or 0 where a test counts shares without it."""
     cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
     for name in adapters:
         cache.insert(LoraAdapter(name, name * 64, 8, (), 0))
     return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
-                     weights, policy, prefill_budget=prefill_budget)
+                     weights, policy, prefill_budget=prefill_budget, join_credit=join_credit)
 
 
 def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100,
@@ -193,20 +194,10 @@ def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_agai
 
 def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counter():
     s = scheduler(num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 16)
-    first = request(s, "first", 400, adapter="x")  # x had nothing in flight: it arrived idle
     long = request(s, "long", 400, adapter="x")
     step(s)
-    step(s)
-    assert long.started_at_standing is None  # waits behind first
-    s.finish(first)
-    step(s)  # long starts; x had first in flight when it arrived
     s.shares.charge("x", 1000)  # the tenant's decodes and other prompts moved its counter on
     assert s._order(long)[0] == pytest.approx(s.shares.served("x") - STARTED_QUANTUM)
-    s.finish(long)
-    idle = request(s, "idle", 400, adapter="x")  # arrived idle: started a quantum below, so up to two behind
-    step(s)
-    s.shares.charge("x", 1000)
-    assert s._order(idle)[0] == pytest.approx(s.shares.served("x") - 2 * STARTED_QUANTUM)
 
 
 def flood_started_then_quiet(quiet_busy: bool) -> Scheduler:
@@ -241,8 +232,8 @@ def test_a_started_prompt_is_finished_before_a_busy_tenant_served_as_much_starts
 
 def test_a_request_of_a_tenant_with_nothing_in_flight_goes_before_a_flood_s_started_prompt():
     s = flood_started_then_quiet(quiet_busy=False)
-    # y had nothing queued or running: its request stands a quantum below y's counter, as if started
-    # when it arrived, ahead of the flood's prompt started at the flood's counter
+    # y had nothing queued or running: it joins a quantum below the least-served active tenant (x), ahead
+    # of the flood's prompt, started at x's counter
     assert prefill_of(step(s)) == [("quiet", 4)]
     assert prefill_of(step(s)) == [("quiet", 1), ("flood0", 4)]
 
@@ -251,14 +242,13 @@ def test_a_new_tenant_s_prompt_is_not_stuck_behind_more_than_a_quantum_of_a_floo
     s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 64)
     request(s, "long", STARTED_QUANTUM + 256, adapter="x")
     step(s)  # 64 of its tokens
-    # both arrived idle, each standing a quantum below its counter: the quiet one at x's counter then (64)
-    # less 128, -64; the long one keeps the standing it started with (-128) for its first quantum
+    # each tenant joined a quantum below the floor (0): x at -128, where the long prompt started, and y at
+    # -128 too; through its first quantum (128 computed) the long one keeps that standing, level with the
+    # quiet one (the older goes first)
     request(s, "quiet", 4, adapter="y")
     assert step(s) == [("long", 64)]
     assert step(s) == [("long", 64)]
-    # past the quantum it stands behind by what it computed beyond it: 64 at 192 computed, level with
-    # the quiet one (the older goes first), then 128: the quiet one goes first
-    assert step(s) == [("long", 64)]
+    # past the quantum it stands behind by what it computed beyond it (64 at 192): the quiet one goes first
     assert step(s) == [("quiet", 4), ("long", 60)]
 
 
@@ -382,7 +372,7 @@ def test_requests_of_one_adapter_run_in_arrival_order_between_the_others():
 
 
 def test_weights_shift_the_shares():
-    s = scheduler(max_num_seqs=1, weights={"x": 3.0})
+    s = scheduler(max_num_seqs=1, weights={"x": 3.0}, join_credit=0)  # the shares alone, without a head start
     for i in range(12):
         request(s, f"x{i}", 4, adapter="x", max_tokens=2)
     for i in range(4):
@@ -391,18 +381,20 @@ def test_weights_shift_the_shares():
     assert (sum(n.startswith("x") for n in first), sum(n.startswith("y") for n in first)) == (9, 3)
 
 
-def test_an_adapter_back_from_idling_gets_a_quantum_for_its_first_request_not_a_catch_up_for_the_idle_time():
+def test_an_adapter_back_from_idling_gets_a_quantum_s_head_start_not_a_catch_up_for_the_idle_time():
     s = scheduler(max_num_seqs=1)
     request(s, "y-early", 4, adapter="y", max_tokens=2)
     admission_order(s)
-    for i in range(8):
-        request(s, f"x{i}", 4, adapter="x", max_tokens=2)
-    assert admission_order(s, steps=10) == [f"x{i}" for i in range(5)]  # x has had 5 times y's tokens
-    request(s, "y0", 4, adapter="y", max_tokens=2)
-    request(s, "y1", 4, adapter="y", max_tokens=2)
-    # y0 arrived idle and stands a quantum below y's counter (``Scheduler._standing``); after it, turns
-    # from y's counter at the floor (x's), not a catch-up for y's idle time
-    assert admission_order(s) == ["y0", "x5", "x6", "y1", "x7"]
+    for i in range(90):
+        request(s, f"x{i}", 4, adapter="x", max_tokens=2)  # 5 tokens computed each
+    assert admission_order(s, steps=120) == [f"x{i}" for i in range(60)]  # x has had 60 times y's tokens
+    for i in range(40):
+        request(s, f"y{i}", 4, adapter="y", max_tokens=2)
+    # y joins a quantum (128 tokens) below x's counter: its first 26 requests (130 tokens) go first, then
+    # turns, not the 300 tokens x was served while y was idle
+    order = admission_order(s)
+    assert order[:26] == [f"y{i}" for i in range(26)]
+    assert order[26:32] == ["x60", "y26", "x61", "y27", "x62", "y28"]
 
 
 def test_when_blocks_run_out_the_most_served_adapter_gives_back_its_latest_request():
@@ -524,8 +516,9 @@ def test_under_fcfs_the_latest_admitted_request_gives_back_its_blocks():
 # ---- what a new request would wait behind -------------------------------------------------------
 
 def flooded(policy: Policy = Policy.FAIR, weights=None, y_before: tuple[float, ...] = ()) -> Scheduler:
-    """x floods behind a running x request, y0 waits; ``y_before``: earlier y requests of 6 tokens, seconds ago."""
-    s = scheduler(max_num_seqs=1, policy=policy, weights=weights)
+    """x floods behind a running x request, y0 waits; ``y_before``: earlier y requests of 6 tokens, seconds ago.
+    Without the join credit: the estimates below count the shares alone."""
+    s = scheduler(max_num_seqs=1, policy=policy, weights=weights, join_credit=0)
     now = time.monotonic()
     for ago in y_before:
         s.arrivals.record("y", 6, now - ago)
@@ -608,7 +601,7 @@ def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
 
 
 def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
-    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush, *_: 4)
+    s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush, *_: 4, join_credit=0)  # shares alone
     request(s, "flood", 12, adapter="x")
     step(s)  # 8 of its tokens still to compute; it holds one of the two seats
     assert s.ahead_of("x", 4) == Ahead(0, 8)
