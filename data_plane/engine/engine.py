@@ -378,6 +378,10 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
+            if log.isEnabledFor(logging.DEBUG):  # where a first token's wait went, for --log-level DEBUG
+                log.debug("first token of %s (adapter %s, tenant %s, %d prompt tokens) %.1f ms after arrival, "
+                          "%.1f ms of it queued", seq.request_id, seq.adapter, seq.tenant or "-", len(seq.prompt_ids),
+                          (now - seq.arrival) * 1e3, (seq.first_scheduled - seq.arrival) * 1e3)
             if seq.ttft_estimate is not None:
                 self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
                 if not seq.waited_for_adapter:
