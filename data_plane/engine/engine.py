@@ -169,8 +169,7 @@ class Engine:
         fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in
         ``prefix_report`` once its prompt is prefilled."""
         request_id = request_id or uuid.uuid4().hex
-        seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s)
-        seq.tenant = tenant or None
+        seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s, tenant or None)
         # its first token waits for its adapter's load, which the estimate does not foresee: it teaches the
         # estimate nothing about the queue
         seq.waited_for_adapter = adapter is not None and not self.adapters.is_resident(adapter)
@@ -214,7 +213,7 @@ class Engine:
         self._wakeup.set()
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               timeout_s: float | None) -> Sequence:
+               timeout_s: float | None, tenant: str | None) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("this pod is shutting down; send the request to another pod")
         if request_id in self._streams:
@@ -233,7 +232,7 @@ class Engine:
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
         tail = self.delays.tail()
-        wait_s, own_s = self._estimate_first_token(adapter, len(prompt_ids), load, timeout_s, tail)
+        wait_s, own_s = self._estimate_first_token(adapter, tenant, len(prompt_ids), load, timeout_s, tail)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
@@ -247,9 +246,10 @@ class Engine:
         deadline = None if timeout_s is None else now + timeout_s
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        ttft_estimate=wait_s, first_token_due=None if promised is None else now + promised)
+                        tenant=tenant, ttft_estimate=wait_s,
+                        first_token_due=None if promised is None else now + promised)
 
-    def _estimate_first_token(self, adapter: str | None, prompt_tokens: int, load: Load,
+    def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,
                               timeout_s: float | None, tail: float) -> tuple[float, float]:
         """(seconds until a new request's first token, the part of them its own prefill takes), as
         admission judges them (``tail``: DelayEstimator.tail, read once per request). Other tenants'
@@ -260,11 +260,12 @@ class Engine:
         own_s = self.delays.own_prefill(prompt_tokens, load)
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         enough_s = min(math.inf if timeout_s is None else timeout_s, math.inf if promised is None else promised) / tail
-        wait_s = self.delays.estimate(self.scheduler.ahead_of(adapter, prompt_tokens), prompt_tokens, load, enough_s)
+        ahead = self.scheduler.ahead_of(adapter, prompt_tokens, billed_to=tenant)
+        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s)
         for _ in range(_SETTLE_PASSES):
             if wait_s > enough_s:
                 break
-            ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s))
+            ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s), billed_to=tenant)
             longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s)
             settled = longer <= wait_s * 1.02
             wait_s = max(wait_s, longer)

@@ -162,8 +162,10 @@ class Scheduler:
                 out += [(seq, error) for seq in queue]
         return out
 
-    def ahead_of(self, tenant: Tenant, prompt_tokens: int, within_s: float = 0.0) -> Ahead:
-        """The prefill work a new request of ``tenant`` with ``prompt_tokens`` would come after, as the
+    def ahead_of(self, tenant: Tenant, prompt_tokens: int, within_s: float = 0.0,
+                 billed_to: str | None = None) -> Ahead:
+        """The prefill work a new request of ``tenant`` (billed to ``billed_to``: its account, for whether it
+        would take a seat at once) with ``prompt_tokens`` would come after, as the
         policy orders it: prompts being chunked and waiting requests. Under FCFS all of them. Under fair
         share its own tenant's, and of each other tenant the tokens it is served before the new request's
         prompt is done: fair shares are counted in tokens, so prompts of several tenants are prefilled side
@@ -198,14 +200,15 @@ class Scheduler:
                 sizes.append(size if size <= share else math.ceil(share))
                 share -= size
                 requests += i >= len(chunking.get(other, ()))  # it still needs a seat
-        return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant), sizes=tuple(sizes))
+        return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant, billed_to), sizes=tuple(sizes))
 
-    def _would_take_a_seat(self, tenant: Tenant) -> bool:
-        """Whether a new request of ``tenant`` would take a seat at the next step (see Seats above)."""
+    def _would_take_a_seat(self, tenant: Tenant, billed_to: str | None) -> bool:
+        """Whether a new request of ``tenant`` billed to ``billed_to`` would take a seat at the next step
+        (see Seats above: seats are counted per account, as ``_free_a_seat_for_a_tenant_without_one`` counts them)."""
         if self.policy is not Policy.FAIR or tenant in self._queues:
             return False
-        seats = Counter(seq.adapter for seq in self.running)
-        return tenant not in seats and max(seats.values(), default=0) >= 2
+        seats = Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
+        return account_of(tenant, billed_to) not in seats and max(seats.values(), default=0) >= 2
 
     def load(self) -> Load:
         """What is running now, for the admission estimate."""

@@ -75,6 +75,21 @@ def test_a_tenant_without_a_seat_takes_one_from_a_tenant_whose_seats_are_spread_
     assert seats_after_a_trickle_arrives(tenants=False) == ["big-a", "big-b", "big-c", "big-d"]
 
 
+def test_the_admission_estimate_knows_a_new_tenant_takes_a_seat_from_a_tenant_whose_seats_are_spread():
+    s = scheduler(max_num_seqs=4, max_loras=5, adapters="abcde")
+    for adapter in "abcd":
+        seq = Sequence(f"big-{adapter}", adapter, list(range(4)), SamplingParams(max_tokens=50), 54)
+        seq.tenant = "big"
+        s.add(seq)
+    step(s)
+    # big holds all four seats, one per adapter: a request of small would take one at once (as ``step``
+    # then does), and so would one with no tenant (its own account, e's flow, holds none); one of big's
+    # own waits for one to turn over
+    assert s.ahead_of("e", 4, billed_to="small").seat_now
+    assert s.ahead_of("e", 4).seat_now
+    assert not s.ahead_of("e", 4, billed_to="big").seat_now
+
+
 def test_a_flow_without_requests_stands_where_its_next_request_would_join():
     shares = FairShare()
     shares.join("x")
