@@ -76,6 +76,7 @@ class Phase:
     ttft: dict[str, list[float]] = field(default_factory=dict)  # by tenant ("base" or the adapter)
     completed: dict[str, int] = field(default_factory=dict)
     refusals: list[float] = field(default_factory=list)  # time from sending to RESOURCE_EXHAUSTED
+    refused: dict[str, int] = field(default_factory=dict)  # refusals by tenant
     errors: dict[str, int] = field(default_factory=dict)  # other codes
     calibration: tuple[int, int, int] | None = None  # (admitted, first token ≤ estimate, ≤ estimate + 0.5 s)
 
@@ -109,6 +110,7 @@ async def one_request(stub, adapter: str | None, text: str, max_tokens: int, pha
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             phase.refusals.append(time.perf_counter() - start)
+            phase.refused[tenant] = phase.refused.get(tenant, 0) + 1
         else:
             phase.errors[e.code().name] = phase.errors.get(e.code().name, 0) + 1
         return
