@@ -25,7 +25,11 @@ estimate counts those expected at each adapter's recent rate (``Arrivals``), up 
 
 A request is refused when that wait exceeds its gRPC deadline or the pod's ``--max-queue-delay``,
 judged as late as the slowest tenth of recent first tokens came against their estimates (``tail``),
-since the promise is for nearly every request, not the average one. A prompt whose own prefill beside
+since the promise is for nearly every request, not the average one. The correction and the tail are
+an account's own (its tenant's, or its adapter's for a request without one) once it has had enough
+first tokens, else the pod's: how late a flood's first tokens come, behind its own backlog, says
+nothing of a tenant that fair share serves first, and judged by the flood's lateness that tenant
+would be refused too. A prompt whose own prefill beside
 the running decodes (``own_prefill``) takes more than half the queue delay may wait up to twice that:
 it cannot start sooner anywhere, and is served once no more work than its own is ahead of it. The
 refusal says when to try again: the time until the estimate would fit.
@@ -126,14 +130,42 @@ class Load:
     adapters: int = 0  # distinct adapters among the running requests
 
 
+@dataclass
+class Calibration:
+    """How late first tokens came against their estimates: the pod's, or one account's."""
+
+    bias: float = 1.0  # moving average of first-token time over estimate, applied to every estimate
+    lateness: deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL_SAMPLES))  # recent ratios
+
+    def observe(self, ratio: float) -> None:
+        self.bias = min(_MAX_BIAS, max(_MIN_BIAS, self.bias * (1 + _EWMA * (ratio - 1))))
+        self.lateness.append(ratio)
+
+    def tail(self) -> float:
+        if len(self.lateness) < _TAIL_MIN_SAMPLES:
+            return 1.0
+        ranked = sorted(self.lateness)
+        return min(_MAX_BIAS, max(_MIN_BIAS, ranked[int(_TAIL_QUANTILE * (len(ranked) - 1))]))
+
+
 class DelayEstimator:
     def __init__(self, max_num_seqs: int, costs: StepCost) -> None:
         self._max_num_seqs = max_num_seqs
         self.costs = costs
         self.service_s: float | None = None  # moving average of admission to last token
-        self.bias = 1.0  # moving average of first-token time over estimate, applied to every estimate
-        self._lateness: deque[float] = deque(maxlen=_TAIL_SAMPLES)  # recent first-token time over estimate
+        self.pod = Calibration()  # every first token's
+        self._accounts: dict[object, Calibration] = {}  # each account's own (fair_share.account_of)
         self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
+
+    @property
+    def bias(self) -> float:
+        """The pod's correction: first-token time over estimate, a moving average."""
+        return self.pod.bias
+
+    def calibration(self, account: object = None) -> Calibration:
+        """``account``'s own once it has had _TAIL_MIN_SAMPLES first tokens, else the pod's."""
+        own = self._accounts.get(account)
+        return own if own is not None and len(own.lateness) >= _TAIL_MIN_SAMPLES else self.pod
 
     def step_began(self, shape: StepShape) -> None:
         self._step_ends = time.monotonic() + self.costs.predict(shape)
@@ -142,44 +174,47 @@ class DelayEstimator:
         self._step_ends = 0.0
         self.costs.observe(shape, seconds)
 
-    def observe_first_token(self, estimated_s: float, seconds: float) -> None:
-        """A request admitted with the estimate ``estimated_s`` got its first token after ``seconds``."""
-        if estimated_s >= _MIN_CALIBRATED_S:  # the estimate was made with the bias then: correct it by the miss
-            self.bias = min(_MAX_BIAS, max(_MIN_BIAS, self.bias * (1 + _EWMA * (seconds / estimated_s - 1))))
-            self._lateness.append(seconds / estimated_s)
+    def observe_first_token(self, estimated_s: float, seconds: float, account: object = None) -> None:
+        """A request of ``account`` admitted with the estimate ``estimated_s`` got its first token after
+        ``seconds``. The estimate was made with a correction then (the account's or the pod's): each is
+        corrected by the miss, so each converges on its own requests."""
+        if estimated_s >= _MIN_CALIBRATED_S:
+            self.pod.observe(seconds / estimated_s)
+            if account is not None:
+                self._accounts.setdefault(account, Calibration()).observe(seconds / estimated_s)
 
-    def tail(self) -> float:
-        """How late, against their estimates, the slowest tenth of recent first tokens came (1.0 until
-        enough were seen): admission judges a wait by the estimate times this, so that the promise holds
-        for all but the slowest few first tokens, not only on average."""
-        if len(self._lateness) < _TAIL_MIN_SAMPLES:
-            return 1.0
-        ranked = sorted(self._lateness)
-        return min(_MAX_BIAS, max(_MIN_BIAS, ranked[int(_TAIL_QUANTILE * (len(ranked) - 1))]))
+    def tail(self, account: object = None) -> float:
+        """How late, against their estimates, the slowest tenth of recent first tokens came (the account's
+        own once it has had enough, else the pod's; 1.0 until enough were seen): admission judges a wait by
+        the estimate times this, so that the promise holds for all but the slowest few first tokens, not
+        only on average."""
+        return self.calibration(account).tail()
 
     def observe_service(self, seconds: float) -> None:
         """A request finished ``seconds`` after it was first scheduled."""
         self.service_s = _average(self.service_s, seconds)
 
-    def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf) -> float:
-        """Seconds a new request with ``prompt_tokens`` would wait for its first token; 0.0 until a step
-        has been timed (an idle pod with nothing measured has nothing to wait for). Past ``enough_s`` the
-        steps are no longer followed one by one: the rest counts at the last step's rate."""
+    def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf,
+                 account: object = None) -> float:
+        """Seconds a new request of ``account`` with ``prompt_tokens`` would wait for its first token; 0.0
+        until a step has been timed (an idle pod with nothing measured has nothing to wait for). Past
+        ``enough_s`` the steps are no longer followed one by one: the rest counts at the last step's rate."""
         if self.costs.coef is None:
             return 0.0
+        bias = self.calibration(account).bias
         wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(
-            [*ahead.items(), prompt_tokens], load, enough_s / self.bias)
+            [*ahead.items(), prompt_tokens], load, enough_s / bias)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short > 0 and not ahead.seat_now:
             wait += short * self._seat_turnover_s(load) / self._max_num_seqs
-        return wait * self.bias
+        return wait * bias
 
-    def own_prefill(self, prompt_tokens: int, load: Load) -> float:
+    def own_prefill(self, prompt_tokens: int, load: Load, account: object = None) -> float:
         """Seconds the prefill of ``prompt_tokens`` alone takes beside the running decodes, with the same
         correction as ``estimate``: the part of a wait that is not spent behind other work."""
         if self.costs.coef is None:
             return 0.0
-        return self._prefill_s([prompt_tokens], load) * self.bias
+        return self._prefill_s([prompt_tokens], load) * self.calibration(account).bias
 
     def _prefill_s(self, work: list[int], load: Load, enough_s: float = math.inf) -> float:
         """Seconds until the last item of prefill ``work`` (tokens, in order) is computed: step by step, each

@@ -21,6 +21,7 @@ from conventions.prefix_chain import RoutingPrefix
 from data_plane.engine.adapter_loader import AdapterLoader, Resolver
 from data_plane.engine.admission import DelayEstimator, Load, lateness, promise_s, retry_after
 from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.fair_share import account_of
 from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
@@ -231,7 +232,7 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
-        tail = self.delays.tail()
+        tail = self.delays.tail(account_of(adapter, tenant))
         wait_s, own_s = self._estimate_first_token(adapter, tenant, len(prompt_ids), load, timeout_s, tail)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
@@ -240,6 +241,10 @@ class Engine:
         late = lateness(wait_s, own_s, tail, self.limits.max_queue_delay_s, timeout_s)
         if late is not None:
             self.metrics.refusals.labels(late.reason).inc()
+            if log.isEnabledFor(logging.DEBUG):  # what the estimate saw, for --log-level DEBUG
+                log.debug("refused a request (adapter %s, tenant %s, %d prompt tokens): first token estimated in "
+                          "%.2f s, %.2f s of it its own prefill; %s", adapter, tenant or "-", len(prompt_ids), wait_s,
+                          own_s, load)
             raise Overloaded(late.message, retry_after_s=late.retry_after_s)
         max_total = limit if params.max_tokens == 0 else min(limit, len(prompt_ids) + params.max_tokens)
         now = time.monotonic()
@@ -257,16 +262,17 @@ class Engine:
         in which more arrive: the estimate follows that until it settles, or until it is past anything
         admission would allow (then the rest is counted at the last step's rate: the refusal is certain
         and its hint needs no more)."""
-        own_s = self.delays.own_prefill(prompt_tokens, load)
+        account = account_of(adapter, tenant)
+        own_s = self.delays.own_prefill(prompt_tokens, load, account)
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         enough_s = min(math.inf if timeout_s is None else timeout_s, math.inf if promised is None else promised) / tail
         ahead = self.scheduler.ahead_of(adapter, prompt_tokens, billed_to=tenant)
-        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s)
+        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account)
         for _ in range(_SETTLE_PASSES):
             if wait_s > enough_s:
                 break
             ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s), billed_to=tenant)
-            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s)
+            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account)
             settled = longer <= wait_s * 1.02
             wait_s = max(wait_s, longer)
             if settled:
@@ -386,7 +392,8 @@ class Engine:
             if seq.ttft_estimate is not None:
                 self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
                 if not seq.waited_for_adapter:
-                    self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival)
+                    self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival,
+                                                    account_of(seq.adapter, seq.tenant))
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now

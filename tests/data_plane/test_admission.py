@@ -155,6 +155,23 @@ def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_th
     assert e.tail() == 4.0
 
 
+def test_an_account_is_judged_by_its_own_first_tokens_once_it_has_had_enough():
+    e = estimator()
+    flood, trickle = ("tenant", "big"), ("tenant", "small")
+    plain = e.estimate(Ahead(0, 0), 30, IDLE)
+    for _ in range(40):  # the flood's first tokens come three times as late as estimated
+        e.observe_first_token(1.0, 3.0, flood)
+    for _ in range(7):  # the trickle's on time, but too few of them to judge it by
+        e.observe_first_token(1.0, 1.0, trickle)
+    assert e.tail(trickle) == e.tail() == e.tail(flood) == pytest.approx(3.0)
+    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) == pytest.approx(e.estimate(Ahead(0, 0), 30, IDLE))
+    e.observe_first_token(1.0, 1.0, trickle)  # its eighth: from now on its own
+    assert e.tail(trickle) == pytest.approx(1.0) and e.tail(flood) == pytest.approx(3.0)
+    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) == pytest.approx(plain)
+    assert e.own_prefill(30, IDLE, trickle) < e.own_prefill(30, IDLE, flood)
+    assert e.tail(("tenant", "unseen")) == e.tail()  # an account never seen: the pod's
+
+
 def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_same_decodes():
     e = estimator()
     decoding = Load(2, 2, (5, 5))
@@ -164,7 +181,7 @@ def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_sa
     assert e.own_prefill(250, decoding) == pytest.approx(6 * 0.14 + 0.11)
     # the work ahead adds to the estimate, never to its own part; the correction applies to both
     assert e.estimate(Ahead(1, 100), 250, IDLE) > e.own_prefill(250, IDLE)
-    e.bias = 2.0
+    e.pod.bias = 2.0
     assert e.own_prefill(250, decoding) == pytest.approx(2 * (6 * 0.14 + 0.11))
     assert estimator(costs=StepCost()).own_prefill(250, IDLE) == 0.0
 
