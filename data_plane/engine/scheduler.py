@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from data_plane.engine.admission import Ahead, Arrivals, Load
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.fair_share import FairShare, account_of
+from data_plane.engine.fair_share import Account, FairShare, account_of
 from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.engine.step_cost import StepShape
@@ -173,7 +173,8 @@ class Scheduler:
         request's tenant's will be then (scaled by the weights). Requests of other tenants that arrive
         while it waits take their share too: ``within_s`` (the wait it would have) counts those expected
         at each tenant's recent rate, each of that tenant's recent mean prompt size (the engine passes the
-        time until the new request's prompt would start: once started, later arrivals no longer go first)."""
+        time until the new request's prompt would start: once started, later arrivals no longer go first).
+        Shares are an account's (``fair_share.py``): a tenant's adapters are counted against one share."""
         chunking: dict[Tenant, list[Sequence]] = {}  # prompts being chunked share the prefill budget
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
@@ -183,15 +184,19 @@ class Scheduler:
         now = time.monotonic()
         requests = 0
         sizes: list[int] = []
+        left: dict[Account, float] = {}  # each other account's share still to count, over all its adapters
         for other in {*self._queues, *chunking, *self.arrivals.recent(now)}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
             work = [seq.num_uncomputed for seq in queue]
-            share = math.inf
+            share, account = math.inf, None
             if self.policy is Policy.FAIR and other != tenant:
                 coming = self.arrivals.expected(other, within_s, now)
                 if not work and not coming:
                     continue
-                share = max(0.0, (done_at - self.shares.standing(other)) * self.shares.weight(other))
+                account = account_of(other, queue[0].tenant if queue else None)
+                if account not in left:
+                    left[account] = max(0.0, (done_at - self.shares.standing(other)) * self.shares.weight(other))
+                share = left[account]
                 mean = max(1, self.arrivals.mean_prompt(other))
                 work += [mean] * min(coming, math.ceil(share / mean))  # no more than its share can take
             for i, size in enumerate(work):
@@ -200,6 +205,8 @@ class Scheduler:
                 sizes.append(size if size <= share else math.ceil(share))
                 share -= size
                 requests += i >= len(chunking.get(other, ()))  # it still needs a seat
+            if account is not None:
+                left[account] = max(0.0, share)
         return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant, billed_to), sizes=tuple(sizes))
 
     def _would_take_a_seat(self, tenant: Tenant, billed_to: str | None) -> bool:

@@ -90,6 +90,32 @@ def test_the_admission_estimate_knows_a_new_tenant_takes_a_seat_from_a_tenant_wh
     assert not s.ahead_of("e", 4, billed_to="big").seat_now
 
 
+def ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants: bool):
+    """One seat, taken by a flood request on a; then three 5-token flood requests queued on each of a, b and c
+    (tenant "big", or no tenant); what a 7-token request on d (tenant "small", or none) would wait behind.
+    Without the join credit: the shares alone."""
+    s = scheduler(max_num_seqs=1, max_loras=4, adapters="abcd", join_credit=0)
+
+    def add(name: str, adapter: str, n: int) -> None:
+        seq = Sequence(name, adapter, list(range(n)), SamplingParams(max_tokens=50), n + 50)
+        seq.tenant = "big" if tenants else None
+        s.add(seq)
+
+    add("running", "a", 4)
+    step(s)
+    for adapter in "abc":
+        for i in range(3):
+            add(f"{adapter}{i}", adapter, 5)
+    return s.ahead_of("d", 7, billed_to="small" if tenants else None)
+
+
+def test_the_admission_estimate_counts_a_tenant_s_share_once_whatever_its_adapters():
+    # the quiet request's 7 tokens are matched by 7 of the flood's: once for tenant big, whose three
+    # adapters share one counter, and once per adapter where each adapter is its own share
+    assert ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants=True).tokens == 7
+    assert ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants=False).tokens == 3 * 7
+
+
 def test_a_flow_without_requests_stands_where_its_next_request_would_join():
     shares = FairShare()
     shares.join("x")
