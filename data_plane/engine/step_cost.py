@@ -60,12 +60,7 @@ Where the fixed part is most of a decode step (a small model, or a GPU reading i
 step), that is several times the decodes alone: more prompt tokens per second, longer gaps for
 running streams while prompts arrive (benchmarks/RESULTS.md, "Overload").
 
-A step with nothing decoding has no stream to keep at pace: its first prompt may fill the whole
-``--max-num-batched-tokens``, and further prompts join it only up to the throughput knee (where a longer
-step gains little: 80% of the peak prefill rate). Filling the whole limit with every waiting prompt made
-each of them wait for all of them: on the CPU pod a step of 571 prompt tokens in 7 prompts took 921 ms,
-and the trickle's last tokens, first in fair order, waited for it (benchmarks/RESULTS.md, "Tenant
-fairness").
+A pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
 """
 
 from __future__ import annotations
@@ -172,8 +167,6 @@ class StepCost:
     def step_target(self, decode_rows: int, adapters: int, rush: bool = False) -> float:
         """The time a step with these decodes may take once prefill fills it; with ``rush`` (an admitted
         request's first-token promise is at risk) at least up to the device's throughput knee."""
-        if decode_rows == 0:
-            return self.knee_step_s()
         decodes = self.predict(StepShape(decode_rows, adapters=adapters))
         knee = max(DEFAULT_ITL_GROWTH * decodes, self.knee_step_s())
         if self.target_itl_s:
@@ -198,14 +191,13 @@ class StepCost:
                        new_adapters: int = 0) -> int:
         """Prefill tokens a step with ``decode_rows`` decodes over ``adapters`` distinct adapters may carry
         in ``prefill_seqs`` prefilling sequences that bring ``new_adapters`` adapters the decodes do not
-        have (each a LoRA segment of its own): when nothing decodes, all the step has room for the first
-        prompt and for further ones as many as fit the throughput knee, else as many as fit the target,
-        which the decodes alone set (``rush``: see ``step_target``). With one prefilling
+        have (each a LoRA segment of its own): all the step has room for when nothing decodes, else as many
+        as fit the target, which the decodes alone set (``rush``: see ``step_target``). With one prefilling
         sequence never fewer than the floor (``_floor_tokens``), so prefill always progresses; a further
         sequence fits only where the target leaves room for its own cost (the scheduler asks again for each
         one)."""
         room = max(0, self._max_tokens - decode_rows)
-        if self.coef is None or (decode_rows == 0 and prefill_seqs <= 1):
+        if decode_rows == 0 or self.coef is None:
             return room
         key = (decode_rows, adapters, rush, prefill_seqs, new_adapters)
         if key not in self._budgets:  # the admission estimate asks the same few questions many times a fit
