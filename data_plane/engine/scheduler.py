@@ -296,13 +296,16 @@ class Scheduler:
 
     def _promise_at_risk(self, now: float) -> bool:
         """Whether a request admitted with a first-token promise, prefilling or able to start now (a seat
-        free, its adapter ready and in a slot), has waited more than half of it without its first token:
-        the step then prefills up to the device's throughput knee (``StepCost``), so a wait the admission
-        estimate got wrong is made up at the cost of a longer gap for running streams in those steps,
-        instead of breaking the promise. A request that could not run this step does not rush it."""
+        free, its adapter ready and in a slot), has waited more than half of it without its first token,
+        and longer than admission estimated it would: the step then prefills up to the device's throughput
+        knee (``StepCost``), so a wait the admission estimate got wrong is made up at the cost of a longer
+        gap for running streams in those steps, instead of breaking the promise. A request still within
+        its estimate is on the schedule admission judged to keep the promise (a second long prompt behind
+        a first, chunked beside running streams, is admitted to come after more than half of it), and
+        does not rush. A request that could not run this step does not rush it either."""
         seated = len(self.running) < self.limits.max_num_seqs
         return any(seq.first_token_due is not None and not seq.output_ids
-                   and now - seq.arrival > (seq.first_token_due - seq.arrival) / 2
+                   and now - seq.arrival > max((seq.first_token_due - seq.arrival) / 2, seq.ttft_estimate or 0.0)
                    for seq in (*self._prefilling(),
                                *(seq for seq in self.waiting if seated and self._can_run_now(seq.adapter))))
 

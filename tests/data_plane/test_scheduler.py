@@ -173,6 +173,18 @@ def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_
     assert asked[-1] is False
 
 
+def test_a_request_still_within_its_estimate_does_not_rush_the_step():
+    s, asked, now = one_running(max_num_seqs=4)
+    on_time = promised(s, "on-time", 1.5, 2.0, now)
+    on_time.ttft_estimate = 1.8  # admitted to come at 1.8 s: past half the promise, not yet late
+    step(s)
+    assert asked == [False, False]
+    behind = promised(s, "behind", 1.5, 2.0, now)
+    behind.ttft_estimate = 1.2
+    step(s)
+    assert asked[-1] is True
+
+
 def test_a_request_that_cannot_run_does_not_rush_the_step():
     s, asked, now = one_running(max_num_seqs=1, prompt=200)
     promised(s, "seatless", 1.5, 2.0, now)  # the only seat is taken by a prompt still being prefilled
