@@ -52,6 +52,8 @@ _MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
 # Admission judges a wait as late as this quantile of recent first tokens came against their estimates,
 # over this many of them once at least the minimum were seen.
 _TAIL_QUANTILE, _TAIL_SAMPLES, _TAIL_MIN_SAMPLES = 0.9, 64, 8
+# Accounts whose own calibration is kept, the most recently seen (tenants are names clients send).
+_MAX_ACCOUNTS = 1024
 # Steps of the prefill ahead that an estimate follows one by one; the work left after them is counted at
 # the last step's rate (a wait that long is refused whatever its exact length).
 _MAX_STEPS = 4096
@@ -154,7 +156,7 @@ class DelayEstimator:
         self.costs = costs
         self.service_s: float | None = None  # moving average of admission to last token
         self.pod = Calibration()  # every first token's
-        self._accounts: dict[object, Calibration] = {}  # each account's own (fair_share.account_of)
+        self._accounts: dict[object, Calibration] = {}  # each account's own (fair_share.account_of), LRU order
         self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
 
     @property
@@ -174,14 +176,24 @@ class DelayEstimator:
         self._step_ends = 0.0
         self.costs.observe(shape, seconds)
 
-    def observe_first_token(self, estimated_s: float, seconds: float, account: object = None) -> None:
-        """A request of ``account`` admitted with the estimate ``estimated_s`` got its first token after
-        ``seconds``. The estimate was made with a correction then (the account's or the pod's): each is
-        corrected by the miss, so each converges on its own requests."""
-        if estimated_s >= _MIN_CALIBRATED_S:
-            self.pod.observe(seconds / estimated_s)
-            if account is not None:
-                self._accounts.setdefault(account, Calibration()).observe(seconds / estimated_s)
+    def observe_first_token(self, estimated_s: float, seconds: float, account: object = None,
+                            applied_bias: float | None = None) -> None:
+        """A request of ``account`` admitted with the estimate ``estimated_s``, made with the correction
+        ``applied_bias`` (None: the pod's as it is now), got its first token after ``seconds``. The pod's
+        correction and the account's are each corrected by how late the first token came against the
+        estimate it would have made (the model's, times its own correction), so each converges on its own
+        requests whichever was used. An account's starts from the pod's."""
+        model_s = estimated_s / (self.pod.bias if applied_bias is None else applied_bias)
+        calibrations = [self.pod]
+        if account is not None:
+            own = self._accounts.pop(account, None) or Calibration(bias=self.pod.bias)
+            self._accounts[account] = own  # the most recently seen last
+            if len(self._accounts) > _MAX_ACCOUNTS:
+                del self._accounts[next(iter(self._accounts))]
+            calibrations.append(own)
+        for calibration in calibrations:
+            if model_s * calibration.bias >= _MIN_CALIBRATED_S:
+                calibration.observe(seconds / (model_s * calibration.bias))
 
     def tail(self, account: object = None) -> float:
         """How late, against their estimates, the slowest tenth of recent first tokens came (the account's

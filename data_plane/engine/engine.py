@@ -251,7 +251,8 @@ class Engine:
         deadline = None if timeout_s is None else now + timeout_s
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        tenant=tenant, ttft_estimate=wait_s,
+                        tenant=tenant, ttft_estimate=wait_s, ttft_bias=self.delays.calibration(account_of(adapter,
+                                                                                                     tenant)).bias,
                         first_token_due=None if promised is None else now + promised)
 
     def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,
@@ -393,7 +394,7 @@ class Engine:
                 self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
                 if not seq.waited_for_adapter:
                     self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival,
-                                                    account_of(seq.adapter, seq.tenant))
+                                                    account_of(seq.adapter, seq.tenant), seq.ttft_bias)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now

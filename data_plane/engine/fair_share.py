@@ -50,26 +50,31 @@ class FairShare:
         self._served: dict[Account, float] = {}
         self._requests: Counter[Account] = Counter()  # queued or running, per active account
         self._in_flow: dict[Flow, Counter[Account]] = {}  # each active flow's requests by account
-        self._floor = 0.0  # never decreases: counters only grow and joiners start at it
+        self._floor = 0.0  # never decreases: counters only grow and joiners start at it less the credit
 
     def served(self, flow: Flow) -> float:
-        """The flow's priority: the lowest counter among the accounts with requests in it (the floor if none)."""
+        """The flow's priority: the lowest counter among the accounts with requests in it (for a flow without
+        any, its remembered counter or the floor)."""
         accounts = self._in_flow.get(flow)
         if not accounts:
             return self._served.get(account_of(flow, None), self._floor)
         return min(self.account_served(a) for a in accounts)
 
-    def standing(self, flow: Flow) -> float:
-        """The flow's priority as it would stand now: ``served`` for a flow with requests; for one without,
-        the counter its next request would join at (no lower than the lowest among active accounts, less
-        the credit)."""
+    def standing(self, flow: Flow, tenant: str | None = None) -> float:
+        """The flow's priority as it would stand now for a request billed to ``tenant``: ``served`` for a
+        flow with requests; for one without, its account's counter where the account has requests on
+        other flows, else the counter it would join at (no lower than the lowest among active accounts,
+        less the credit)."""
         if self._in_flow.get(flow):
             return self.served(flow)
+        account = account_of(flow, tenant)
+        if self._requests[account]:
+            return self._served[account]
         floor = max(min((self._served[a] for a in self._requests), default=self._floor), self._floor)
-        return max(self._served.get(account_of(flow, None), -math.inf), floor - self._credit / self.weight(flow))
+        return max(self._served.get(account, -math.inf), floor - self._credit / self.weight(flow))
 
     def account_served(self, account: Account) -> float:
-        """The account's counter (the floor for one with no requests)."""
+        """The account's counter (for one never charged or forgotten, the floor)."""
         return self._served.get(account, self._floor)
 
     def weight(self, flow: Flow) -> float:

@@ -82,6 +82,9 @@ _NOBODY = object()  # no tenant (None is the base model's name)
 # Prompt tokens a started prompt computes at the standing it started with before it shares the prefill
 # budget with other tenants' work (see Scheduler._order).
 STARTED_QUANTUM = 128
+# A request admitted with a first-token promise rushes the step once this share of it has passed, however
+# long admission estimated it would wait (Scheduler._promise_at_risk).
+_RUSH_BY = 0.8
 
 
 class Policy(enum.Enum):
@@ -179,8 +182,10 @@ class Scheduler:
         for seq in self._prefilling():
             chunking.setdefault(seq.adapter, []).append(seq)
         own = [*chunking.get(tenant, ()), *self._queues.get(tenant, ())]
-        done_at = self.shares.standing(tenant) + (sum(seq.num_uncomputed for seq in own) + prompt_tokens) / \
-            self.shares.weight(tenant)  # its tenant's counter once its prompt is done
+        # its tenant's counter once its prompt is done
+        done_at = self.shares.standing(tenant, billed_to) + (sum(seq.num_uncomputed for seq in own) +
+                                                             prompt_tokens) / self.shares.weight(tenant)
+        own_account = account_of(tenant, billed_to)
         now = time.monotonic()
         requests = 0
         sizes: list[int] = []
@@ -194,8 +199,11 @@ class Scheduler:
                 if not work and not coming:
                     continue
                 account = account_of(other, queue[0].tenant if queue else None)
-                if account not in left:
+                if account == own_account:  # its tenant's work on its other adapters: all of it goes first
+                    account = None
+                elif account not in left:
                     left[account] = max(0.0, (done_at - self.shares.standing(other)) * self.shares.weight(other))
+            if account is not None:
                 share = left[account]
                 mean = max(1, self.arrivals.mean_prompt(other))
                 work += [mean] * min(coming, math.ceil(share / mean))  # no more than its share can take
@@ -297,15 +305,20 @@ class Scheduler:
     def _promise_at_risk(self, now: float) -> bool:
         """Whether a request admitted with a first-token promise, prefilling or able to start now (a seat
         free, its adapter ready and in a slot), has waited more than half of it without its first token,
-        and longer than admission estimated it would: the step then prefills up to the device's throughput
-        knee (``StepCost``), so a wait the admission estimate got wrong is made up at the cost of a longer
-        gap for running streams in those steps, instead of breaking the promise. A request still within
-        its estimate is on the schedule admission judged to keep the promise (a second long prompt behind
-        a first, chunked beside running streams, is admitted to come after more than half of it), and
-        does not rush. A request that could not run this step does not rush it either."""
+        and longer than admission estimated it would (or than 80% of the promise, for an estimate that came
+        close to it): the step then prefills up to the device's throughput knee (``StepCost``), so a wait
+        the admission estimate got wrong is made up at the cost of a longer gap for running streams in those
+        steps, instead of breaking the promise. A request still within its estimate is on the schedule
+        admission judged to keep the promise (a second long prompt behind a first, chunked beside running
+        streams, is admitted to come after more than half of it), and does not rush. A request that could
+        not run this step does not rush it either."""
         seated = len(self.running) < self.limits.max_num_seqs
-        return any(seq.first_token_due is not None and not seq.output_ids
-                   and now - seq.arrival > max((seq.first_token_due - seq.arrival) / 2, seq.ttft_estimate or 0.0)
+
+        def behind(seq: Sequence) -> bool:
+            promise = seq.first_token_due - seq.arrival
+            return now - seq.arrival > max(promise / 2, min(seq.ttft_estimate or 0.0, _RUSH_BY * promise))
+
+        return any(seq.first_token_due is not None and not seq.output_ids and behind(seq)
                    for seq in (*self._prefilling(),
                                *(seq for seq in self.waiting if seated and self._can_run_now(seq.adapter))))
 

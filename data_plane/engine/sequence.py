@@ -102,6 +102,7 @@ class Sequence:
     started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
     started_at_computed: int = 0  # its tokens in the KV cache (computed or cached) when it last started running
     ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
+    ttft_bias: float = 1.0  # the correction (DelayEstimator.calibration) that estimate was made with
     first_token_due: float | None = None  # time.monotonic() its first token was promised by (None: no promise)
     waited_for_adapter: bool = False  # its adapter was not resident at arrival: its first token waits for the load
     first_token_time: float | None = None

@@ -158,18 +158,36 @@ def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_th
 def test_an_account_is_judged_by_its_own_first_tokens_once_it_has_had_enough():
     e = estimator()
     flood, trickle = ("tenant", "big"), ("tenant", "small")
-    plain = e.estimate(Ahead(0, 0), 30, IDLE)
-    for _ in range(40):  # the flood's first tokens come three times as late as estimated
-        e.observe_first_token(1.0, 3.0, flood)
-    for _ in range(7):  # the trickle's on time, but too few of them to judge it by
-        e.observe_first_token(1.0, 1.0, trickle)
-    assert e.tail(trickle) == e.tail() == e.tail(flood) == pytest.approx(3.0)
-    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) == pytest.approx(e.estimate(Ahead(0, 0), 30, IDLE))
-    e.observe_first_token(1.0, 1.0, trickle)  # its eighth: from now on its own
-    assert e.tail(trickle) == pytest.approx(1.0) and e.tail(flood) == pytest.approx(3.0)
-    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) == pytest.approx(plain)
-    assert e.own_prefill(30, IDLE, trickle) < e.own_prefill(30, IDLE, flood)
-    assert e.tail(("tenant", "unseen")) == e.tail()  # an account never seen: the pod's
+    model = e.estimate(Ahead(0, 0), 30, IDLE)  # nothing learnt yet: the model's estimate
+
+    def admitted(account, lateness: float) -> None:
+        """A request of ``account`` estimated as admission estimates it, whose first token came ``lateness``
+        times the model's estimate."""
+        estimate = e.estimate(Ahead(0, 0), 30, IDLE, account=account)
+        e.observe_first_token(estimate, lateness * model, account, e.calibration(account).bias)
+
+    for _ in range(60):  # the flood's first tokens come three times as late as the model says
+        admitted(flood, 3.0)
+    assert e.calibration(flood).bias == pytest.approx(3.0, rel=0.01) and e.bias == pytest.approx(3.0, rel=0.01)
+    for _ in range(7):  # the trickle's on time, but too few of them to judge it by: the pod's judges it
+        admitted(trickle, 1.0)
+    assert e.calibration(trickle) is e.pod
+    admitted(trickle, 1.0)  # its eighth: from now on its own, which started from the pod's and learnt
+    own = e.calibration(trickle)
+    assert own is not e.pod and own.bias < 1.5 and e.calibration(flood).bias == pytest.approx(3.0, rel=0.01)
+    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) < e.estimate(Ahead(0, 0), 30, IDLE, account=flood) / 2
+    assert e.own_prefill(30, IDLE, trickle) < e.own_prefill(30, IDLE, flood) / 2
+    assert e.calibration(("tenant", "unseen")) is e.pod
+
+
+def test_the_accounts_kept_are_the_most_recently_seen():
+    e = estimator()
+    for _ in range(8):
+        e.observe_first_token(1.0, 1.0, "old")
+    assert e.calibration("old") is not e.pod
+    for i in range(1024):  # as many other accounts as are kept: the least recently seen is dropped
+        e.observe_first_token(1.0, 1.0, f"tenant-{i}")
+    assert e.calibration("old") is e.pod
 
 
 def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_same_decodes():

@@ -116,6 +116,22 @@ def test_the_admission_estimate_counts_a_tenant_s_share_once_whatever_its_adapte
     assert ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants=False).tokens == 3 * 7
 
 
+def test_the_admission_estimate_counts_a_tenant_s_work_on_its_other_adapters_as_its_own():
+    s = scheduler(max_num_seqs=1, max_loras=4, adapters="abcd", join_credit=0)
+    for name, adapter, tenant, tokens in (("running", "a", "big", 5), ("big-b", "b", "big", 20),
+                                          ("small-c", "c", "small", 5)):
+        seq = Sequence(name, adapter, list(range(tokens)), SamplingParams(max_tokens=50), tokens + 50)
+        seq.tenant = tenant
+        s.add(seq)
+        if name == "running":
+            step(s)  # big's counter: 5, where small joins
+    # a new 7-token request of big on d: big's 20 tokens queued on b are its own, all ahead of it (not a
+    # share of 7), and small's 5 are within the 7 it is served alongside
+    assert s.ahead_of("d", 7, billed_to="big").tokens == 20 + 5
+    # billed to small: small's 5 on c are its own; big's are a share, the 7 it is served alongside
+    assert s.ahead_of("d", 7, billed_to="small").tokens == 5 + 7
+
+
 def test_a_flow_without_requests_stands_where_its_next_request_would_join():
     shares = FairShare()
     shares.join("x")
