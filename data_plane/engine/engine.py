@@ -232,7 +232,8 @@ class Engine:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                  f"(0..{self.model.config.vocab_size - 1})")
         load = self.scheduler.load()
-        tail = self.delays.tail(account_of(adapter, tenant))
+        calibration = self.delays.calibration(account_of(adapter, tenant))  # read once: tail, and the bias kept
+        tail = calibration.tail()
         wait_s, own_s = self._estimate_first_token(adapter, tenant, len(prompt_ids), load, timeout_s, tail)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
@@ -251,8 +252,7 @@ class Engine:
         deadline = None if timeout_s is None else now + timeout_s
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        tenant=tenant, ttft_estimate=wait_s, ttft_bias=self.delays.calibration(account_of(adapter,
-                                                                                                     tenant)).bias,
+                        tenant=tenant, ttft_estimate=wait_s, ttft_bias=calibration.bias,
                         first_token_due=None if promised is None else now + promised)
 
     def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,

@@ -219,10 +219,10 @@ class Scheduler:
 
     def _would_take_a_seat(self, tenant: Tenant, billed_to: str | None) -> bool:
         """Whether a new request of ``tenant`` billed to ``billed_to`` would take a seat at the next step
-        (see Seats above: seats are counted per account, as ``_free_a_seat_for_a_tenant_without_one`` counts them)."""
+        (see Seats above)."""
         if self.policy is not Policy.FAIR or tenant in self._queues:
             return False
-        seats = Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
+        seats = self._seats()
         return account_of(tenant, billed_to) not in seats and max(seats.values(), default=0) >= 2
 
     def load(self) -> Load:
@@ -405,8 +405,7 @@ class Scheduler:
         taken; returns that tenant (whose head then takes the seat first), or _NOBODY."""
         if len(self.running) < self.limits.max_num_seqs:
             return _NOBODY
-        # Seats are counted per account (fair_share.py): a tenant's seats across its adapters are its own.
-        seats = Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
+        seats = self._seats()
         seatless = [t for t, queue in self._queues.items()
                     if account_of(t, queue[0].tenant) not in seats and self._can_run_now(t)]
         holder = max(seats, key=lambda a: (seats[a], self.shares.account_served(a)), default=None)
@@ -414,6 +413,10 @@ class Scheduler:
             return _NOBODY
         self._preempt(next(seq for seq in reversed(self.running) if account_of(seq.adapter, seq.tenant) == holder))
         return min(seatless, key=lambda t: (self.shares.served(t), self._queues[t][0].arrival))
+
+    def _seats(self) -> Counter[Account]:
+        """Running requests per account (fair_share.py): a tenant's seats across its adapters are its own."""
+        return Counter(account_of(seq.adapter, seq.tenant) for seq in self.running)
 
     def _can_run_now(self, tenant: Tenant) -> bool:
         """Whether ``tenant``'s next request could start this step as far as its adapter goes (no side effects)."""
