@@ -13,6 +13,7 @@ from conventions.flag_help import DefaultsShown
 from conventions.names import NAME_RULE, is_valid_name
 from conventions.tls import Dialer, TlsFiles, read_certificates
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, KNEE_EFFICIENCY
+from data_plane.engine.threads import available_cpus
 from data_plane.lora.fetcher import FetchSettings
 from data_plane.lora.hub_source import HubSettings
 from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
@@ -34,6 +35,9 @@ class DataPlaneConfig:
     # The precision (data_plane/model/precision.py), or "auto": bfloat16 on CUDA; on CPU float32 weights with
     # float32 or bfloat16 projections, whichever measures faster on this CPU at start-up.
     dtype: str = AUTO
+    # torch threads the model thread computes on (every other thread of the pod computes on one); 0 = every
+    # CPU the process may run on (engine/threads.py).
+    compute_threads: int = 0
     max_loras: int = defaults.MAX_LORAS
     max_cpu_loras: int = defaults.MAX_CPU_LORAS
     max_lora_rank: int = defaults.MAX_LORA_RANK
@@ -104,6 +108,9 @@ class DataPlaneConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         check_dtype(self.dtype, self.device)
+        if self.compute_threads < 0:
+            raise ValueError(f"--compute-threads must be >= 0 (0 = every CPU this process may run on), "
+                             f"got {self.compute_threads}")
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= --max-loras ({self.max_loras}) <= --max-cpu-loras ({self.max_cpu_loras})")
         if not 1 <= self.max_lora_rank <= 512:
@@ -191,6 +198,10 @@ class DataPlaneConfig:
         return self.pod_id or f"{socket.gethostname()}-{self.port}"
 
     @property
+    def resolved_compute_threads(self) -> int:
+        return self.compute_threads or available_cpus()
+
+    @property
     def resolved_endpoint(self) -> str:
         return self.endpoint or f"{self.host}:{self.port}"
 
@@ -199,7 +210,7 @@ class DataPlaneConfig:
         return cls(
             model=Path(args.model) if args.model else None, host=args.host, port=args.port,
             metrics_port=args.metrics_port, health_port=args.health_port,
-            device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+            device=args.device, dtype=args.dtype, compute_threads=args.compute_threads, max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, control_plane=args.control_plane,
             control_plane_ca=Path(args.control_plane_ca) if args.control_plane_ca else None,
             tls_cert_file=Path(args.tls_cert) if args.tls_cert else None,
@@ -270,6 +281,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and outputs are rounded to bfloat16); auto (default): bfloat16 on cuda, and on cpu "
                         "bfloat16-matmul where it measures faster at start-up, else float32")
     p.add_argument("--cpu-matmul", action=RemovedFlag, help=argparse.SUPPRESS)
+    p.add_argument("--compute-threads", type=int, default=d.compute_threads, metavar="N",
+                   help="torch threads the model thread computes every step on; the pod's other threads compute on "
+                        f"one, so that their thread teams never outnumber the cores (0 = every CPU this process may "
+                        f"run on, {available_cpus()} here; in a container limited by CPU quota rather than a cpuset, "
+                        "set it to the limit)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")

@@ -69,7 +69,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                     config.fair_share_weights, Policy(config.scheduling_policy),
                     cuda_graphs=device.type == "cuda" and not config.enforce_eager,
                     prefix_caching=config.prefix_caching, precision=model.precision.value,
-                    prefix_report_size=config.prefix_report_size)
+                    prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads)
     engine.warm_up()
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": config.max_loras, "device": config.device})

@@ -24,6 +24,7 @@ from conventions.status import ErrorStatusInterceptor
 from conventions.tls import add_port
 from data_plane.config import DataPlaneConfig, build_parser
 from data_plane.demand import DemandMeter
+from data_plane.engine.threads import compute_on_one_thread
 from data_plane.health import PodHealth
 from data_plane.membership import FencingGuard, MembershipClient
 from data_plane.metrics import PodMetrics
@@ -38,6 +39,7 @@ log = logging.getLogger("lorafleet.data_plane")
 
 async def serve(config: DataPlaneConfig) -> None:
     """Runs the pod until SIGTERM/SIGINT, then drains in-flight requests and exits."""
+    compute_on_one_thread(asyncio.get_running_loop())  # first: the model thread's team is the only one
     interceptors = [ErrorStatusInterceptor()]
     if config.admin_token_file:
         tokens = {Role.POD: read_token(config.admin_token_file)}

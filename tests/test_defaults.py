@@ -156,7 +156,8 @@ def _template_flags(template: str) -> dict[str, str]:
     # The chart sizes pods for a GPU pool (its own device, dtype and slot counts), so it passes them.
     ("data-plane.yaml", {"--host": "0.0.0.0", "--port": "{{ $dp.port | quote }}",
                          "--metrics-port": "{{ $dp.metricsPort | quote }}", "--device": "{{ $dp.device }}",
-                         "--dtype": "{{ $dp.dtype }}", "--max-loras": "{{ $dp.maxLoras | quote }}",
+                         "--dtype": "{{ $dp.dtype }}", "--compute-threads": "{{ $dp.computeThreads | quote }}",
+                         "--max-loras": "{{ $dp.maxLoras | quote }}",
                          "--max-cpu-loras": "{{ $dp.maxCpuLoras | quote }}",
                          "--max-lora-rank": "{{ $dp.maxLoraRank | quote }}"}),
     ("router.yaml", {"--host": "0.0.0.0", "--port": "{{ $r.port | quote }}",

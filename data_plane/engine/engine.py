@@ -14,7 +14,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from conventions.prefix_chain import RoutingPrefix
@@ -30,6 +29,7 @@ from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, Schedul
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost
+from data_plane.engine.threads import model_thread
 from data_plane.engine.warm_up import warm_up
 from data_plane.errors import (
     DeadlineExceeded,
@@ -92,13 +92,15 @@ class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
                  resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
                  policy: Policy = Policy.FAIR, cuda_graphs: bool = False, prefix_caching: bool = True,
-                 precision: str | None = None, prefix_report_size: int = 0) -> None:
+                 precision: str | None = None, prefix_report_size: int = 0, compute_threads: int | None = None) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
         decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model); ``prefix_caching``:
         full KV blocks are kept and reused by requests whose prompts begin alike, keyed also by
         ``precision`` (default: the weights' dtype) and each adapter's content; ``prefix_report_size``: how
-        many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching)."""
+        many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching);
+        ``compute_threads``: the torch threads the model thread computes on (None: torch's count for a new
+        thread; a pod passes its own and keeps its other threads on one, see ``threads``)."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -123,8 +125,8 @@ class Engine:
                                         metrics.grammar_compile.observe)
         self.delays = DelayEstimator(limits.max_num_seqs, self.costs)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
-        # kernels and scratch buffers, the allocator's arenas) then exists once, not once per worker.
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-model")
+        # kernels and scratch buffers, the allocator's arenas, OpenMP's team) then exists once, not once per worker.
+        self._model_thread = model_thread(compute_threads)
         self._streams: dict[str, _Stream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None

@@ -5,6 +5,7 @@ fair-share flags."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import pytest
@@ -97,6 +98,16 @@ def test_a_max_queue_delay_that_is_not_a_finite_non_negative_number_is_refused(v
 def test_an_itl_growth_that_leaves_prefill_no_room_is_refused_with_what_to_give(value):
     with pytest.raises(ValueError, match=r"--itl-growth must be a factor above 1 \(e.g. 1.4\), or 0"):
         config("--itl-growth", value)
+
+
+def test_the_compute_threads_default_to_every_cpu_the_process_may_run_on():
+    assert config().resolved_compute_threads == len(os.sched_getaffinity(0))
+    assert config("--compute-threads", "3").resolved_compute_threads == 3
+
+
+def test_a_negative_compute_thread_count_is_refused_with_what_to_give():
+    with pytest.raises(ValueError, match=r"--compute-threads must be >= 0 \(0 = every CPU"):
+        config("--compute-threads", "-1")
 
 
 def test_itl_growth_defaults_to_1_4_and_0_chooses_the_knee():
