@@ -356,7 +356,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "decodes alone (on a pod replaying CUDA graphs for decode steps, FACTOR times the eager step "
                         "that prefills beside them), by the step-time model the pod fits to its own steps (default "
                         f"{d.itl_growth}: streams' inter-token gaps grow by about that while prompts arrive, except in "
-                        "steps that make up for an admitted request past half its promised first-token time); 0 = "
+                        "steps that make up for an admitted request that would otherwise get its first token after its "
+                        "promise); 0 = "
                         "throughput instead: such a step may last at least as long as the step whose prefill runs at "
                         f"{KNEE_EFFICIENCY * 100:.0f}%% of the device's peak prefill rate (more prompts per second, "
                         "several times longer gaps while they are prefilled)")

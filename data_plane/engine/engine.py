@@ -120,7 +120,7 @@ class Engine:
                               graphs=self.runner.replays_graphs, row_tile=model.row_tile)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
-                                   self._prefix_salt, self.costs.prefill_budget)
+                                   self._prefix_salt, self.costs.prefill_budget, step_time=self.costs.predict)
         self.grammars = GrammarCompiler(tokenizer.to_json, model.config.vocab_size, tokenizer.eos_token_ids,
                                         metrics.grammar_compile.observe)
         self.delays = DelayEstimator(limits.max_num_seqs, self.costs)

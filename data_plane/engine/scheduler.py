@@ -82,9 +82,6 @@ _NOBODY = object()  # no tenant (None is the base model's name)
 # Prompt tokens a started prompt computes at the standing it started with before it shares the prefill
 # budget with other tenants' work (see Scheduler._order).
 STARTED_QUANTUM = 128
-# A request admitted with a first-token promise rushes the step once this share of it has passed, however
-# long admission estimated it would wait (Scheduler._promise_at_risk).
-_RUSH_BY = 0.8
 
 
 class Policy(enum.Enum):
@@ -105,7 +102,8 @@ class Scheduler:
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
                  policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
                  prefill_budget: Callable[[int, int, bool, int, int], int] | None = None,
-                 join_credit: float = STARTED_QUANTUM) -> None:
+                 join_credit: float = STARTED_QUANTUM,
+                 step_time: Callable[[StepShape], float] | None = None) -> None:
         """``weights``: a tenant's share relative to the others (default 1.0; None names the base model),
         under the FAIR policy; ``salt``: what a tenant's cached prefix blocks are keyed under besides their
         tokens (its adapter's content and the pod's precision); ``prefill_budget(decode_rows, adapters, rush,
@@ -113,9 +111,12 @@ class Scheduler:
         carry in that many prefilling sequences, which bring that many adapters the decodes have not got,
         ``rush`` when an admitted request's first-token promise is at risk (``StepCost.prefill_budget``;
         default: all that ``max_num_batched_tokens`` leaves); ``join_credit``: the tokens a tenant that
-        becomes active starts below the least-served active one (``FairShare``)."""
+        becomes active starts below the least-served active one (``FairShare``); ``step_time(shape)``: the
+        seconds a step of that shape is expected to take (``StepCost.predict``; default 0: no promise is
+        seen at risk before it is due)."""
         self._salt = salt
         self._prefill_budget = prefill_budget or (lambda *_: limits.max_num_batched_tokens)
+        self._step_time = step_time or (lambda *_: 0.0)
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -253,7 +254,7 @@ class Scheduler:
                 budget -= self._take(batch, seq, 1)
         decodes = len(batch)
         decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
-        rush = self._promise_at_risk(time.monotonic())
+        rush = self._promise_at_risk(time.monotonic(), decodes, decode_adapters)
         prefill: list[Sequence] = []  # given prompt tokens this step
         used = 0  # their tokens
 
@@ -302,25 +303,32 @@ class Scheduler:
             prefill.append(waiting)
         return batch
 
-    def _promise_at_risk(self, now: float) -> bool:
+    def _promise_at_risk(self, now: float, decodes: int, decode_adapters: set[str]) -> bool:
         """Whether a request admitted with a first-token promise, prefilling or able to start now (a seat
-        free, its adapter ready and in a slot), has waited more than half of it without its first token,
-        and longer than admission estimated it would (or than 80% of the promise, for an estimate that came
-        close to it): the step then prefills up to the device's throughput knee (``StepCost``), so a wait
-        the admission estimate got wrong is made up at the cost of a longer gap for running streams in those
-        steps, instead of breaking the promise. A request still within its estimate is on the schedule
-        admission judged to keep the promise (a second long prompt behind a first, chunked beside running
-        streams, is admitted to come after more than half of it), and does not rush. A request that could
-        not run this step does not rush it either."""
+        free, its adapter ready and in a slot), would get its first token after it is due at the pace
+        prefill has without rushing: the prompt tokens ahead of it in order and its own, a step's budget at
+        a time beside these decodes, one step more for the error of a step's prediction. The step then
+        prefills up to the device's throughput knee (``StepCost``): a wait the admission estimate got
+        wrong is made up at the cost of a longer gap for running streams in those steps, instead of
+        breaking the promise; a request on course to keep it, however much of it has passed, costs the
+        streams nothing. A request that could not run this step does not rush it either."""
         seated = len(self.running) < self.limits.max_num_seqs
-
-        def behind(seq: Sequence) -> bool:
-            promise = seq.first_token_due - seq.arrival
-            return now - seq.arrival > max(promise / 2, min(seq.ttft_estimate or 0.0, _RUSH_BY * promise))
-
-        return any(seq.first_token_due is not None and not seq.output_ids and behind(seq)
-                   for seq in (*self._prefilling(),
-                               *(seq for seq in self.waiting if seated and self._can_run_now(seq.adapter))))
+        prefilling = self._prefilling()
+        promised = [seq for seq in (*prefilling, *(seq for seq in self.waiting
+                                                    if seated and self._can_run_now(seq.adapter)))
+                    if seq.first_token_due is not None and not seq.output_ids]
+        adapters = len(decode_adapters)
+        for seq in promised:
+            new_adapter = int(seq.adapter is not None and seq.adapter not in decode_adapters)
+            per_step = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
+            order = self._order(seq)
+            work = seq.num_uncomputed + sum(other.num_uncomputed for other in prefilling
+                                            if other is not seq and self._order(other) < order)
+            steps = -(-work // per_step) + 1
+            step_s = self._step_time(StepShape(decodes, per_step, 1, adapters + new_adapter))
+            if now + steps * step_s > seq.first_token_due:
+                return True
+        return False
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

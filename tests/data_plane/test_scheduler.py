@@ -22,14 +22,15 @@ from data_plane.lora.peft_adapter import LoraAdapter
 
 def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, block_size: int = 4,
               max_loras: int = 2, ready=lambda adapter: True, adapters: str = "xy", weights=None,
-              policy: Policy = Policy.FAIR, prefill_budget=None, join_credit: float = STARTED_QUANTUM) -> Scheduler:
+              policy: Policy = Policy.FAIR, prefill_budget=None, join_credit: float = STARTED_QUANTUM,
+              step_time=None) -> Scheduler:
     """A scheduler over real KV blocks and a real adapter cache holding one adapter per letter of ``adapters``;
     ``join_credit``: as the pod's (a quantum), or 0 where a test counts shares without it."""
     cache = AdapterCache({}, max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)))  # no layers
     for name in adapters:
         cache.insert(LoraAdapter(name, name * 64, 8, (), 0))
     return Scheduler(SchedulerLimits(max_num_seqs, budget), BlockManager(num_blocks, block_size), cache, ready,
-                     weights, policy, prefill_budget=prefill_budget, join_credit=join_credit)
+                     weights, policy, prefill_budget=prefill_budget, join_credit=join_credit, step_time=step_time)
 
 
 def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100,
@@ -143,53 +144,59 @@ def test_a_further_prefilling_sequence_gets_what_its_own_budget_leaves_after_the
 
 
 def one_running(max_num_seqs: int, prompt: int = 3) -> tuple[Scheduler, list[bool], float]:
-    """A scheduler with one request running, its first step taken (64 prompt tokens a step), the ``rush``
-    of every budget it asks for, and the time now."""
+    """A scheduler with one request running, its first step taken (64 prompt tokens a step, each step
+    predicted at 0.1 s), the ``rush`` of every budget it asks for, and the time now."""
     asked: list[bool] = []
     s = scheduler(max_num_seqs=max_num_seqs,
-                  prefill_budget=lambda decodes, adapters, rush, *_: asked.append(rush) or 64)
+                  prefill_budget=lambda decodes, adapters, rush, *_: asked.append(rush) or 64,
+                  step_time=lambda shape: 0.1)
     request(s, "running", prompt, max_tokens=50)
     step(s)
     return s, asked, time.monotonic()
 
 
-def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float) -> Sequence:
-    seq = request(s, name, 3)
+def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float, prompt: int = 3) -> Sequence:
+    seq = request(s, name, prompt)
     seq.arrival, seq.first_token_due = now - waited_s, now - waited_s + promise_s
     return seq
 
 
-def test_a_step_rushes_when_a_request_that_can_run_has_waited_half_its_promised_first_token():
-    s, asked, now = one_running(max_num_seqs=4)
-    late = promised(s, "late", 1.5, 2.0, now)
+def rushed(s: Scheduler, asked: list[bool]) -> bool:
+    """Whether the next step asked for a rushed budget."""
+    before = len(asked)
     step(s)
-    assert asked == [False, True]
+    return any(asked[before:])
+
+
+def test_a_step_rushes_when_a_request_would_get_its_first_token_late_at_the_unrushed_pace():
+    s, asked, now = one_running(max_num_seqs=4)
+    # 3 tokens: one step, and one more for the prediction's error: 0.2 s, due in 0.15 s
+    late = promised(s, "late", 1.85, 2.0, now)
+    assert rushed(s, asked)
     assert late.output_ids  # it ran, and got its first token
     request(s, "plain", 3)
-    step(s)
-    assert asked[-1] is False  # a request with its first token rushes nothing
-    promised(s, "waited", 0.5, 2.0, now)  # waited a quarter of its promise
-    step(s)
-    assert asked[-1] is False
+    assert not rushed(s, asked)  # a request with its first token rushes nothing
 
 
-def test_a_request_still_within_its_estimate_does_not_rush_the_step():
+def test_a_request_on_course_for_its_promise_does_not_rush_the_step_however_long_it_waited():
     s, asked, now = one_running(max_num_seqs=4)
-    on_time = promised(s, "on-time", 1.5, 2.0, now)
-    on_time.ttft_estimate = 1.8  # admitted to come at 1.8 s: past half the promise, not yet late
-    step(s)
-    assert asked == [False, False]
-    behind = promised(s, "behind", 1.5, 2.0, now)
-    behind.ttft_estimate = 1.2
-    step(s)
-    assert asked[-1] is True
+    promised(s, "on-course", 1.75, 2.0, now)  # past 80% of its promise, its first token 0.2 s away
+    assert not rushed(s, asked)
+
+
+def test_a_long_prompt_rushes_the_step_while_a_short_one_that_waited_as_long_does_not():
+    s, asked, now = one_running(max_num_seqs=4)
+    promised(s, "short", 1.0, 2.0, now, prompt=64)  # 2 steps: 0.2 s of the 1 s left
+    assert not rushed(s, asked)
+    s, asked, now = one_running(max_num_seqs=4)
+    promised(s, "long", 1.0, 2.0, now, prompt=640)  # 11 steps: 1.1 s of the 1 s left
+    assert rushed(s, asked)
 
 
 def test_a_request_that_cannot_run_does_not_rush_the_step():
     s, asked, now = one_running(max_num_seqs=1, prompt=200)
-    promised(s, "seatless", 1.5, 2.0, now)  # the only seat is taken by a prompt still being prefilled
-    step(s)
-    assert asked == [False, False]
+    promised(s, "seatless", 1.95, 2.0, now)  # the only seat is taken by a prompt still being prefilled
+    assert not rushed(s, asked)
 
 
 def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_against_its_quantum():
