@@ -254,7 +254,7 @@ class Scheduler:
                 budget -= self._take(batch, seq, 1)
         decodes = len(batch)
         decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
-        rush = self._promise_at_risk(time.monotonic(), decodes, decode_adapters)
+        rushed = self._rushed_budget(time.monotonic(), decodes, decode_adapters)
         prefill: list[Sequence] = []  # given prompt tokens this step
         used = 0  # their tokens
 
@@ -262,8 +262,8 @@ class Scheduler:
             """Prompt tokens ``seq`` may have beside the decodes and the prefill taken so far: the budget for
             one more prefilling sequence, counting the adapter it brings if the step has not got it yet."""
             new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
-            return min(budget, self._prefill_budget(decodes, len(decode_adapters), rush, len(prefill) + 1,
-                                                    len(new)) - used)
+            unrushed = self._prefill_budget(decodes, len(decode_adapters), False, len(prefill) + 1, len(new))
+            return min(budget, max(unrushed, rushed) - used)
 
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
@@ -303,32 +303,37 @@ class Scheduler:
             prefill.append(waiting)
         return batch
 
-    def _promise_at_risk(self, now: float, decodes: int, decode_adapters: set[str]) -> bool:
-        """Whether a request admitted with a first-token promise, prefilling or able to start now (a seat
-        free, its adapter ready and in a slot), would get its first token after it is due at the pace
-        prefill has without rushing: the prompt tokens ahead of it in order and its own, a step's budget at
-        a time beside these decodes, one step more for the error of a step's prediction. The step then
-        prefills up to the device's throughput knee (``StepCost``): a wait the admission estimate got
-        wrong is made up at the cost of a longer gap for running streams in those steps, instead of
-        breaking the promise; a request on course to keep it, however much of it has passed, costs the
-        streams nothing. A request that could not run this step does not rush it either."""
+    def _rushed_budget(self, now: float, decodes: int, decode_adapters: set[str]) -> int:
+        """The prompt tokens this step must carry so that every request admitted with a first-token promise,
+        prefilling or able to start now (a seat free, its adapter ready and in a slot), gets its first token
+        by when it is due; 0 while the unrushed budget keeps them all. A request's work is the prompt
+        tokens ahead of it in order and its own, computed a step's budget at a time beside these decodes,
+        with one step more for the error of a step's prediction; a request that falls behind that pace
+        asks for just the tokens a step that keeps it needs (at most the device's throughput knee,
+        ``StepCost``), so a wait the admission estimate got wrong is made up with the smallest longer
+        gaps for running streams, instead of a broken promise. A request that could not run this step
+        asks for nothing."""
         seated = len(self.running) < self.limits.max_num_seqs
         prefilling = self._prefilling()
         promised = [seq for seq in (*prefilling, *(seq for seq in self.waiting
                                                     if seated and self._can_run_now(seq.adapter)))
                     if seq.first_token_due is not None and not seq.output_ids]
-        adapters = len(decode_adapters)
+        adapters, needed = len(decode_adapters), 0
         for seq in promised:
             new_adapter = int(seq.adapter is not None and seq.adapter not in decode_adapters)
-            per_step = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
             order = self._order(seq)
             work = seq.num_uncomputed + sum(other.num_uncomputed for other in prefilling
                                             if other is not seq and self._order(other) < order)
-            steps = -(-work // per_step) + 1
-            step_s = self._step_time(StepShape(decodes, per_step, 1, adapters + new_adapter))
-            if now + steps * step_s > seq.first_token_due:
-                return True
-        return False
+            tokens = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
+            step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
+            if now + (-(-work // tokens) + 1) * step_s <= seq.first_token_due:
+                continue
+            for _ in range(2):  # the tokens a step must carry, then again at the longer step that carries them
+                steps = int((seq.first_token_due - now) / step_s) - 1 if step_s > 0 else 0
+                tokens = -(-work // steps) if steps > 0 else work
+                step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
+            needed = max(needed, min(tokens, self._prefill_budget(decodes, adapters, True, 1, new_adapter)))
+        return needed
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

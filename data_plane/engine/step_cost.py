@@ -45,10 +45,10 @@ its prompts bring that the decodes have not got (a LoRA segment of its own: on t
 model, a prompt of 24 tokens of an adapter beside 8 base-model decodes took 82-97 ms against 56-58 ms
 for the decodes alone, where counting the decodes' adapters only had planned at most 1.4x).
 
-A step is rushed (``rush``) while an admitted request would get its first token after its promised
-time at the pace prefill has without rushing (``Scheduler._promise_at_risk``): it then prefills up to
-the throughput knee below whatever the growth, so a wait the admission estimate got wrong is made up
-by a few longer steps instead of a broken promise.
+A step is rushed while an admitted request would get its first token after its promised time at the
+pace prefill has without rushing (``Scheduler._rushed_budget``): it then carries the prompt tokens that
+keep the promise, up to what the throughput knee allows (``rush``) whatever the growth, so a wait the
+admission estimate got wrong is made up by a few longer steps instead of a broken promise.
 
 ``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
 throughput knee (or 1.4× its decodes alone when that is longer). A step pays its fixed part once

@@ -193,6 +193,17 @@ def test_a_long_prompt_rushes_the_step_while_a_short_one_that_waited_as_long_doe
     assert rushed(s, asked)
 
 
+def test_a_promise_at_risk_is_kept_with_the_tokens_it_needs_not_all_the_knee_allows():
+    s = scheduler(budget=1024, num_blocks=256, prefill_budget=lambda decodes, adapters, rush, *_: 512 if rush else 64,
+                  step_time=lambda shape: 0.1)
+    request(s, "running", 3, max_tokens=50)
+    step(s)
+    now = time.monotonic()
+    # 640 tokens at 64 a step: 11 steps with the margin, 1.1 s, due in 1.05 s: 9 steps then, of 72 tokens
+    promised(s, "long", 0.95, 2.0, now, prompt=640)
+    assert step(s) == [("running", 1), ("long", 72)]
+
+
 def test_a_request_that_cannot_run_does_not_rush_the_step():
     s, asked, now = one_running(max_num_seqs=1, prompt=200)
     promised(s, "seatless", 1.95, 2.0, now)  # the only seat is taken by a prompt still being prefilled
