@@ -88,11 +88,18 @@ def test_a_first_token_later_than_the_queue_delay_or_the_deadline_is_refused_wit
     assert lateness(1.5, 0.2, 1.0, 2.0, None) is None
     late = lateness(2.5, 0.2, 1.0, 2.0, None)
     assert (late.reason, late.retry_after_s) == ("queue_delay", pytest.approx(0.5))
-    assert "first token in about 2.50 s" in late.message and "--max-queue-delay of 2 s" in late.message
+    assert "first token in about 2.50 s" in late.message and "beyond its --max-queue-delay of 2 s" in late.message
     late = lateness(1.5, 0.2, 1.0, 2.0, 1.0)  # the caller's deadline is shorter
     assert (late.reason, late.retry_after_s) == ("deadline", pytest.approx(0.5))
     assert "after its deadline (1.00 s from now)" in late.message
     assert lateness(100.0, 0.2, 1.0, 0.0, None) is None  # no queue delay, no deadline: nothing refused
+
+
+def test_a_promised_first_token_must_come_a_step_before_the_promise_ends():
+    assert lateness(1.9, 0.2, 1.0, 2.0, None, step_s=0.05) is None
+    late = lateness(1.97, 0.2, 1.0, 2.0, None, step_s=0.05)  # within a step of it: the scheduler would rush
+    assert (late.reason, late.retry_after_s) == ("queue_delay", pytest.approx(0.05))  # the least hint
+    assert lateness(1.97, 0.2, 1.0, 2.0, 5.0) is None  # only the promise keeps the step, not a deadline
 
 
 def test_a_prompt_longer_than_half_the_queue_delay_may_wait_twice_its_own_prefill():
