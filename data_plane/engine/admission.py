@@ -283,20 +283,21 @@ def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
     None: none) or after ``max_queue_delay_s`` (0: no limit). A prompt whose own prefill takes more than
     half the queue delay may wait up to twice its own prefill: it cannot start sooner on any pod, and is
     served once no more work than its own is ahead of it. A promised first token must come a step
-    (``step_s``, one beside today's decodes) before the promise ends: the scheduler keeps that step for
-    the error of its predictions, and rushes steps, lengthening running streams' gaps, for a request
-    whose first token would come later (``Scheduler._rushed_budget``). The caller learns at once to go
-    elsewhere instead of after a long wait, with the hint ``retry_after``."""
+    (``step_s``, one beside today's decodes; at most the part of the wait spent behind other work, so a
+    request with nothing ahead is never refused for it) before the promise ends: the scheduler keeps
+    that step for the error of its predictions, and rushes steps, lengthening running streams' gaps, for
+    a request whose first token would come later (``Scheduler._rushed_budget``). The caller learns at
+    once to go elsewhere instead of after a long wait, with the hint ``retry_after``."""
     wait_s, own_s = wait_s * tail, own_s * tail
     if timeout_s is not None and wait_s > timeout_s:
         return Late("deadline", f"this pod would give the request its first token in about {wait_s:.2f} s, after "
                                 f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
                     retry_after(wait_s, timeout_s))
     allowed_s = promise_s(own_s, max_queue_delay_s)
-    if allowed_s is not None and wait_s + step_s > allowed_s:
+    if allowed_s is not None and wait_s + min(step_s, wait_s - own_s) > allowed_s:
         return Late("queue_delay", f"this pod would give the request its first token in about {wait_s:.2f} s, "
                                    f"too close to or beyond its --max-queue-delay of {max_queue_delay_s:g} s; "
-                                   "retry on another pod or later", retry_after(wait_s + step_s, allowed_s))
+                                   "retry on another pod or later", retry_after(wait_s, allowed_s))
     return None
 
 

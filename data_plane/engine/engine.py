@@ -241,8 +241,10 @@ class Engine:
             self.metrics.refusals.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
-        late = lateness(wait_s, own_s, tail, self.limits.max_queue_delay_s, timeout_s,
-                        self.costs.step_target(load.running_decodes, load.adapters))
+        # a step kept before the promise ends, so that a slightly late estimate does not rush the steps of
+        # running streams (with none running, a rush costs nobody anything)
+        keep_s = self.costs.step_target(load.running_decodes, load.adapters) if load.running_decodes else 0.0
+        late = lateness(wait_s, own_s, tail, self.limits.max_queue_delay_s, timeout_s, keep_s)
         if late is not None:
             self.metrics.refusals.labels(late.reason).inc()
             if log.isEnabledFor(logging.DEBUG):  # what the estimate saw, for --log-level DEBUG

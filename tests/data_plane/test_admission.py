@@ -100,6 +100,9 @@ def test_a_promised_first_token_must_come_a_step_before_the_promise_ends():
     late = lateness(1.97, 0.2, 1.0, 2.0, None, step_s=0.05)  # within a step of it: the scheduler would rush
     assert (late.reason, late.retry_after_s) == ("queue_delay", pytest.approx(0.05))  # the least hint
     assert lateness(1.97, 0.2, 1.0, 2.0, 5.0) is None  # only the promise keeps the step, not a deadline
+    # a long prompt with nothing ahead is promised twice its own prefill, and served however long a step is
+    assert lateness(0.1, 0.1, 1.0, 0.001, None, step_s=0.5) is None
+    assert lateness(0.19, 0.1, 1.0, 0.001, None, step_s=0.5) is not None  # 0.09 s behind others: kept
 
 
 def test_a_prompt_longer_than_half_the_queue_delay_may_wait_twice_its_own_prefill():
