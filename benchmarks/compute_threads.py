@@ -32,7 +32,7 @@ from processes import cpu_model, load_average  # benchmarks/processes.py
 
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
-from data_plane.engine.threads import compute_on_one_thread
+from data_plane.engine.threads import available_cpus, compute_on_one_thread
 
 KINDS = ("two teams", "one team")
 CONTEXT = 150
@@ -65,7 +65,7 @@ def measure(kind: str, steps: int) -> dict[str, float]:
     if kind == "one team":
         compute_on_one_thread(asyncio.new_event_loop())
     with tempfile.TemporaryDirectory() as tmp:
-        engine, slots = build_demo_engine(32, Path(tmp), "auto")
+        engine, slots = build_demo_engine(32, Path(tmp), "auto", available_cpus())
         batches = {name: batch(engine, slots[1:], mix) for name, mix in MIXES.items()}
         times: dict[str, list[float]] = {name: [] for name in MIXES}
         for b in batches.values():
@@ -93,7 +93,7 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--kind", kind, "--steps", str(args.steps)],
                                  capture_output=True, text=True, check=True).stdout
             runs[kind].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} "
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, torch {torch.__version__}, {available_cpus()} "
           f"compute threads, load average {load_average()}; demo model at --dtype auto, {args.rounds} processes of "
           f"each kind, median of {args.steps} steps each\n")
     print("| step | two teams ms | one team ms | one / two | two teams, / 8 decodes | one team, / 8 decodes |")

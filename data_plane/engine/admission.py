@@ -294,7 +294,7 @@ def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
                                 f"its deadline ({timeout_s:.2f} s from now); retry on another pod or later",
                     retry_after(wait_s, timeout_s))
     allowed_s = promise_s(own_s, max_queue_delay_s)
-    if allowed_s is not None and wait_s + min(step_s, wait_s - own_s) > allowed_s:
+    if allowed_s is not None and wait_s + max(0.0, min(step_s, wait_s - own_s)) > allowed_s:
         return Late("queue_delay", f"this pod would give the request its first token in about {wait_s:.2f} s, "
                                    f"too close to or beyond its --max-queue-delay of {max_queue_delay_s:g} s; "
                                    "retry on another pod or later", retry_after(wait_s, allowed_s))

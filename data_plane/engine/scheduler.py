@@ -263,7 +263,10 @@ class Scheduler:
             one more prefilling sequence, counting the adapter it brings if the step has not got it yet."""
             new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
             unrushed = self._prefill_budget(decodes, len(decode_adapters), False, len(prefill) + 1, len(new))
-            return min(budget, max(unrushed, rushed) - used)
+            if rushed > unrushed:  # a rush is held to the knee's budget for this many sequences and adapters
+                unrushed = max(unrushed, min(rushed, self._prefill_budget(decodes, len(decode_adapters), True,
+                                                                          len(prefill) + 1, len(new))))
+            return min(budget, unrushed - used)
 
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
@@ -307,23 +310,23 @@ class Scheduler:
         """The prompt tokens this step must carry so that every request admitted with a first-token promise,
         prefilling or able to start now (a seat free, its adapter ready and in a slot), gets its first token
         by when it is due; 0 while the unrushed budget keeps them all. A request's work is the prompt
-        tokens ahead of it in order and its own, computed a step's budget at a time beside these decodes,
+        tokens ahead of it in order (prompts being prefilled, and requests waiting that could start now)
+        and its own, computed a step's budget at a time beside these decodes,
         with one step more for the error of a step's prediction; a request that falls behind that pace
         asks for just the tokens a step that keeps it needs (at most the device's throughput knee,
         ``StepCost``), so a wait the admission estimate got wrong is made up with the smallest longer
         gaps for running streams, instead of a broken promise. A request that could not run this step
         asks for nothing."""
         seated = len(self.running) < self.limits.max_num_seqs
-        prefilling = self._prefilling()
-        promised = [seq for seq in (*prefilling, *(seq for seq in self.waiting
-                                                    if seated and self._can_run_now(seq.adapter)))
-                    if seq.first_token_due is not None and not seq.output_ids]
-        adapters, needed = len(decode_adapters), 0
-        for seq in promised:
+        # everything that could take prompt tokens this step, in the order it gets them
+        queued = sorted(((self._order(seq), seq) for seq in (*self._prefilling(), *(
+            seq for seq in self.waiting if seated and self._can_run_now(seq.adapter)))), key=lambda item: item[0])
+        adapters, needed, work = len(decode_adapters), 0, 0
+        for _, seq in queued:
+            work += seq.num_uncomputed  # its own prompt and all ahead of it
+            if seq.first_token_due is None or seq.output_ids:
+                continue
             new_adapter = int(seq.adapter is not None and seq.adapter not in decode_adapters)
-            order = self._order(seq)
-            work = seq.num_uncomputed + sum(other.num_uncomputed for other in prefilling
-                                            if other is not seq and self._order(other) < order)
             tokens = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
             step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
             if now + (-(-work // tokens) + 1) * step_s <= seq.first_token_due:

@@ -22,8 +22,11 @@ import torch
 
 
 def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
-    return len(os.sched_getaffinity(0))
+    """The CPUs this process may run on (its affinity mask, which a container's cpuset narrows, where the
+    OS has one; else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def compute_here_on(threads: int) -> None:

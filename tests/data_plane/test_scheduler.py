@@ -155,8 +155,9 @@ def one_running(max_num_seqs: int, prompt: int = 3) -> tuple[Scheduler, list[boo
     return s, asked, time.monotonic()
 
 
-def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float, prompt: int = 3) -> Sequence:
-    seq = request(s, name, prompt)
+def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float, prompt: int = 3,
+             adapter: str | None = None) -> Sequence:
+    seq = request(s, name, prompt, adapter)
     seq.arrival, seq.first_token_due = now - waited_s, now - waited_s + promise_s
     return seq
 
@@ -180,7 +181,7 @@ def test_a_step_rushes_when_a_request_would_get_its_first_token_late_at_the_unru
 
 def test_a_request_on_course_for_its_promise_does_not_rush_the_step_however_long_it_waited():
     s, asked, now = one_running(max_num_seqs=4)
-    promised(s, "on-course", 1.75, 2.0, now)  # past 80% of its promise, its first token 0.2 s away
+    promised(s, "on-course", 1.7, 2.0, now)  # past 80% of its promise, its first token 0.2 s away
     assert not rushed(s, asked)
 
 
@@ -199,9 +200,26 @@ def test_a_promise_at_risk_is_kept_with_the_tokens_it_needs_not_all_the_knee_all
     request(s, "running", 3, max_tokens=50)
     step(s)
     now = time.monotonic()
-    # 640 tokens at 64 a step: 11 steps with the margin, 1.1 s, due in 1.05 s: 9 steps then, of 72 tokens
-    promised(s, "long", 0.95, 2.0, now, prompt=640)
+    # 640 tokens at 64 a step: 11 steps with the margin, 1.1 s, due in 1.09 s: 9 steps then, of 72 tokens
+    promised(s, "long", 0.91, 2.0, now, prompt=640)
     assert step(s) == [("running", 1), ("long", 72)]
+
+
+def test_the_prompts_waiting_ahead_of_a_promised_request_count_in_its_work():
+    s, asked, now = one_running(max_num_seqs=4)
+    request(s, "first", 600).arrival = now - 2.0  # no promise, ahead of it in the same queue
+    promised(s, "behind", 1.0, 2.0, now, prompt=64)  # its own 64 tokens: 0.2 s; with the 600 ahead, 1.2 s
+    assert rushed(s, asked)
+
+
+def test_a_rushed_step_is_held_to_the_knee_s_budget_for_the_sequences_it_prefills():
+    # the knee's budget: 100 tokens in one prefilling sequence, 60 in two; unrushed, 16
+    s = scheduler(budget=1024, num_blocks=512, step_time=lambda shape: 0.1,
+                  prefill_budget=lambda decodes, adapters, rush, seqs, new: (100 if seqs == 1 else 60) if rush else 16)
+    now = time.monotonic()
+    promised(s, "x-short", 1.9, 2.0, now, prompt=30, adapter="x")
+    promised(s, "y-long", 1.89, 2.0, now, prompt=500, adapter="y")
+    assert step(s) == [("x-short", 30), ("y-long", 30)]  # 60 in all, not the 100 of one sequence
 
 
 def test_a_request_that_cannot_run_does_not_rush_the_step():

@@ -41,11 +41,3 @@ def test_only_the_model_thread_computes_on_several_threads():
     finally:
         torch.set_num_threads(before)  # the process-wide count new threads start with
 
-
-def test_a_model_thread_without_a_count_keeps_torchs():
-    count = _in_a_fresh_thread(torch.get_num_threads)  # what torch gives a new thread
-    model = model_thread(None)
-    try:
-        assert model.submit(torch.get_num_threads).result() == count
-    finally:
-        model.shutdown()
