@@ -285,7 +285,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads the model thread computes every step on; the pod's other threads compute on "
                         f"one, so that their thread teams never outnumber the cores (0 = every CPU this process may "
                         f"run on, {available_cpus()} here; in a container limited by CPU quota rather than a cpuset, "
-                        "set it to the limit)")
+                        "set it to the limit; pods that share a machine's cores need a share each: a team's threads "
+                        "spin between ops, and pods spinning against each other on the same cores run many times "
+                        "slower)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters held in host memory")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank accepted")

@@ -8,6 +8,11 @@ import pytest
 
 # Parity tests compare float32 results; keep both implementations on the same thread count.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Pods started by tests share the machine's cores with each other and with this process. A pod's one
+# OpenMP team spins between parallel regions (data_plane/engine/threads.py), which is what a pod alone
+# on its cores wants; two pods computing at once on 2 cores then spin against each other's descheduled
+# threads, and warming up together took minutes instead of seconds. Here their workers sleep at once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Fixtures that load the demo model or start a child process. A test that uses one, directly or
 # through another fixture, is marked slow, so that `-m "not slow"` leaves it out; a test that starts
