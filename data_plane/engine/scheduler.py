@@ -322,13 +322,16 @@ class Scheduler:
         queued = sorted(((self._order(seq), seq) for seq in (*self._prefilling(), *(
             seq for seq in self.waiting if seated and self._can_run_now(seq.adapter)))), key=lambda item: item[0])
         adapters, needed, work = len(decode_adapters), 0, 0
+        pace: dict[int, tuple[int, float]] = {}  # adapters new to the step (0 or 1) -> unrushed tokens, step time
         for _, seq in queued:
             work += seq.num_uncomputed  # its own prompt and all ahead of it
             if seq.first_token_due is None or seq.output_ids:
                 continue
             new_adapter = int(seq.adapter is not None and seq.adapter not in decode_adapters)
-            tokens = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
-            step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
+            if new_adapter not in pace:
+                tokens = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
+                pace[new_adapter] = tokens, self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
+            tokens, step_s = pace[new_adapter]
             if now + (-(-work // tokens) + 1) * step_s <= seq.first_token_due:
                 continue
             for _ in range(2):  # the tokens a step must carry, then again at the longer step that carries them
