@@ -144,6 +144,9 @@ class Calibration:
         self.lateness.append(ratio)
 
     def tail(self) -> float:
+        """How late, against their estimates, the slowest tenth of recent first tokens came (1.0 until
+        enough were seen): admission judges a wait by the estimate times this, so that the promise holds
+        for all but the slowest few first tokens, not only on average."""
         if len(self.lateness) < _TAIL_MIN_SAMPLES:
             return 1.0
         ranked = sorted(self.lateness)
@@ -194,13 +197,6 @@ class DelayEstimator:
         for calibration in calibrations:
             if model_s * calibration.bias >= _MIN_CALIBRATED_S:
                 calibration.observe(seconds / (model_s * calibration.bias))
-
-    def tail(self, account: object = None) -> float:
-        """How late, against their estimates, the slowest tenth of recent first tokens came (the account's
-        own once it has had enough, else the pod's; 1.0 until enough were seen): admission judges a wait by
-        the estimate times this, so that the promise holds for all but the slowest few first tokens, not
-        only on average."""
-        return self.calibration(account).tail()
 
     def observe_service(self, seconds: float) -> None:
         """A request finished ``seconds`` after it was first scheduled."""
@@ -279,7 +275,7 @@ def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
              timeout_s: float | None, step_s: float = 0.0) -> Late | None:
     """Whether a request whose first token is estimated ``wait_s`` away (``own_s`` of it its own prefill
     beside today's decodes) must be refused, judged as late as recent first tokens came in the tail
-    (``tail``, ``DelayEstimator.tail``): when it would come after the caller's deadline (``timeout_s``;
+    (``tail``, ``Calibration.tail``): when it would come after the caller's deadline (``timeout_s``;
     None: none) or after ``max_queue_delay_s`` (0: no limit). A prompt whose own prefill takes more than
     half the queue delay may wait up to twice its own prefill: it cannot start sooner on any pod, and is
     served once no more work than its own is ahead of it. A promised first token must come a step

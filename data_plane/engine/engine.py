@@ -263,7 +263,7 @@ class Engine:
     def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,
                               timeout_s: float | None, tail: float) -> tuple[float, float]:
         """(seconds until a new request's first token, the part of them its own prefill takes), as
-        admission judges them (``tail``: DelayEstimator.tail, read once per request). Other tenants'
+        admission judges them (``tail``: ``Calibration.tail``, read once per request). Other tenants'
         requests that arrive before its prompt starts take their share first, which makes it start later,
         in which more arrive: the estimate follows that until it settles, or until it is past anything
         admission would allow (then the rest is counted at the last step's rate: the refusal is certain

@@ -148,21 +148,21 @@ def test_first_tokens_earlier_than_estimated_make_estimates_shorter_and_tiny_est
 
 def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_their_estimates():
     e = estimator()
-    assert e.tail() == 1.0
+    assert e.calibration().tail() == 1.0
     for late in (1.0, 0.9, 1.1, 1.0, 0.8):  # too few to judge a tail by
         e.observe_first_token(1.0, late)
-    assert e.tail() == 1.0
+    assert e.calibration().tail() == 1.0
     e.observe_first_token(0.01, 5.0)  # under 50 ms: noise of one step, not counted
     for late in (1.0, 1.2, 1.0, 1.0, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0):
         e.observe_first_token(1.0, late)
     # 20 seen: the slowest tenth starts at the 18th of them in order (index int(0.9 × 19) = 17): 1.1
-    assert e.tail() == pytest.approx(1.1)
+    assert e.calibration().tail() == pytest.approx(1.1)
     for _ in range(64):  # the window holds the latest 64: all twice as late, then ten times (capped)
         e.observe_first_token(1.0, 2.0)
-    assert e.tail() == pytest.approx(2.0)
+    assert e.calibration().tail() == pytest.approx(2.0)
     for _ in range(64):
         e.observe_first_token(1.0, 10.0)
-    assert e.tail() == 4.0
+    assert e.calibration().tail() == 4.0
 
 
 def test_an_account_is_judged_by_its_own_first_tokens_once_it_has_had_enough():
