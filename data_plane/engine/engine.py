@@ -239,6 +239,7 @@ class Engine:
         wait_s, own_s = self._estimate_first_token(adapter, tenant, len(prompt_ids), load, timeout_s, tail)
         if self.scheduler.num_waiting >= self.limits.max_waiting:
             self.metrics.refusals.labels("queue_full").inc()
+            self.scheduler.turned_away(adapter, tenant)
             raise QueueFull(f"the queue holds {self.limits.max_waiting} waiting requests; retry later or on "
                             "another pod", retry_after_s=retry_after(wait_s, 0.0))
         # a step kept before the promise ends, so that a slightly late estimate does not rush the steps of
@@ -247,6 +248,8 @@ class Engine:
         late = lateness(wait_s, own_s, tail, self.limits.max_queue_delay_s, timeout_s, keep_s)
         if late is not None:
             self.metrics.refusals.labels(late.reason).inc()
+            if late.reason == "queue_delay":  # past what the pod promises (a caller's own deadline is no flood)
+                self.scheduler.turned_away(adapter, tenant)
             if log.isEnabledFor(logging.DEBUG):  # what the estimate saw, for --log-level DEBUG
                 log.debug("refused a request (adapter %s, tenant %s, %d prompt tokens): first token estimated in "
                           "%.2f s, %.2f s of it its own prefill; %s", adapter, tenant or "-", len(prompt_ids), wait_s,

@@ -34,6 +34,19 @@ waits one step, not for a seat to turn over behind another tenant's burst. Only 
 seat takes one, and only from a tenant with more than one, so two busy tenants never trade seats
 back and forth.
 
+Floods: a step's decodes keep their pace (the step budget) against every prompt, except where they all
+belong to accounts flooding the pod, i.e. whose requests it turned away (queue full, or a first token
+estimated past its promise: ``turned_away``) within the last FLOOD_MEMORY_S, and the prompt is of an
+account that does not flood it. Then the step carries that prompt as a rush does, up to the device's
+throughput knee (``StepCost``): the flood's streams get a few longer gaps, and the other account's first
+token comes in a step or two instead of the many steps a prompt takes at the streams' pace (on the CPU
+pod a long prompt beside decodes takes about ``g/(g-1)`` times its prefill alone at an ``--itl-growth``
+of ``g``). So one account that asks more than the pod can take does not multiply the first-token time
+of those that do not, and streams of an account that keeps within the pod's room are never slowed
+beyond their pace for another's prompt (a burst of new prompts beside them included). A prompt's own
+account's streams yield to it too, only while the rest of the decodes flood. In the spirit of the
+sparse-flow priority of FQ-CoDel (RFC 8290): a flow with no standing queue goes ahead of those with one.
+
 Preemption: when blocks run out, the most recently admitted running sequence of the most-served
 tenant (under FCFS: the most recently admitted one) gives its blocks back (so fair admission is not
 undone by preempting the newcomer it let in); it is recomputed later from its prompt plus what it
@@ -79,6 +92,8 @@ def step_shape(batch: list[ScheduledSeq]) -> StepShape:
 
 
 _NOBODY = object()  # no tenant (None is the base model's name)
+# Seconds an account counts as flooding the pod after a request of its was turned away (see Floods).
+FLOOD_MEMORY_S = 10.0
 # Prompt tokens a started prompt computes at the standing it started with before it shares the prefill
 # budget with other tenants' work (see Scheduler._order).
 STARTED_QUANTUM = 128
@@ -128,6 +143,7 @@ class Scheduler:
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
         self.num_preemptions = 0
         self.arrivals = Arrivals()
+        self._turned_away: dict[Account, float] = {}  # account -> when the pod last refused it room (Floods)
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -254,7 +270,10 @@ class Scheduler:
                 budget -= self._take(batch, seq, 1)
         decodes = len(batch)
         decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
-        rushed = self._rushed_budget(time.monotonic(), decodes, decode_adapters)
+        now = time.monotonic()
+        rushed = self._rushed_budget(now, decodes, decode_adapters)
+        flooding = self.flooding(now) if self._turned_away else set()
+        decode_accounts = {account_of(item.seq.adapter, item.seq.tenant) for item in batch}
         prefill: list[Sequence] = []  # given prompt tokens this step
         used = 0  # their tokens
 
@@ -263,6 +282,9 @@ class Scheduler:
             one more prefilling sequence, counting the adapter it brings if the step has not got it yet."""
             new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
             unrushed = self._prefill_budget(decodes, len(decode_adapters), False, len(prefill) + 1, len(new))
+            if flooding and self._streams_yield_to(seq, decode_accounts, flooding):
+                return min(budget, self._prefill_budget(decodes, len(decode_adapters), True, len(prefill) + 1,
+                                                        len(new)) - used)
             if rushed > unrushed:  # a rush is held to the knee's budget for this many sequences and adapters
                 unrushed = max(unrushed, min(rushed, self._prefill_budget(decodes, len(decode_adapters), True,
                                                                           len(prefill) + 1, len(new))))
@@ -340,6 +362,25 @@ class Scheduler:
                 step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
             needed = max(needed, min(tokens, self._prefill_budget(decodes, adapters, True, 1, new_adapter)))
         return needed
+
+    def turned_away(self, adapter: Tenant, tenant: str | None = None) -> None:
+        """The pod refused a request of ``adapter`` billed to ``tenant`` for want of room (its queue full, or
+        its first token estimated past what the pod promises): the account floods the pod (see Floods)."""
+        now = time.monotonic()
+        self._turned_away = {a: at for a, at in self._turned_away.items() if now - at < FLOOD_MEMORY_S}
+        self._turned_away[account_of(adapter, tenant)] = now
+
+    def flooding(self, now: float) -> set[Account]:
+        """The accounts flooding the pod: a request of theirs was turned away within FLOOD_MEMORY_S."""
+        return {a for a, at in self._turned_away.items() if now - at < FLOOD_MEMORY_S}
+
+    def _streams_yield_to(self, seq: Sequence, decodes: set[Account], flooding: set[Account]) -> bool:
+        """Whether the step's decodes (of these accounts) yield to ``seq``'s prompt as to a rush (see Floods):
+        under fair share, when its account does not flood the pod and every other account decoding does
+        (there is at least one); its own account's streams yield to it too."""
+        account = account_of(seq.adapter, seq.tenant)
+        others = decodes - {account}
+        return self.policy is Policy.FAIR and account not in flooding and bool(others) and others <= flooding
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

@@ -11,6 +11,7 @@ import pytest
 
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from data_plane.engine.fair_share import account_of
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.errors import DeadlineExceeded, Overloaded
 from data_plane.metrics import PodMetrics
@@ -164,16 +165,18 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
             await long.aclose()
             await queued
             counts = (refusals(engine, "expired"), refusals(engine, "deadline"), refusals(engine, "queue_delay"))
-            return first, expired, waiting_after_expiry, refused.value, state, counts
+            flooding = engine.scheduler.flooding(time.monotonic())
+            return first, expired, waiting_after_expiry, refused.value, state, counts, flooding
         finally:
             await engine.stop()
 
-    first, expired, waiting_after_expiry, refused, state, counts = asyncio.run(go())
+    first, expired, waiting_after_expiry, refused, state, counts, flooding = asyncio.run(go())
     assert first.tokens and isinstance(expired, DeadlineExceeded) and "deadline passed" in str(expired)
     assert waiting_after_expiry == 0
     assert "after its deadline" in str(refused) and 0.05 <= refused.retry_after_s <= 60
     assert state == (1, 1)  # the refused request was never queued; the one without a deadline is
     assert counts == (1, 1, 0)
+    assert flooding == set()  # a request refused for its own deadline is no sign of a flood
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -225,11 +228,12 @@ def test_a_prompt_longer_than_the_queue_delay_is_served_when_no_more_work_is_ahe
             *firsts, refused = await asyncio.gather(*map(anext, ahead), anext(behind), return_exceptions=True)
             for stream in ahead:
                 await stream.aclose()
-            return own_s, alone, firsts, refused, engine.scheduler.num_waiting
+            return own_s, alone, firsts, refused, engine.scheduler.num_waiting, engine.scheduler.flooding(
+                time.monotonic())
         finally:
             await engine.stop()
 
-    own_s, alone, firsts, refused, waiting = asyncio.run(go())
+    own_s, alone, firsts, refused, waiting, flooding = asyncio.run(go())
     assert own_s > 0.001 and len(alone) == 1 and all(first.tokens for first in firsts)
     assert isinstance(refused, Overloaded) and "--max-queue-delay of 0.001 s" in str(refused), refused
     # the hint is the estimated wait less what the pod allows it, twice its own prefill (the estimate's
@@ -237,6 +241,7 @@ def test_a_prompt_longer_than_the_queue_delay_is_served_when_no_more_work_is_ahe
     wait_s = float(re.search(r"first token in about ([0-9.]+) s", str(refused)).group(1))
     assert refused.retry_after_s <= wait_s - own_s
     assert waiting == 0
+    assert flooding == {account_of(None, None)}  # turned away past the promise: the base model floods the pod
 
 
 def test_a_first_token_that_waited_for_its_adapters_load_teaches_the_estimate_nothing(demo_model_dir):

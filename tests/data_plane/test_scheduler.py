@@ -13,7 +13,7 @@ import pytest
 
 from data_plane.engine.admission import Ahead, Arrivals
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.scheduler import STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
+from data_plane.engine.scheduler import FLOOD_MEMORY_S, STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -34,9 +34,9 @@ def scheduler(max_num_seqs: int = 8, budget: int = 64, num_blocks: int = 64, blo
 
 
 def request(s: Scheduler, name: str, prompt: int, adapter: str | None = None, max_tokens: int = 100,
-            deadline: float | None = None) -> Sequence:
+            deadline: float | None = None, tenant: str | None = None) -> Sequence:
     seq = Sequence(name, adapter, list(range(prompt)), SamplingParams(max_tokens=max_tokens), prompt + max_tokens,
-                   deadline=deadline)
+                   deadline=deadline, tenant=tenant)
     s.add(seq)
     return seq
 
@@ -226,6 +226,83 @@ def test_a_request_that_cannot_run_does_not_rush_the_step():
     s, asked, now = one_running(max_num_seqs=1, prompt=200)
     promised(s, "seatless", 1.95, 2.0, now)  # the only seat is taken by a prompt still being prefilled
     assert not rushed(s, asked)
+
+
+# ---- floods: streams of accounts the pod turns away yield to prompts of those it does not ----------
+
+def beside_decodes(*decoding: str | None, policy: Policy = Policy.FAIR) -> Scheduler:
+    """A scheduler (the knee's budget 100 prompt tokens, 16 unrushed) with one request decoding on each of
+    ``decoding``'s adapters."""
+    s = scheduler(budget=1024, num_blocks=512, max_loras=3, adapters="xyz", policy=policy,
+                  prefill_budget=lambda decodes, adapters, rush, *_: 100 if rush else 16)
+    for i, adapter in enumerate(decoding):
+        request(s, f"stream{i}", 3, adapter, max_tokens=50)
+    step(s)
+    return s
+
+
+def prompt_tokens(s: Scheduler, name: str, adapter: str | None, prompt: int = 90) -> int:
+    """The tokens the next step computes of a new ``prompt``-token request of ``adapter``."""
+    request(s, name, prompt, adapter)
+    return dict(step(s))[name]
+
+
+def test_streams_of_a_flooding_account_yield_to_a_prompt_of_one_that_is_not():
+    s = beside_decodes("x", "x")
+    assert prompt_tokens(s, "y0", "y") == 16  # nobody was turned away: the streams keep their pace
+    s = beside_decodes("x", "x")
+    s.turned_away("x")
+    assert prompt_tokens(s, "y0", "y") == 90  # up to the knee's 100
+    s = beside_decodes("x", "y")
+    s.turned_away("x")
+    assert prompt_tokens(s, "y0", "y") == 90  # the prompt's own account's stream yields to it too
+
+
+def test_streams_of_an_account_that_keeps_within_the_pod_s_room_keep_their_pace():
+    s = beside_decodes("x", None)  # the base model's stream was never turned away
+    s.turned_away("x")
+    assert prompt_tokens(s, "y0", "y") == 16
+    s = beside_decodes("y")  # only the prompt's own account decodes
+    s.turned_away("x")
+    assert prompt_tokens(s, "y0", "y") == 16
+
+
+def test_a_prompt_of_a_flooding_account_does_not_rush_beside_a_flood():
+    s = beside_decodes("x", "y")
+    s.turned_away("x"), s.turned_away("y")
+    assert prompt_tokens(s, "y0", "y") == 16
+    s = beside_decodes("x")
+    s.turned_away("x")
+    assert prompt_tokens(s, "x0", "x") == 16
+
+
+def test_tenants_not_adapters_flood_and_yield():
+    def acme_streaming() -> Scheduler:
+        s = beside_decodes()
+        for adapter in "xy":  # one tenant's streams on two adapters
+            request(s, f"acme-{adapter}", 3, adapter, max_tokens=50, tenant="acme")
+        step(s)
+        s.turned_away("x", "acme")  # refused on one of them
+        return s
+
+    assert prompt_tokens(acme_streaming(), "z0", "z") == 90  # both streams are of the flooding account
+    s = acme_streaming()
+    request(s, "acme-z", 90, "z", tenant="acme")  # on an adapter it was not refused on: still its account
+    assert dict(step(s))["acme-z"] == 16
+
+
+def test_a_flood_is_forgotten_after_flood_memory_s(monkeypatch):
+    s = beside_decodes("x")
+    s.turned_away("x")
+    later = time.monotonic() + FLOOD_MEMORY_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert prompt_tokens(s, "y0", "y") == 16
+
+
+def test_under_fcfs_streams_keep_their_pace_beside_a_flood():
+    s = beside_decodes("x", policy=Policy.FCFS)
+    s.turned_away("x")
+    assert prompt_tokens(s, "y0", "y") == 16
 
 
 def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_against_its_quantum():
