@@ -1,6 +1,7 @@
 """A real pod process under overload, driven over gRPC: a flood on one adapter does not delay another
-adapter's first token, and a request whose deadline the pod cannot meet is refused at once with a
-retry hint, the queue unchanged.
+adapter's first token, a request whose deadline the pod cannot meet is refused at once with a
+retry hint, the queue unchanged, a long prompt beside running streams is prefilled at their pace, and
+beside the streams of a flood the pod turns away faster.
 
 Delays are counted in engine steps (the pod's lorafleet_engine_step_seconds_count), not seconds, so
 the bounds hold on any CPU; the wall-clock figures are benchmarks/overload.py's."""
@@ -79,6 +80,34 @@ def idle(pod) -> bool:
     return s.running_requests == 0 and s.waiting_requests == 0
 
 
+def prefill_steps(pod, prompt: str, adapter: str | None) -> tuple[float, float]:
+    """(engine steps until the first token of ``prompt``, the largest step budget the pod reported while it
+    was prefilled: the prompt tokens a step may carry at the running streams' pace)."""
+    steps_before = pod.metric(STEPS)
+    budgets: list[float] = []
+    prefilled = threading.Event()
+
+    def sample() -> None:
+        while not prefilled.wait(0.02):
+            budgets.append(pod.metric("lorafleet_step_prefill_budget_tokens"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    call = pod.generation().Generate(request(prompt, adapter, max_tokens=2), timeout=300)
+    next(call)
+    prefilled.set()
+    sampler.join()
+    steps = pod.metric(STEPS) - steps_before
+    call.cancel()
+    return steps, max(budgets, default=pod.metric("lorafleet_step_prefill_budget_tokens"))
+
+
+def decoding(pod) -> None:
+    """Returns once the requests seated now are past their prompts: two more steps."""
+    steps = pod.metric(STEPS)
+    wait_until(lambda: pod.metric(STEPS) >= steps + 2, 60, "two steps")
+
+
 def test_a_flood_on_one_adapter_leaves_another_adapters_first_token_a_step_or_two_away(pod):
     unloaded = [steps_to_first_token(pod, "shouty") for _ in range(3)]
     flood = Flood(pod, "pirate", n=16, max_tokens=48)  # four seats: twelve pirate requests queue
@@ -153,24 +182,9 @@ def test_a_long_prompt_arriving_mid_stream_is_chunked_while_running_streams_get_
     assert 800 < prompt_tokens < 1024
     try:
         wait_until(lambda: min(streams.tokens) >= 2, 60, "both streams decoding")
-        steps_before, tokens_before = pod.metric(STEPS), list(streams.tokens)
-        budgets: list[float] = []  # the budget gauge while the prompt is prefilled (it moves as steps refit it)
-        prefilled = threading.Event()
-
-        def sample() -> None:
-            while not prefilled.wait(0.02):
-                budgets.append(pod.metric("lorafleet_step_prefill_budget_tokens"))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        call = pod.generation().Generate(request(long_prompt, max_tokens=1), timeout=300)
-        next(call)
-        prefilled.set()
-        sampler.join()
-        steps = pod.metric(STEPS) - steps_before
+        tokens_before = list(streams.tokens)
+        steps, budget = prefill_steps(pod, long_prompt, None)
         got = [after - before for after, before in zip(streams.tokens, tokens_before, strict=True)]
-        budget = max(budgets, default=pod.metric("lorafleet_step_prefill_budget_tokens"))
-        call.cancel()
     finally:
         streams.stop()
     wait_until(lambda: idle(pod), 60, "pod idle after the streams")
@@ -180,3 +194,63 @@ def test_a_long_prompt_arriving_mid_stream_is_chunked_while_running_streams_get_
     assert 0 < budget < prompt_tokens and steps >= max(2, 0.9 * prompt_tokens / budget), (steps, budget)
     # and every step of it gave each stream its token (the counts are read a step or two apart)
     assert min(got) >= steps - 3, (steps, got)
+
+
+@pytest.fixture(scope="module")
+def short_queue_pod(demo_model_dir, tmp_path_factory):
+    """Four sequences per step and four waiting: the fifth to eighth request of a flood wait, a ninth is
+    turned away (queue full)."""
+    process = PodProcess(tmp_path_factory.mktemp("short-queue"), "--max-loras", "2", "--max-cpu-loras", "4",
+                         "--max-num-seqs", "4", "--max-waiting", "4", "--num-kv-blocks", "512",
+                         "--max-lora-rank", "16", "--max-queue-delay", "0",
+                         "--adapter-root", str(demo_adapter_dir(DEMO_ADAPTERS[0]).parent))
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+def test_a_flood_the_pod_turns_away_lets_another_adapters_long_prompt_past_its_streams_pace(
+        short_queue_pod, demo_tokenizer):
+    pod = short_queue_pod
+    # two prompts of one length, different from their first token (the second finds nothing of the first
+    # in the prefix cache)
+    prompts = [" ".join([words] * 30) for words in ("the ferry to the northern islands leaves at dawn",
+                                                     "a lantern burns in the harbour master's window")]
+    prompt_tokens = len(demo_tokenizer.encode(prompts[0]))
+    assert 200 < prompt_tokens < 1024 and len(demo_tokenizer.encode(prompts[1])) == prompt_tokens
+    # beside streams of the base model, which the pod never turned away: the streams' pace holds
+    streams = Flood(pod, None, n=4, max_tokens=2000)
+    try:
+        wait_until(lambda: seats_full(pod, running=4, waiting=0), 60, "four base-model streams")
+        decoding(pod)
+        steady_steps, steady_budget = prefill_steps(pod, prompts[0], DEMO_ADAPTERS[1])
+    finally:
+        streams.stop()
+    wait_until(lambda: idle(pod), 60, "pod idle after the streams")
+    # beside a flood of another adapter, turned away once its queue is full
+    # (600 tokens each: long enough to outlast the test, short enough that the queue's last request is
+    # estimated to start well within the streams' 300 s deadline and is queued, not refused)
+    flood = [Flood(pod, DEMO_ADAPTERS[0], n=4, max_tokens=600)]
+    try:
+        wait_until(lambda: seats_full(pod, running=4, waiting=0), 60, "the flood seated")
+        decoding(pod)
+        for waiting in range(1, 5):  # one at a time, each queued before the next is sent
+            flood.append(Flood(pod, DEMO_ADAPTERS[0], n=1, max_tokens=600))
+            wait_until(lambda n=waiting: seats_full(pod, running=4, waiting=n), 60, f"{waiting} of the flood queued")
+        with pytest.raises(grpc.RpcError) as e:
+            list(pod.generation().Generate(request("One more, please.", DEMO_ADAPTERS[0], max_tokens=2), timeout=30))
+        flood.pop().stop()  # a place in the queue for the other adapter's request
+        wait_until(lambda: seats_full(pod, running=4, waiting=3), 10, "a place in the queue")
+        flooded_steps, flooded_budget = prefill_steps(pod, prompts[1], DEMO_ADAPTERS[1])
+    finally:
+        for streams in flood:
+            streams.stop()
+    wait_until(lambda: idle(pod), 60, "pod idle after the flood")
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue holds 4" in e.value.details()
+    # at the streams' pace the prompt takes about as many steps as its tokens need at that budget (10% of
+    # slack for a step the sampling missed); beside the turned-away flood fewer than its streams' pace allows
+    for budget in (steady_budget, flooded_budget):
+        assert 0 < budget < prompt_tokens, (steady_budget, flooded_budget)
+    assert steady_steps >= max(2, 0.9 * prompt_tokens / steady_budget), (steady_steps, steady_budget)
+    assert flooded_steps < 0.9 * prompt_tokens / flooded_budget, (flooded_steps, flooded_budget)
