@@ -74,6 +74,11 @@ class Ahead:
     tokens: int
     seat_now: bool = False
     sizes: tuple[int, ...] = field(default=(), compare=False)
+    adapters: tuple[object, ...] = field(default=(), compare=False)  # each of ``sizes``' adapter (None: base)
+
+    def work(self) -> list[tuple[int, object]]:
+        """(tokens, adapter) of each work item, in order; the base model's where the adapters are not known."""
+        return list(zip(self.items(), self.adapters or [None] * len(self.items()), strict=True))
 
     def items(self) -> list[int]:
         if self.sizes:
@@ -129,7 +134,11 @@ class Load:
     running: int
     running_decodes: int  # running requests past their prefill: one token each per step
     running_remaining: tuple[int, ...]  # tokens each running request may still produce (its max_total)
-    adapters: int = 0  # distinct adapters among the running requests
+    decode_adapters: frozenset = frozenset()  # distinct adapters among the running decodes (the base model not)
+
+    @property
+    def adapters(self) -> int:
+        return len(self.decode_adapters)
 
 
 @dataclass
@@ -203,55 +212,63 @@ class DelayEstimator:
         self.service_s = _average(self.service_s, seconds)
 
     def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf,
-                 account: object = None) -> float:
-        """Seconds a new request of ``account`` with ``prompt_tokens`` would wait for its first token; 0.0
-        until a step has been timed (an idle pod with nothing measured has nothing to wait for). Past
-        ``enough_s`` the steps are no longer followed one by one: the rest counts at the last step's rate."""
+                 account: object = None, adapter: object = None) -> float:
+        """Seconds a new request of ``account`` on ``adapter`` (None: the base model) with ``prompt_tokens``
+        would wait for its first token; 0.0 until a step has been timed (an idle pod with nothing measured has
+        nothing to wait for). Past ``enough_s`` the steps are no longer followed one by one: the rest counts
+        at the last step's rate."""
         if self.costs.coef is None:
             return 0.0
         bias = self.calibration(account).bias
         wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(
-            [*ahead.items(), prompt_tokens], load, enough_s / bias)
+            [*ahead.work(), (prompt_tokens, adapter)], load, enough_s / bias)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short > 0 and not ahead.seat_now:
             wait += short * self._seat_turnover_s(load) / self._max_num_seqs
         return wait * bias
 
-    def own_prefill(self, prompt_tokens: int, load: Load, account: object = None) -> float:
-        """Seconds the prefill of ``prompt_tokens`` alone takes beside the running decodes, with the same
-        correction as ``estimate``: the part of a wait that is not spent behind other work."""
+    def own_prefill(self, prompt_tokens: int, load: Load, account: object = None, adapter: object = None) -> float:
+        """Seconds the prefill of ``prompt_tokens`` on ``adapter`` alone takes beside the running decodes,
+        with the same correction as ``estimate``: the part of a wait that is not spent behind other work."""
         if self.costs.coef is None:
             return 0.0
-        return self._prefill_s([prompt_tokens], load) * self.calibration(account).bias
+        return self._prefill_s([(prompt_tokens, adapter)], load) * self.calibration(account).bias
 
-    def _prefill_s(self, work: list[int], load: Load, enough_s: float = math.inf) -> float:
-        """Seconds until the last item of prefill ``work`` (tokens, in order) is computed: step by step, each
-        step prefilling its budget beside the decodes of that step, in the predicted time for its shape;
-        a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``). Past
-        ``enough_s`` (or _MAX_STEPS steps) the rest counts at the last step's rate."""
+    def _prefill_s(self, work: list[tuple[int, object]], load: Load, enough_s: float = math.inf) -> float:
+        """Seconds until the last item of prefill ``work`` ((tokens, adapter), in order) is computed: step by
+        step, each step prefilling its budget beside the decodes of that step, in the predicted time for its
+        shape, a prompt of an adapter the decodes have not got paying that adapter's cost as the scheduler
+        counts it; a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``).
+        Past ``enough_s`` (or _MAX_STEPS steps) the rest counts at the last step's rate."""
         decodes, seconds = load.running_decodes, 0.0
-        left = deque(work)
+        decode_adapters = set(load.decode_adapters)
+        left = deque([tokens, adapter] for tokens, adapter in work)
         for _ in range(_MAX_STEPS):
-            used = seqs = done = 0
+            used = seqs = 0
+            new: set = set()  # adapters this step's prefill brings
+            done: list = []  # adapters of the prompts it finishes
             while left:
+                tokens, adapter = left[0]
+                brings = new | ({adapter} - decode_adapters - {None})
                 # as the scheduler asks: each further prefilling sequence fits what its own cost leaves
-                take = min(left[0], max(int(seqs == 0), self.costs.prefill_budget(decodes, load.adapters,
-                                                                                  prefill_seqs=seqs + 1) - used))
+                budget = self.costs.prefill_budget(decodes, len(decode_adapters), prefill_seqs=seqs + 1,
+                                                   new_adapters=len(brings))
+                take = min(tokens, max(int(seqs == 0), budget - used))
                 if take <= 0:
                     break
-                used, seqs = used + take, seqs + 1
-                left[0] -= take
-                if left[0] == 0:
-                    left.popleft()
-                    done += 1
-            step_s = self.costs.predict(StepShape(decodes, used, seqs, load.adapters))
+                used, seqs, new = used + take, seqs + 1, brings
+                left[0][0] -= take
+                if left[0][0] == 0:
+                    done.append(left.popleft()[1])
+            step_s = self.costs.predict(StepShape(decodes, used, seqs, len(decode_adapters) + len(new)))
             seconds += step_s
             if not left:
                 return seconds
             if seconds > enough_s:
                 break
-            decodes = min(self._max_num_seqs, decodes + done)
-        return seconds + sum(left) / used * step_s  # the rest at the last step's rate
+            decodes = min(self._max_num_seqs, decodes + len(done))
+            decode_adapters |= {adapter for adapter in done if adapter is not None}
+        return seconds + sum(tokens for tokens, _ in left) / used * step_s  # the rest at the last step's rate
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:

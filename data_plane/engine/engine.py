@@ -272,16 +272,16 @@ class Engine:
         admission would allow (then the rest is counted at the last step's rate: the refusal is certain
         and its hint needs no more)."""
         account = account_of(adapter, tenant)
-        own_s = self.delays.own_prefill(prompt_tokens, load, account)
+        own_s = self.delays.own_prefill(prompt_tokens, load, account, adapter)
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         enough_s = min(math.inf if timeout_s is None else timeout_s, math.inf if promised is None else promised) / tail
         ahead = self.scheduler.ahead_of(adapter, prompt_tokens, billed_to=tenant)
-        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account)
+        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account, adapter)
         for _ in range(_SETTLE_PASSES):
             if wait_s > enough_s:
                 break
             ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s), billed_to=tenant)
-            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account)
+            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account, adapter)
             settled = longer <= wait_s * 1.02
             wait_s = max(wait_s, longer)
             if settled:

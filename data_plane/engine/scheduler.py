@@ -206,6 +206,7 @@ class Scheduler:
         now = time.monotonic()
         requests = 0
         sizes: list[int] = []
+        flows: list[Tenant] = []  # each size's adapter
         left: dict[Account, float] = {}  # each other account's share still to count, over all its adapters
         for other in {*self._queues, *chunking, *self.arrivals.recent(now)}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
@@ -228,11 +229,13 @@ class Scheduler:
                 if share < 1:
                     break
                 sizes.append(size if size <= share else math.ceil(share))
+                flows.append(other)
                 share -= size
                 requests += i >= len(chunking.get(other, ()))  # it still needs a seat
             if account is not None:
                 left[account] = max(0.0, share)
-        return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant, billed_to), sizes=tuple(sizes))
+        return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant, billed_to), sizes=tuple(sizes),
+                     adapters=tuple(flows))
 
     def _would_take_a_seat(self, tenant: Tenant, billed_to: str | None) -> bool:
         """Whether a new request of ``tenant`` billed to ``billed_to`` would take a seat at the next step
@@ -244,9 +247,9 @@ class Scheduler:
 
     def load(self) -> Load:
         """What is running now, for the admission estimate."""
-        return Load(len(self.running), sum(seq.num_uncomputed <= 1 for seq in self.running),
-                    tuple(seq.max_total - seq.num_tokens for seq in self.running),
-                    len({seq.slot for seq in self.running if seq.slot >= 0}))
+        decoding = [seq for seq in self.running if seq.num_uncomputed <= 1]
+        return Load(len(self.running), len(decoding), tuple(seq.max_total - seq.num_tokens for seq in self.running),
+                    frozenset(seq.adapter for seq in decoding if seq.adapter is not None))
 
     def expired(self, now: float) -> list[Sequence]:
         """Waiting requests whose deadline has passed; the caller ends them."""

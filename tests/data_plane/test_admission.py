@@ -214,6 +214,27 @@ def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_sa
     assert estimator(costs=StepCost()).own_prefill(250, IDLE) == 0.0
 
 
+def test_a_prompt_of_an_adapter_the_decodes_have_not_got_pays_that_adapter_in_each_of_its_steps():
+    # every step 100 ms, 1 ms a prompt token, 20 ms an adapter; steps held to 140 ms
+    costs = StepCost(target_itl_s=0.14, max_batched_tokens=100)
+    for shape, s in ((StepShape(1), 0.1), (StepShape(2), 0.1), (StepShape(1, adapters=1), 0.12),
+                     (StepShape(0, 100, 1), 0.2), (StepShape(0, 50, 1), 0.15), (StepShape(0, 100, 2), 0.2),
+                     (StepShape(0, 100, 1, 1), 0.22)):
+        costs.observe_prior(shape, s)
+    e = estimator(costs=costs)
+    base_decodes = Load(2, 2, (5, 5))
+    # beside base-model decodes a base-model prompt gets 40 tokens a step; one of adapter x 20 (x costs 20 ms)
+    assert e.own_prefill(100, base_decodes) == pytest.approx(0.14 + 0.14 + 0.12)
+    assert e.own_prefill(100, base_decodes, adapter="x") == pytest.approx(5 * 0.14)
+    assert e.estimate(Ahead(0, 0), 100, base_decodes, adapter="x") == pytest.approx(5 * 0.14)
+    # work ahead on adapter y pays y's cost; once its prompt is done y decodes, and its steps cost that
+    ahead = Ahead(1, 20, sizes=(20,), adapters=("y",))
+    assert e.estimate(ahead, 40, base_decodes) == pytest.approx(0.14 + 2 * 0.14)  # then 20 a step beside y
+    # beside decodes of x an x prompt brings nothing: the 20 ms of the decodes' x leave 20 tokens a step
+    x_decodes = Load(2, 2, (5, 5), frozenset({"x"}))
+    assert e.own_prefill(100, x_decodes, adapter="x") == pytest.approx(e.own_prefill(100, x_decodes))
+
+
 def test_work_past_the_steps_followed_one_by_one_counts_at_the_last_steps_rate():
     e = estimator()
     decoding = Load(2, 2, (5, 5))  # 40 tokens a step of 0.14 s

@@ -661,6 +661,7 @@ def test_under_fair_share_a_quiet_adapter_is_prefilled_beside_a_flood_and_the_fl
     # (4 + 7 + 7): 14 more tokens, two x prompts and part of a third, each still needing a seat
     assert s.ahead_of("y", 7) == Ahead(requests=1 + 3, tokens=7 + 14)
     assert s.ahead_of("x", 5) == Ahead(requests=10 + 1, tokens=10 * 5 + 7)  # all of x's own, all of y0
+    assert sorted(s.ahead_of("x", 5).adapters) == ["x"] * 10 + ["y"]  # each item's adapter, for its cost
     # the base model, served nothing yet, joins at the floor: 5 tokens of x's and of y's go alongside
     assert s.ahead_of(None, 5) == Ahead(requests=2, tokens=5 + 5)
 
@@ -723,6 +724,10 @@ def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
     step(s)  # long's last 4, short's 4
     load = s.load()
     assert (load.running, load.running_decodes, sorted(load.running_remaining)) == (2, 2, [2, 9])
+    assert load.decode_adapters == {"x"} and load.adapters == 1  # the base model's decodes bring none
+    request(s, "prompt", 40, adapter="y")
+    step(s)  # y's prompt is being prefilled, 8 tokens a step: its adapter is not yet among the decodes
+    assert s.load().decode_adapters == {"x"} and s.load().running == 3
 
 
 def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
