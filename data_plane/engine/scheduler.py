@@ -37,11 +37,12 @@ back and forth.
 Floods: a step's decodes keep their pace (the step budget) against every prompt, except where they all
 belong to accounts flooding the pod, i.e. whose requests it turned away (queue full, or a first token
 estimated past its promise: ``turned_away``) within the last FLOOD_MEMORY_S, and the prompt is of an
-account that does not flood it. Then the step carries that prompt as a rush does, up to the device's
-throughput knee (``StepCost``): the flood's streams get a few longer gaps, and the other account's first
-token comes in a step or two instead of the many steps a prompt takes at the streams' pace (on the CPU
-pod a long prompt beside decodes takes about ``g/(g-1)`` times its prefill alone at an ``--itl-growth``
-of ``g``). So one account that asks more than the pod can take does not multiply the first-token time
+account that does not flood it. Then the step carries that prompt as a pod with nothing else running
+would, all of it that ``max_num_batched_tokens`` leaves: the flood's streams get one longer gap, and the
+other account's first token comes about as soon as on an idle pod instead of after the many steps a
+prompt takes at the streams' pace (on the CPU pod a long prompt beside decodes takes about ``g/(g-1)``
+times its prefill alone at an ``--itl-growth`` of ``g``; at the throughput knee, as a rush, two or three
+steps of it took more than twice its prefill alone). So one account that asks more than the pod can take does not multiply the first-token time
 of those that do not, and streams of an account that keeps within the pod's room are never slowed
 beyond their pace for another's prompt (a burst of new prompts beside them included). A prompt's own
 account's streams yield to it too, only while the rest of the decodes flood. In the spirit of the
@@ -286,8 +287,7 @@ class Scheduler:
             new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
             unrushed = self._prefill_budget(decodes, len(decode_adapters), False, len(prefill) + 1, len(new))
             if flooding and self._streams_yield_to(seq, decode_accounts, flooding):
-                return min(budget, self._prefill_budget(decodes, len(decode_adapters), True, len(prefill) + 1,
-                                                        len(new)) - used)
+                return budget  # all the step holds, as on a pod with nothing else running (see Floods)
             if rushed > unrushed:  # a rush is held to the knee's budget for this many sequences and adapters
                 unrushed = max(unrushed, min(rushed, self._prefill_budget(decodes, len(decode_adapters), True,
                                                                           len(prefill) + 1, len(new))))

@@ -231,8 +231,8 @@ def test_a_request_that_cannot_run_does_not_rush_the_step():
 # ---- floods: streams of accounts the pod turns away yield to prompts of those it does not ----------
 
 def beside_decodes(*decoding: str | None, policy: Policy = Policy.FAIR) -> Scheduler:
-    """A scheduler (the knee's budget 100 prompt tokens, 16 unrushed) with one request decoding on each of
-    ``decoding``'s adapters."""
+    """A scheduler (1024 tokens a step; the knee's budget 100 prompt tokens, 16 unrushed) with one request
+    decoding on each of ``decoding``'s adapters."""
     s = scheduler(budget=1024, num_blocks=512, max_loras=3, adapters="xyz", policy=policy,
                   prefill_budget=lambda decodes, adapters, rush, *_: 100 if rush else 16)
     for i, adapter in enumerate(decoding):
@@ -241,7 +241,7 @@ def beside_decodes(*decoding: str | None, policy: Policy = Policy.FAIR) -> Sched
     return s
 
 
-def prompt_tokens(s: Scheduler, name: str, adapter: str | None, prompt: int = 90) -> int:
+def prompt_tokens(s: Scheduler, name: str, adapter: str | None, prompt: int = 300) -> int:
     """The tokens the next step computes of a new ``prompt``-token request of ``adapter``."""
     request(s, name, prompt, adapter)
     return dict(step(s))[name]
@@ -252,10 +252,10 @@ def test_streams_of_a_flooding_account_yield_to_a_prompt_of_one_that_is_not():
     assert prompt_tokens(s, "y0", "y") == 16  # nobody was turned away: the streams keep their pace
     s = beside_decodes("x", "x")
     s.turned_away("x")
-    assert prompt_tokens(s, "y0", "y") == 90  # up to the knee's 100
+    assert prompt_tokens(s, "y0", "y") == 300  # all of it, as on an idle pod (not only the knee's 100)
     s = beside_decodes("x", "y")
     s.turned_away("x")
-    assert prompt_tokens(s, "y0", "y") == 90  # the prompt's own account's stream yields to it too
+    assert prompt_tokens(s, "y0", "y") == 300  # the prompt's own account's stream yields to it too
 
 
 def test_streams_of_an_account_that_keeps_within_the_pod_s_room_keep_their_pace():
@@ -285,9 +285,9 @@ def test_tenants_not_adapters_flood_and_yield():
         s.turned_away("x", "acme")  # refused on one of them
         return s
 
-    assert prompt_tokens(acme_streaming(), "z0", "z") == 90  # both streams are of the flooding account
+    assert prompt_tokens(acme_streaming(), "z0", "z") == 300  # both streams are of the flooding account
     s = acme_streaming()
-    request(s, "acme-z", 90, "z", tenant="acme")  # on an adapter it was not refused on: still its account
+    request(s, "acme-z", 300, "z", tenant="acme")  # on an adapter it was not refused on: still its account
     assert dict(step(s))["acme-z"] == 16
 
 
