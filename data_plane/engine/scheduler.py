@@ -42,9 +42,10 @@ would, all of it that ``max_num_batched_tokens`` leaves: the flood's streams get
 other account's first token comes about as soon as on an idle pod instead of after the many steps a
 prompt takes at the streams' pace (on the CPU pod a long prompt beside decodes takes about ``g/(g-1)``
 times its prefill alone at an ``--itl-growth`` of ``g``; at the throughput knee, as a rush, two or three
-steps of it took more than twice its prefill alone). So one account that asks more than the pod can take does not multiply the first-token time
-of those that do not, and streams of an account that keeps within the pod's room are never slowed
-beyond their pace for another's prompt (a burst of new prompts beside them included). A prompt's own
+steps of it took more than twice its prefill alone). So one account that asks more than the pod can
+take does not multiply the first-token time of those that do not, and streams of an account that keeps
+within the pod's room are never slowed beyond their pace for another's prompt (a burst of new prompts
+beside them included). A prompt's own
 account's streams yield to it too, only while the rest of the decodes flood. In the spirit of the
 sparse-flow priority of FQ-CoDel (RFC 8290): a flow with no standing queue goes ahead of those with one.
 
