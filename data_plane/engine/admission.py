@@ -266,8 +266,9 @@ class DelayEstimator:
                 return seconds
             if seconds > enough_s:
                 break
-            decodes = min(self._max_num_seqs, decodes + len(done))
-            decode_adapters |= {adapter for adapter in done if adapter is not None}
+            seated = done[:max(0, self._max_num_seqs - decodes)]  # finished prompts that decode next
+            decodes += len(seated)
+            decode_adapters |= {adapter for adapter in seated if adapter is not None}
         return seconds + sum(tokens for tokens, _ in left) / used * step_s  # the rest at the last step's rate
 
     def _seat_turnover_s(self, load: Load) -> float:

@@ -36,18 +36,19 @@ back and forth.
 
 Floods: a step's decodes keep their pace (the step budget) against every prompt, except where they all
 belong to accounts flooding the pod, i.e. whose requests it turned away (queue full, or a first token
-estimated past its promise: ``turned_away``) within the last FLOOD_MEMORY_S, and the prompt is of an
-account that does not flood it. Then the step carries that prompt as a pod with nothing else running
-would, all of it that ``max_num_batched_tokens`` leaves: the flood's streams get one longer gap, and the
-other account's first token comes about as soon as on an idle pod instead of after the many steps a
+estimated past its promise: ``turned_away``) within the last FLOOD_MEMORY_S while they had a request of
+their own waiting, and the prompt is of an account that does not flood it. Then the step carries that
+prompt as a pod with nothing else running would, all of it that ``max_num_batched_tokens`` and the free
+KV blocks leave: the flood's streams get a longer gap (one per such prompt up to a step's tokens), and
+the other account's first token comes about as soon as on an idle pod instead of after the many steps a
 prompt takes at the streams' pace (on the CPU pod a long prompt beside decodes takes about ``g/(g-1)``
 times its prefill alone at an ``--itl-growth`` of ``g``; at the throughput knee, as a rush, two or three
 steps of it took more than twice its prefill alone). So one account that asks more than the pod can
 take does not multiply the first-token time of those that do not, and streams of an account that keeps
-within the pod's room are never slowed beyond their pace for another's prompt (a burst of new prompts
-beside them included). A prompt's own
-account's streams yield to it too, only while the rest of the decodes flood. In the spirit of the
-sparse-flow priority of FQ-CoDel (RFC 8290): a flow with no standing queue goes ahead of those with one.
+within the pod's room are never slowed beyond their pace for another account's prompt (a burst of new
+prompts beside them included; a rush aside). A prompt's own account's streams yield to it too, only
+while the rest of the decodes flood. In the spirit of the sparse-flow priority of FQ-CoDel (RFC 8290):
+a flow with no standing queue goes ahead of those with one. FAIR policy only.
 
 Preemption: when blocks run out, the most recently admitted running sequence of the most-served
 tenant (under FCFS: the most recently admitted one) gives its blocks back (so fair admission is not
@@ -60,7 +61,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -145,7 +146,8 @@ class Scheduler:
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
         self.num_preemptions = 0
         self.arrivals = Arrivals()
-        self._turned_away: dict[Account, float] = {}  # account -> when the pod last refused it room (Floods)
+        # account -> when the pod last refused it room (Floods), the least recent first
+        self._turned_away: OrderedDict[Account, float] = OrderedDict()
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -208,7 +210,7 @@ class Scheduler:
         now = time.monotonic()
         requests = 0
         sizes: list[int] = []
-        flows: list[Tenant] = []  # each size's adapter
+        adapters: list[Tenant] = []  # each size's adapter
         left: dict[Account, float] = {}  # each other account's share still to count, over all its adapters
         for other in {*self._queues, *chunking, *self.arrivals.recent(now)}:
             queue = [*chunking.get(other, ()), *self._queues.get(other, ())]
@@ -231,13 +233,13 @@ class Scheduler:
                 if share < 1:
                     break
                 sizes.append(size if size <= share else math.ceil(share))
-                flows.append(other)
+                adapters.append(other)
                 share -= size
                 requests += i >= len(chunking.get(other, ()))  # it still needs a seat
             if account is not None:
                 left[account] = max(0.0, share)
         return Ahead(requests, sum(sizes), seat_now=self._would_take_a_seat(tenant, billed_to), sizes=tuple(sizes),
-                     adapters=tuple(flows))
+                     adapters=tuple(adapters))
 
     def _would_take_a_seat(self, tenant: Tenant, billed_to: str | None) -> bool:
         """Whether a new request of ``tenant`` billed to ``billed_to`` would take a seat at the next step
@@ -287,12 +289,15 @@ class Scheduler:
             one more prefilling sequence, counting the adapter it brings if the step has not got it yet."""
             new = {s.adapter for s in (*prefill, seq) if s.adapter is not None} - decode_adapters
             unrushed = self._prefill_budget(decodes, len(decode_adapters), False, len(prefill) + 1, len(new))
-            if flooding and self._streams_yield_to(seq, decode_accounts, flooding):
-                return budget  # all the step holds, as on a pod with nothing else running (see Floods)
             if rushed > unrushed:  # a rush is held to the knee's budget for this many sequences and adapters
                 unrushed = max(unrushed, min(rushed, self._prefill_budget(decodes, len(decode_adapters), True,
                                                                           len(prefill) + 1, len(new))))
-            return min(budget, unrushed - used)
+            paced = min(budget, unrushed - used)
+            if flooding and self._streams_yield_to(seq, decode_accounts, flooding):
+                # all the step holds, as on a pod with nothing else running (see Floods), as far as free KV
+                # blocks go: more would preempt, or keep a waiting request out, where its pace would not
+                return max(paced, min(budget, self._kv_room(seq)))
+            return paced
 
         self._forget_stale_reservations()
         passed: set[Tenant] = set()
@@ -369,22 +374,40 @@ class Scheduler:
 
     def turned_away(self, adapter: Tenant, tenant: str | None = None) -> None:
         """The pod refused a request of ``adapter`` billed to ``tenant`` for want of room (its queue full, or
-        its first token estimated past what the pod promises): the account floods the pod (see Floods)."""
+        its first token estimated past what the pod promises). The account floods the pod (see Floods) when
+        it has a request of its own waiting here as well: a full pod turns away anyone who arrives, and an
+        account with nothing queued was turned away for others' backlog, not its own."""
+        account = account_of(adapter, tenant)
+        if not any(account_of(seq.adapter, seq.tenant) == account for seq in self.waiting):
+            return
         now = time.monotonic()
-        self._turned_away = {a: at for a, at in self._turned_away.items() if now - at < FLOOD_MEMORY_S}
-        self._turned_away[account_of(adapter, tenant)] = now
+        self._turned_away.pop(account, None)
+        self._turned_away[account] = now
+        self._forget_floods(now)
 
     def flooding(self, now: float) -> set[Account]:
-        """The accounts flooding the pod: a request of theirs was turned away within FLOOD_MEMORY_S."""
-        return {a for a, at in self._turned_away.items() if now - at < FLOOD_MEMORY_S}
+        """The accounts flooding the pod: one turned away within FLOOD_MEMORY_S with a request of its own
+        waiting."""
+        self._forget_floods(now)
+        return set(self._turned_away)
+
+    def _forget_floods(self, now: float) -> None:
+        while self._turned_away and now - next(iter(self._turned_away.values())) >= FLOOD_MEMORY_S:
+            self._turned_away.popitem(last=False)
 
     def _streams_yield_to(self, seq: Sequence, decodes: set[Account], flooding: set[Account]) -> bool:
-        """Whether the step's decodes (of these accounts) yield to ``seq``'s prompt as to a rush (see Floods):
+        """Whether the step's decodes (of these accounts) yield to ``seq``'s prompt (see Floods):
         under fair share, when its account does not flood the pod and every other account decoding does
-        (there is at least one); its own account's streams yield to it too."""
+        (there is at least one); its own account's streams yield to it too. The prompt then has all the step
+        holds, as on an idle pod."""
         account = account_of(seq.adapter, seq.tenant)
         others = decodes - {account}
         return self.policy is Policy.FAIR and account not in flooding and bool(others) and others <= flooding
+
+    def _kv_room(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can compute next in its own blocks and those free now."""
+        blocks = len(seq.block_table) + self.blocks.num_available
+        return max(0, blocks * self.blocks.block_size - seq.num_computed)
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

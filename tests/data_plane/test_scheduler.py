@@ -247,33 +247,56 @@ def prompt_tokens(s: Scheduler, name: str, adapter: str | None, prompt: int = 30
     return dict(step(s))[name]
 
 
+def turn_away(s: Scheduler, adapter: str | None, tenant: str | None = None) -> None:
+    """The account has a request waiting (3 prompt tokens) when the pod turns another of its requests away."""
+    request(s, f"{adapter}-{tenant}-waiting", 3, adapter, tenant=tenant)
+    s.turned_away(adapter, tenant)
+
+
 def test_streams_of_a_flooding_account_yield_to_a_prompt_of_one_that_is_not():
     s = beside_decodes("x", "x")
     assert prompt_tokens(s, "y0", "y") == 16  # nobody was turned away: the streams keep their pace
     s = beside_decodes("x", "x")
-    s.turned_away("x")
+    turn_away(s, "x")
     assert prompt_tokens(s, "y0", "y") == 300  # all of it, as on an idle pod (not only the knee's 100)
     s = beside_decodes("x", "y")
-    s.turned_away("x")
+    turn_away(s, "x")
     assert prompt_tokens(s, "y0", "y") == 300  # the prompt's own account's stream yields to it too
+
+
+def test_an_account_turned_away_with_nothing_waiting_here_does_not_flood():
+    s = beside_decodes("x", "x")
+    s.turned_away("x")  # its two requests run, none waits: a full pod turned away one more
+    assert s.flooding(time.monotonic()) == set()
+    assert prompt_tokens(s, "y0", "y") == 16
 
 
 def test_streams_of_an_account_that_keeps_within_the_pod_s_room_keep_their_pace():
     s = beside_decodes("x", None)  # the base model's stream was never turned away
-    s.turned_away("x")
+    turn_away(s, "x")
     assert prompt_tokens(s, "y0", "y") == 16
     s = beside_decodes("y")  # only the prompt's own account decodes
-    s.turned_away("x")
-    assert prompt_tokens(s, "y0", "y") == 16
+    turn_away(s, "x")
+    assert prompt_tokens(s, "y0", "y") == 16 - 3  # at the pace, after x's waiting request (served less) took 3
 
 
 def test_a_prompt_of_a_flooding_account_does_not_rush_beside_a_flood():
     s = beside_decodes("x", "y")
-    s.turned_away("x"), s.turned_away("y")
-    assert prompt_tokens(s, "y0", "y") == 16
+    turn_away(s, "x"), turn_away(s, "y")
+    assert prompt_tokens(s, "y0", "y") == 16 - 3 - 3  # at the pace, after x's and y's waiting requests
     s = beside_decodes("x")
+    request(s, "x0", 300, "x")  # waiting when the next x request is turned away
     s.turned_away("x")
-    assert prompt_tokens(s, "x0", "x") == 16
+    assert dict(step(s))["x0"] == 16
+
+
+def test_a_yielded_prompt_takes_no_more_than_the_free_kv_blocks_hold():
+    s = scheduler(budget=1024, num_blocks=40, block_size=4, prefill_budget=lambda decodes, adapters, rush, *_: 16)
+    request(s, "stream", 3, "x", max_tokens=50)
+    step(s)  # one block of 4 for the stream's 3 tokens and its next
+    turn_away(s, "x")
+    assert prompt_tokens(s, "y0", "y", prompt=300) == (40 - 1) * 4  # the blocks the stream does not hold, not 300
+    assert s.num_preemptions == 0
 
 
 def test_tenants_not_adapters_flood_and_yield():
@@ -282,27 +305,28 @@ def test_tenants_not_adapters_flood_and_yield():
         for adapter in "xy":  # one tenant's streams on two adapters
             request(s, f"acme-{adapter}", 3, adapter, max_tokens=50, tenant="acme")
         step(s)
-        s.turned_away("x", "acme")  # refused on one of them
+        turn_away(s, "x", "acme")  # refused on one of them
         return s
 
     assert prompt_tokens(acme_streaming(), "z0", "z") == 300  # both streams are of the flooding account
     s = acme_streaming()
     request(s, "acme-z", 300, "z", tenant="acme")  # on an adapter it was not refused on: still its account
-    assert dict(step(s))["acme-z"] == 16
+    assert dict(step(s))["acme-z"] == 16 - 3  # at the pace, after its waiting request on x
 
 
 def test_a_flood_is_forgotten_after_flood_memory_s(monkeypatch):
     s = beside_decodes("x")
-    s.turned_away("x")
+    turn_away(s, "x")
     later = time.monotonic() + FLOOD_MEMORY_S + 1
     monkeypatch.setattr(time, "monotonic", lambda: later)
     assert prompt_tokens(s, "y0", "y") == 16
+    assert s.flooding(later) == set()
 
 
 def test_under_fcfs_streams_keep_their_pace_beside_a_flood():
     s = beside_decodes("x", policy=Policy.FCFS)
-    s.turned_away("x")
-    assert prompt_tokens(s, "y0", "y") == 16
+    turn_away(s, "x")
+    assert prompt_tokens(s, "y0", "y") == 16 - 3  # at the pace, after x's waiting request (older)
 
 
 def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_against_its_quantum():
