@@ -49,6 +49,10 @@ class BlockManager:
         total = seq.num_computed + num_new
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
+    def room(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can compute next in its own blocks and those available now."""
+        return max(0, (len(seq.block_table) + self.num_available) * self.block_size - seq.num_computed)
+
     def can_allocate(self, seq: Sequence, num_new: int) -> bool:
         need = self.blocks_needed(seq, num_new)
         return need <= self.num_available and (need == 0 or seq.kv_row >= 0 or bool(self._free_rows))

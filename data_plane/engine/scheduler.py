@@ -279,7 +279,7 @@ class Scheduler:
         decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
         now = time.monotonic()
         rushed = self._rushed_budget(now, decodes, decode_adapters)
-        flooding = self.flooding(now) if self._turned_away else set()
+        flooding = self.flooding(now)
         decode_accounts = {account_of(item.seq.adapter, item.seq.tenant) for item in batch}
         prefill: list[Sequence] = []  # given prompt tokens this step
         used = 0  # their tokens
@@ -296,7 +296,7 @@ class Scheduler:
             if flooding and self._streams_yield_to(seq, decode_accounts, flooding):
                 # all the step holds, as on a pod with nothing else running (see Floods), as far as free KV
                 # blocks go: more would preempt, or keep a waiting request out, where its pace would not
-                return max(paced, min(budget, self._kv_room(seq)))
+                return max(paced, min(budget, self.blocks.room(seq)))
             return paced
 
         self._forget_stale_reservations()
@@ -403,11 +403,6 @@ class Scheduler:
         account = account_of(seq.adapter, seq.tenant)
         others = decodes - {account}
         return self.policy is Policy.FAIR and account not in flooding and bool(others) and others <= flooding
-
-    def _kv_room(self, seq: Sequence) -> int:
-        """The most tokens ``seq`` can compute next in its own blocks and those free now."""
-        blocks = len(seq.block_table) + self.blocks.num_available
-        return max(0, blocks * self.blocks.block_size - seq.num_computed)
 
     def _prefilling(self) -> list[Sequence]:
         """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""

@@ -34,6 +34,16 @@ def test_a_block_is_added_only_when_the_tokens_outgrow_the_last_one():
     assert seq.block_table == [0, 1, 2]
 
 
+def test_room_is_what_the_sequence_s_own_blocks_and_the_available_ones_still_hold():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    seq = sequence(5)
+    assert blocks.room(seq) == 8 * 4
+    blocks.allocate(seq, 5)
+    seq.num_computed = 5
+    assert blocks.room(seq) == 8 * 4 - 5  # 3 more in its second block, 6 blocks available
+    assert blocks.can_allocate(seq, blocks.room(seq)) and not blocks.can_allocate(seq, blocks.room(seq) + 1)
+
+
 def test_free_returns_every_block_and_resets_the_sequence_to_recompute_from_the_start():
     blocks = BlockManager(num_blocks=4, block_size=4)
     seq = sequence(10)
