@@ -107,13 +107,17 @@ def test_a_wedged_engine_loop_turns_readiness_and_liveness_not_serving_until_it_
                 before = await s.statuses()
                 request = asyncio.create_task(_tokens(engine, engine.tokenizer.encode("Hello"), 4))
                 started = time.monotonic()
-                during = await until(lambda: _when(s.statuses(), lambda v: v[LIVENESS] == NOT_SERVING), 5,
-                                     "liveness NOT_SERVING")
+                # The pod publishes readiness before liveness, and statuses() reads the services one by one,
+                # so the read that first sees liveness flipped may have read readiness before the flip: the
+                # whole picture is the next read's.
+                await until(lambda: _when(s.statuses(), lambda v: v[LIVENESS] == NOT_SERVING), 5,
+                            "liveness NOT_SERVING")
                 flipped_after = time.monotonic() - started
+                during = await s.statuses()
                 release.set()
                 tokens = await asyncio.wait_for(request, 30)
-                after = await until(lambda: _when(s.statuses(), lambda v: v[LIVENESS] == SERVING), 5,
-                                    "SERVING again")
+                await until(lambda: _when(s.statuses(), lambda v: v[LIVENESS] == SERVING), 5, "SERVING again")
+                after = await s.statuses()
                 return before, during, flipped_after, tokens, after
         finally:
             release.set()
