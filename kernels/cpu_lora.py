@@ -1,16 +1,20 @@
-"""The CPU LoRA path: per adapter segment, one batched matmul pair over fixed row tiles.
+"""The CPU LoRA path: per adapter segment, a batched matmul over fixed row tiles for the shrink and one
+per adapted slice for the expand.
 
-Every slot with a rank on the layer gets, once when it changes, its A of every slice stacked and
-its B of every slice as one block-diagonal matrix, in float32 and in the orientation the slots hold
-them (so a repack copies rows, never transposes them),
+Every slot with a rank on the layer gets, once when it changes, its A of every adapted slice stacked
+and each adapted slice's B on its own, in float32 and in the orientation the slots hold them (so a
+repack copies rows, never transposes them),
 
-    a[slot]: [R_slot, in_features]    b[slot]: [out_features, R_slot], zero off each slice's block
+    a: [R_slot, in_features]    b of slice s: [out_s, r_s]    (R_slot = the sum of the slices' r_s)
 
-and a step adds ``(x[rows] @ a[slot].T) @ b[slot].T`` to each segment's rows (the model runner sorts
-a step's sequences by slot, so a segment is usually one run of rows). The products take the
-transposed operands as they are (a BLAS call reads a matrix in either order); on a 2-core EPYC the
-8B-shape gate/up pack was 3.6x faster to build this way than transposed into [in, R] and [R, out],
-and the products no slower.
+and a step adds ``(x[rows] @ a.T)[:, cols_s] @ b_s.T`` to each segment's rows, slice by slice (the
+model runner sorts a step's sequences by slot, so a segment is usually one run of rows). The products
+take the transposed operands as they are (a BLAS call reads a matrix in either order); on a 2-core
+EPYC the 8B-shape gate/up pack was 3.6x faster to build this way than transposed into [in, R] and
+[R, out], and the products no slower. Each slice's expand multiplies its own B only: a block-diagonal
+B of all slices (one expand per segment) spends most of its products on zeros, and with the demo
+model's shapes cost a segment 28% more than the slices one by one (benchmarks/RESULTS.md, "The CPU
+LoRA path").
 
 Batch invariance. A row's LoRA delta must be the same bits whatever else shares its step. Matmul
 libraries choose their kernel by the call's shape and threads (measured with MKL on a 2-core Xeon:
@@ -18,11 +22,13 @@ a [rows, 1536] @ [1536, 16] shrink sums a row differently at 2, 3 and 5 rows tha
 threads), and the four CPU paths this module once chose between per step (dense, gathered,
 segmented, the reference's loop) each summed a row in another order: 0 of 25 adapter rows of a mixed
 step agreed bitwise between any two. So there is one path, and each segment's rows run in tiles of
-exactly ``ROW_TILE`` rows (the last one padded with zero rows) as one batched matmul of tiles, on one
-thread: every call for a slot multiplies [ROW_TILE, in] by that slot's own matrices, and a row's
-result depends on its input and its adapter alone, not on the other rows, the other adapters, or
-how many rows the segment has. LoRA's products are small (rank ≤ 64), so one thread costs little
-and spares the threads' hand-over on every call.
+exactly ``ROW_TILE`` rows as one batched matmul of tiles, on one thread: every call for a slot
+multiplies [ROW_TILE, in] by that slot's own matrices, and a row's result depends on its input and
+its adapter alone, not on the other rows, the other adapters, or how many rows the segment has.
+Because a row's result does not depend on the other rows of its tile, a run of rows is read in place
+with its neighbours in the step as the rest of its last tile, where the step has them (else zero rows
+pad it): no copy. LoRA's products are small (rank ≤ 64), so one thread costs little and spares the
+threads' hand-over on every call.
 """
 
 from __future__ import annotations
@@ -35,7 +41,29 @@ import torch
 if TYPE_CHECKING:
     from kernels.lora_meta import LoraMeta
 
-ROW_TILE = 16
+# Rows per tile. A segment pays its last tile whole, and most segments are an adapter's few decode rows:
+# with the demo model's shapes (rank 16) on a 2-core EPYC, 8-row tiles cost a step of one adapter row
+# 22% less than 16-row tiles and a 128-row prefill 7% more (benchmarks/RESULTS.md, "The CPU LoRA path").
+ROW_TILE = 8
+
+
+@dataclass(frozen=True)
+class PackedSlice:
+    """One slice a slot adapts: its output rows, its columns of the shrunk product, and its B."""
+
+    lo: int  # output rows lo:hi of the layer
+    hi: int
+    first: int  # columns first:last of the slot's shrunk product (rows of its stacked A)
+    last: int
+    b: torch.Tensor  # [hi - lo, last - first] float32
+
+
+@dataclass(frozen=True)
+class PackedSlot:
+    """A slot as the segment path reads it: the stacked A of the slices it adapts, and those slices."""
+
+    a: torch.Tensor  # [R_slot, in_features] float32
+    slices: tuple[PackedSlice, ...]
 
 
 @dataclass
@@ -43,8 +71,7 @@ class SegmentPack:
     """A layer's slots as the segment path reads them; slots without a rank on the layer are absent.
     Kept up to date one changed slot at a time (``update_slot``)."""
 
-    a: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [R_slot, in_features] float32
-    b: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> [out_features, R_slot] float32
+    slots: dict[int, PackedSlot] = field(default_factory=dict)
 
 
 def update_slot(pack: SegmentPack, lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -54,19 +81,21 @@ def update_slot(pack: SegmentPack, lora_a: torch.Tensor, lora_b: torch.Tensor, h
     real ranks; ``slice_offsets``: S + 1 row offsets. Only real ranks are copied: slot padding is
     never read."""
     ranks = [host_ranks[s][slot] for s in range(lora_a.shape[0])]
-    pack.a.pop(slot, None)
-    pack.b.pop(slot, None)
+    pack.slots.pop(slot, None)
     if not any(ranks):
         return
     a = torch.empty(sum(ranks), lora_a.shape[3], dtype=torch.float32, device=lora_a.device)
-    b = torch.zeros(lora_b.shape[1], sum(ranks), dtype=torch.float32, device=lora_b.device)
+    slices = []
     c = 0
     for s, r in enumerate(ranks):
+        if not r:
+            continue
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
         a[c : c + r] = lora_a[s, slot, :r]
-        b[lo:hi, c : c + r] = lora_b[slot, lo:hi, :r]
+        b = lora_b[slot, lo:hi, :r].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        slices.append(PackedSlice(lo, hi, c, c + r, b))
         c += r
-    pack.a[slot], pack.b[slot] = a, b
+    pack.slots[slot] = PackedSlot(a, tuple(slices))
 
 
 def pack_segments(lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
@@ -86,24 +115,40 @@ def lora_segmented(
 ) -> None:
     """``y[t] += (x[t] @ A[slot[t]].T) @ B[slot[t]].T`` over each slice, with the semantics of
     ``kernels.reference`` (products summed in float32, the delta added to ``y`` in float32 and rounded
-    once to its dtype), in ``ROW_TILE``-row tiles. Rows of slot -1 are not touched. Slices the slot
-    does not adapt get zeros added (a -0.0 there becomes +0.0), where the reference leaves them; where a
-    row's own product overflows, its other slices get NaN (inf times the zero blocks): that row's output
-    is lost either way. Call it on one torch thread (the tiles' kernel depends on the threads)."""
+    once to its dtype), in ``ROW_TILE``-row tiles. Rows of slot -1, and the slices a row's slot does not
+    adapt, are not touched. Call it on one torch thread (the tiles' kernel depends on the threads)."""
     for slot, start, end, run in meta.host_segments:
-        a = pack.a.get(slot)
-        if a is None:
+        packed = pack.slots.get(slot)
+        if packed is None:
             continue
-        rows = meta.segment_rows(start, end, run)
-        xs = x[rows].float()  # [n, in_features]
-        n = xs.shape[0]
-        if n % ROW_TILE:
-            xs = torch.cat([xs, xs.new_zeros(ROW_TILE - n % ROW_TILE, xs.shape[1])])
-        tiles = xs.view(-1, ROW_TILE, xs.shape[1])  # [tiles, ROW_TILE, in_features]
-        a, b = a.T, pack.b[slot].T  # [in_features, R_slot], [R_slot, out_features]
+        tiles, offset, rows = _tiles(x, meta, start, end, run)
+        n = end - start
+        a = packed.a.T  # [in_features, R_slot]
         shrunk = torch.bmm(tiles, a.expand(tiles.shape[0], *a.shape))  # [tiles, ROW_TILE, R_slot]
-        delta = torch.bmm(shrunk, b.expand(tiles.shape[0], *b.shape)).view(-1, b.shape[1])[:n]
-        if isinstance(rows, slice) and y.dtype == torch.float32:  # y[rows] is a view: add in place
-            y[rows].add_(delta)
-        else:
-            y[rows] = (y[rows].float() + delta).to(y.dtype)
+        for s in packed.slices:
+            b = s.b.T  # [r, out_s]
+            delta = torch.bmm(shrunk[:, :, s.first : s.last], b.expand(tiles.shape[0], *b.shape))
+            delta = delta.view(-1, b.shape[1])[offset : offset + n]  # [n, out_s]
+            if isinstance(rows, slice) and y.dtype == torch.float32:  # y[rows] is a view: add in place
+                y[rows, s.lo : s.hi].add_(delta)
+            else:
+                y[rows, s.lo : s.hi] = (y[rows, s.lo : s.hi].float() + delta).to(y.dtype)
+
+
+def _tiles(x: torch.Tensor, meta: LoraMeta, start: int, end: int,
+           run: int) -> tuple[torch.Tensor, int, slice | torch.Tensor]:
+    """A segment's rows of ``x`` as float32 tiles [tiles, ROW_TILE, in_features], where in the tiles its
+    first row is, and its rows of the step. A run is read in place where the step has rows enough
+    around it to fill its tiles (those rows' results are computed and dropped); scattered rows, or a
+    run in a step shorter than its tiles, are copied and padded with zero rows."""
+    n = end - start
+    padded = -(-n // ROW_TILE) * ROW_TILE
+    rows = meta.segment_rows(start, end, run)
+    window = min(run, x.shape[0] - padded) if isinstance(rows, slice) else -1
+    if window >= 0:
+        xs, offset = x[window : window + padded], run - window
+    else:
+        xs, offset = x[rows], 0
+        if n < padded:
+            xs = torch.cat([xs, xs.new_zeros(padded - n, xs.shape[1])])
+    return xs.float().reshape(-1, ROW_TILE, x.shape[1]), offset, rows

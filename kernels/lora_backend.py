@@ -3,12 +3,11 @@ layer is built, called once per forward.
 
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
-  magnitude): one batched matmul pair per adapter segment over fixed row tiles, on a packed copy of
-  the slots (``kernels.cpu_lora``), so that a row's delta does not depend on what shares its step.
+  magnitude): batched matmuls per adapter segment over fixed row tiles (one shrink, one expand per
+  adapted slice), on a packed copy of the slots (``kernels.cpu_lora``), so that a row's delta does
+  not depend on what shares its step.
 
-Both have the semantics documented in ``kernels.reference``, so one layer code runs on either. One
-exception, in a row whose own adapter product overflows: the CPU path also turns the row's other
-slices to NaN (``kernels.cpu_lora.lora_segmented``); that row's output is lost either way.
+Both have the semantics documented in ``kernels.reference``, so one layer code runs on either.
 """
 
 from __future__ import annotations

@@ -117,38 +117,72 @@ def test_an_overflowing_adapter_does_not_reach_other_rows():
     torch.testing.assert_close(y[[1, 2, 3]], expected[[1, 2, 3]], rtol=rtol, atol=atol)
 
 
-def test_the_pack_holds_real_ranks_only_and_each_slice_on_its_own_block():
+def test_the_pack_holds_real_ranks_only_and_each_adapted_slice_on_its_own():
     p = _problem(QKV, [0, 1], torch.float32, seed=2)
     ranks = p.ranks.tolist()
     packed = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
-    assert sorted(packed.a) == [slot for slot in range(5) if any(ranks[s][slot] for s in range(3))]
-    for slot, a in packed.a.items():
-        total = sum(ranks[s][slot] for s in range(3))
-        assert a.shape == (total, QKV.in_features) and packed.b[slot].shape == (QKV.offsets[-1], total)
-        assert not packed.b[slot].isnan().any(), "rank padding of B (NaN in this problem) was packed"
+    assert sorted(packed.slots) == [slot for slot in range(5) if any(ranks[s][slot] for s in range(3))]
+    for slot, ps in packed.slots.items():
+        adapted = [s for s in range(3) if ranks[s][slot]]
+        assert ps.a.shape == (sum(ranks[s][slot] for s in adapted), QKV.in_features)
+        assert [(sl.lo, sl.hi) for sl in ps.slices] == [(QKV.offsets[s], QKV.offsets[s + 1]) for s in adapted]
         c = 0
-        for s in range(3):
+        for s, sl in zip(adapted, ps.slices, strict=True):
             r, (lo, hi) = ranks[s][slot], (QKV.offsets[s], QKV.offsets[s + 1])
-            block = packed.b[slot][:, c : c + r]
-            assert not block[:lo].any() and not block[hi:].any(), f"slice {s} of slot {slot} leaks"
-            assert torch.equal(a[c : c + r], p.lora_a[s, slot, :r])
-            assert torch.equal(block[lo:hi], p.lora_b[slot, lo:hi, :r])
+            assert (sl.first, sl.last) == (c, c + r)
+            assert not sl.b.isnan().any(), "rank padding of B (NaN in this problem) was packed"
+            assert torch.equal(ps.a[c : c + r], p.lora_a[s, slot, :r])
+            assert torch.equal(sl.b, p.lora_b[slot, lo:hi, :r])
             c += r
+
+
+def test_slices_a_slot_does_not_adapt_are_left_as_they_are():
+    # Slot 4 of GATE_UP adapts the first slice only: the second keeps its bits, -0.0 and NaN included.
+    p = _problem(GATE_UP, [4, 4, 4], torch.float32, seed=6)
+    y = torch.randn(3, GATE_UP.offsets[-1], generator=torch.Generator().manual_seed(7))
+    lo = GATE_UP.offsets[1]
+    y[0, lo] = -0.0
+    y[1, lo + 1] = float("nan")
+    before = y.clone()
+
+    _segmented(y, p)
+
+    assert torch.equal(y[:, lo:].view(torch.int32), before[:, lo:].view(torch.int32))
+    assert not torch.equal(y[:, :lo], before[:, :lo])
+
+
+def test_a_run_read_in_place_among_its_neighbours_gives_the_bits_of_a_padded_copy():
+    # A run of 3 rows of slot 2 in a step of 20: read in place, its tile is completed by its
+    # neighbours' rows (before it when it ends the step). The same rows alone in a step are padded
+    # with zero rows.
+    p = _problem(QKV, [2] * 3, torch.float32, seed=16)
+    packed = pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), QKV.offsets)
+    gen = torch.Generator().manual_seed(17)
+    mine = torch.randn(3, QKV.in_features, generator=gen)
+    alone = [_delta_of_row(mine, [2, 2, 2], k, packed, QKV.offsets[-1]) for k in range(3)]
+    for at in (0, 5, ROW_TILE - 1, 17):
+        slots = [-1] * at + [2] * 3 + [0] * (17 - at)
+        x = torch.randn(20, QKV.in_features, generator=gen)
+        x[at : at + 3] = mine
+        for k in range(3):
+            assert torch.equal(_delta_of_row(x, slots, at + k, packed, QKV.offsets[-1]), alone[k]), (at, k)
 
 
 def test_a_changed_slot_is_repacked_alone_and_an_emptied_one_dropped():
     p = _problem(QKV, [0, 1], torch.float32, seed=4)
     ranks = p.ranks.tolist()
     packed = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
-    untouched = packed.a[0]
+    untouched = packed.slots[0]
     gen = torch.Generator().manual_seed(5)
     ranks[0][1], ranks[1][1], ranks[2][1] = 2, 0, 0  # slot 1: another adapter, rank 2 on q only
     p.lora_a[0, 1, :2] = torch.randn(2, QKV.in_features, generator=gen)
     p.lora_b[1, :, :2] = torch.randn(QKV.offsets[-1], 2, generator=gen)
     update_slot(packed, p.lora_a, p.lora_b, ranks, QKV.offsets, 1)
     fresh = pack_segments(p.lora_a, p.lora_b, ranks, QKV.offsets)
-    assert torch.equal(packed.a[1], fresh.a[1]) and torch.equal(packed.b[1], fresh.b[1])
-    assert packed.a[0] is untouched, "an unchanged slot was repacked"
+    assert torch.equal(packed.slots[1].a, fresh.slots[1].a)
+    assert [(sl.lo, sl.hi, sl.first, sl.last) for sl in packed.slots[1].slices] == [(0, QKV.offsets[1], 0, 2)]
+    assert torch.equal(packed.slots[1].slices[0].b, fresh.slots[1].slices[0].b)
+    assert packed.slots[0] is untouched, "an unchanged slot was repacked"
     ranks[0][1] = 0
     update_slot(packed, p.lora_a, p.lora_b, ranks, QKV.offsets, 1)
-    assert 1 not in packed.a and 1 not in packed.b
+    assert 1 not in packed.slots
