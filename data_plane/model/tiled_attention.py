@@ -23,6 +23,12 @@ to 2048 keys) gave each row the bits an 8-row call gives it. So:
 Sequences are grouped by their number of new tokens (rounded up to a power of two) and each group
 is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length; a
 long prefill's queries go ``QUERY_BLOCK`` at a time, each block over the keys its last query sees.
+Every key/value head of every sequence in a group is one matrix of the same batched matmuls (keys and
+values are gathered head-major, each head's keys one contiguous matrix), so a group costs the same
+few calls per layer whatever its heads: a matrix's shape and layout, and with them its sums, are
+those of one head's. On a 2-core EPYC (demo model, 3 key/value heads) that cut a layer's attention
+for 8 decodes by about a fifth and beside a 24-token prompt's chunk by about a quarter, against a
+call per head (benchmarks/RESULTS.md, "Attention and LoRA per step").
 Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
 switch kernels with the shape as the projections' do).
 """
@@ -137,6 +143,9 @@ def tiled_attention(
     num_kv = k_cache.shape[1]
     per_kv = num_heads // num_kv
     out = q.new_zeros(num_tokens, num_heads * head_dim)  # rows of no group (padding) stay zero
+    # the caches as one row per (slot, key/value head), gathered head-major: each head's keys one matrix
+    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)  # [slots * num_kv_heads, head_dim]
+    heads = torch.arange(num_kv, device=q.device)[:, None]
     for g in groups:
         n, max_new = g.query_index.shape
         keys = g.key_index.shape[1]
@@ -146,37 +155,51 @@ def tiled_attention(
         qg = qg.view(n, max_new, num_kv, per_kv, head_dim).permute(2, 0, 1, 3, 4)
         rows = max_new * per_kv
         qg = qg.reshape(num_kv, n, rows, head_dim)
-        # keys and values as gathered, [n, keys, kv_heads, head_dim]: each head is a strided view, not a copy
-        k = k_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
-        v = v_cache.index_select(0, g.key_index.reshape(-1)).view(n, keys, num_kv, head_dim).float()
-        attn = qg.new_empty(n, rows // per_kv, num_kv, per_kv, head_dim)
-        # A block over fewer keys than the group's reads them as a view only for one sequence at a time.
-        seqs = [slice(None)] if len(g.block_keys) == 1 else [slice(b, b + 1) for b in range(n)]
-        for h, s, (i, block_keys) in itertools.product(range(num_kv), seqs, enumerate(g.block_keys)):
-            q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, rows // per_kv)
-            attn[s, q0:q1, h] = _attend(qg[h][s, q0 * per_kv: q1 * per_kv], k[s, :block_keys, h],
-                                        v[s, :block_keys, h], hidden[s, q0:q1, :block_keys], per_kv, softcap)
+        # keys and values as gathered, [kv_heads, n, keys, head_dim]
+        index = (g.key_index.reshape(1, -1) * num_kv + heads).reshape(-1)  # [kv_heads * n * keys]
+        k = k_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
+        v = v_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
+        if len(g.block_keys) == 1:
+            attn = _attend(qg, k, v, hidden, per_kv, softcap)
+        else:  # a block over fewer keys than the group's, one sequence at a time
+            attn = qg.new_empty(num_kv, n, rows, head_dim)
+            for b, (i, block_keys) in itertools.product(range(n), enumerate(g.block_keys)):
+                q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, max_new)
+                attn[:, b : b + 1, q0 * per_kv : q1 * per_kv] = _attend(
+                    qg[:, b : b + 1, q0 * per_kv : q1 * per_kv], k[:, b : b + 1, :block_keys],
+                    v[:, b : b + 1, :block_keys], hidden[b : b + 1, q0:q1, :block_keys], per_kv, softcap)
+        # [n, max_new, kv_heads, per_kv, head_dim]: query head h is kv head h // per_kv, place h % per_kv
+        attn = attn.view(num_kv, n, max_new, per_kv, head_dim).permute(1, 2, 0, 3, 4)
         attn = attn.reshape(n * max_new, num_heads * head_dim)
         out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-            per_kv: int, softcap: float | None) -> torch.Tensor:  # [n, queries, per_kv, head_dim]
-    """One key/value head's attention for a block of queries: ``q`` [n, queries * per_kv, head_dim]
-    (scaled), ``k`` and ``v`` [n, keys, head_dim] (strided views), ``hidden`` [n, queries, keys]."""
-    n, rows, head_dim = q.shape
-    keys, tiles = k.shape[1], k.shape[1] // KEY_TILE
+            per_kv: int, softcap: float | None) -> torch.Tensor:  # [kv_heads, n, rows, head_dim]
+    """Attention for a block of queries of ``n`` sequences, every key/value head and sequence one
+    matrix of one batch: ``q`` [kv_heads, n, queries * per_kv, head_dim] (scaled), ``k`` and ``v``
+    [kv_heads, n, keys, head_dim], ``hidden`` [n, queries, keys]."""
+    num_kv, n, rows, head_dim = q.shape
+    keys, tiles, batch = k.shape[2], k.shape[2] // KEY_TILE, num_kv * n
     padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    q = q.reshape(batch, rows, head_dim)
     if padded != rows:  # zero rows, left unmasked (a finite softmax), dropped at the end
-        q = torch.cat([q, q.new_zeros(n, padded - rows, head_dim)], dim=1)
-    scores = torch.bmm(q, k.transpose(1, 2))  # [n, padded, keys]
+        q = torch.cat([q, q.new_zeros(batch, padded - rows, head_dim)], dim=1)
+    scores = torch.bmm(q, k.reshape(batch, keys, head_dim).transpose(1, 2))  # [batch, padded, keys]
     if softcap is not None:  # elementwise: a score's value still depends on its own row alone
         scores = scores.div_(softcap).tanh_().mul_(softcap)
-    scores[:, :rows].view(n, rows // per_kv, per_kv, keys).masked_fill_(hidden[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n, padded, tiles, KEY_TILE).transpose(1, 2)
-    probs = probs.reshape(n * tiles, padded, KEY_TILE)  # [n * tiles, padded, KEY_TILE]
-    # v's tiles as a view: every call reads values in one layout (rows kv_heads * head_dim apart)
-    parts = torch.bmm(probs, v.view(n * tiles, KEY_TILE, head_dim))  # [n * tiles, padded, head_dim]
-    sums = parts.view(n, tiles, padded, head_dim).sum(dim=1)  # tile by tile
-    return sums[:, :rows].reshape(n, rows // per_kv, per_kv, head_dim)
+    real = scores.view(num_kv, n, padded, keys)[:, :, :rows]
+    real.view(num_kv, n, rows // per_kv, per_kv, keys).masked_fill_(hidden[None, :, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, padded, tiles, KEY_TILE).transpose(1, 2)
+    probs = probs.reshape(num_kv, n * tiles, padded, KEY_TILE)
+    # v's tiles as views, each [KEY_TILE, head_dim] with rows head_dim apart: one layout for every call
+    parts = probs.new_empty(num_kv, n * tiles, padded, head_dim)
+    if v.is_contiguous():
+        torch.bmm(probs.reshape(batch * tiles, padded, KEY_TILE), v.view(batch * tiles, KEY_TILE, head_dim),
+                  out=parts.view(batch * tiles, padded, head_dim))
+    else:  # a block over fewer keys than were gathered (one sequence): a head's tiles are still a view
+        for h in range(num_kv):
+            torch.bmm(probs[h], v[h].view(n * tiles, KEY_TILE, head_dim), out=parts[h])
+    sums = parts.view(batch, tiles, padded, head_dim).sum(dim=1)  # tile by tile
+    return sums[:, :rows].reshape(num_kv, n, rows, head_dim)
