@@ -12,9 +12,8 @@ model runner sorts a step's sequences by slot, so a segment is usually one run o
 take the transposed operands as they are (a BLAS call reads a matrix in either order); on a 2-core
 EPYC the 8B-shape gate/up pack was 3.6x faster to build this way than transposed into [in, R] and
 [R, out], and the products no slower. Each slice's expand multiplies its own B only: a block-diagonal
-B of all slices (one expand per segment) spends most of its products on zeros, and with the demo
-model's shapes cost a segment 28% more than the slices one by one (benchmarks/RESULTS.md, "The CPU
-LoRA path").
+B of all slices (one expand per segment) would spend the other slices' share of its products on
+zeros (two thirds of a q/k/v expand, half of a gate/up one).
 
 Batch invariance. A row's LoRA delta must be the same bits whatever else shares its step. Matmul
 libraries choose their kernel by the call's shape and threads (measured with MKL on a 2-core Xeon:
@@ -42,8 +41,9 @@ if TYPE_CHECKING:
     from kernels.lora_meta import LoraMeta
 
 # Rows per tile. A segment pays its last tile whole, and most segments are an adapter's few decode rows:
-# with the demo model's shapes (rank 16) on a 2-core EPYC, 8-row tiles cost a step of one adapter row
-# 22% less than 16-row tiles and a 128-row prefill 7% more (benchmarks/RESULTS.md, "The CPU LoRA path").
+# on a 2-core EPYC (demo model, whole steps) 8-row tiles cost decode steps over 4 adapters 11-12% less
+# LoRA time than 16-row tiles, and a 128-token prompt 7% more (benchmarks/RESULTS.md, "Attention and
+# LoRA per step").
 ROW_TILE = 8
 
 

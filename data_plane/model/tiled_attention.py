@@ -26,9 +26,9 @@ long prefill's queries go ``QUERY_BLOCK`` at a time, each block over the keys it
 Every key/value head of every sequence in a group is one matrix of the same batched matmuls (keys and
 values are gathered head-major, each head's keys one contiguous matrix), so a group costs the same
 few calls per layer whatever its heads: a matrix's shape and layout, and with them its sums, are
-those of one head's. On a 2-core EPYC (demo model, 3 key/value heads) that cut a layer's attention
-for 8 decodes by about a fifth and beside a 24-token prompt's chunk by about a quarter, against a
-call per head (benchmarks/RESULTS.md, "Attention and LoRA per step").
+those of one head's (benchmarks/RESULTS.md, "Attention and LoRA per step": with the demo model's 3
+key/value heads, base-model CPU steps 4-11% shorter than with a call per head, a prompt's chunk
+beside decodes the most).
 Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
 switch kernels with the shape as the projections' do).
 """
