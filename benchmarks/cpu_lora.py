@@ -59,11 +59,11 @@ def timed(engine, steps) -> float:
 
 
 def measure(tiles: list[int], steps: int) -> dict:
-    """Median ms per mix: its base-only step, and its step at each LoRA row tile (none given: the shipped
-    one), with this process's pod code."""
+    """Median ms per mix: its base-only step, and its step at each LoRA row tile and the shipped one, with
+    this process's pod code."""
     compute_on_one_thread(asyncio.new_event_loop())  # as a pod starts: the model thread's team is the only one
     shipped = cpu_lora.ROW_TILE
-    tiles = tiles or [shipped]
+    tiles = list(dict.fromkeys([*tiles, shipped]))
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         engine, slots = build_demo_engine(32, Path(tmp), "auto", available_cpus())

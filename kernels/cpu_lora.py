@@ -24,10 +24,13 @@ step agreed bitwise between any two. So there is one path, and each segment's ro
 exactly ``ROW_TILE`` rows as one batched matmul of tiles, on one thread: every call for a slot
 multiplies [ROW_TILE, in] by that slot's own matrices, and a row's result depends on its input and
 its adapter alone, not on the other rows, the other adapters, or how many rows the segment has.
-Because a row's result does not depend on the other rows of its tile, a run of rows is read in place
-with its neighbours in the step as the rest of its last tile, where the step has them (else zero rows
-pad it): no copy. LoRA's products are small (rank ≤ 64), so one thread costs little and spares the
-threads' hand-over on every call.
+That needs a row's result to depend neither on the other rows of its tile nor on its place in the
+tile (a lone decode row starts its tile in a short step and may sit anywhere in it in a long one), both
+tested at every place; it is also what lets a run of rows be read in place, with its neighbours in the
+step as the rest of its last tile where the step has them (else zero rows pad a copy). A tile read in
+place starts on a 64-byte boundary, as a copy does (BLAS may sum an unaligned operand's head apart).
+LoRA's products are small (rank ≤ 64), so one thread costs little and spares the threads' hand-over on
+every call.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 # LoRA time than 16-row tiles, and a 128-token prompt 7% more (benchmarks/RESULTS.md, "Attention and
 # LoRA per step").
 ROW_TILE = 8
+_ALIGN = 64  # bytes: where a tile read in place may start (torch's CPU allocations start on it too)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,12 @@ class PackedSlice:
     first: int  # columns first:last of the slot's shrunk product (rows of its stacked A)
     last: int
     b: torch.Tensor  # [hi - lo, last - first] float32
+    # b.T repeated (as a view) for a segment of that many tiles, the operand of its batched matmul
+    _batched: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def batched(self, tiles: int) -> torch.Tensor:
+        """[tiles, r, hi - lo]: ``b.T`` for each tile, a view."""
+        return _batched(self._batched, self.b, tiles)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,20 @@ class PackedSlot:
 
     a: torch.Tensor  # [R_slot, in_features] float32
     slices: tuple[PackedSlice, ...]
+    _batched: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def batched(self, tiles: int) -> torch.Tensor:
+        """[tiles, in_features, R_slot]: ``a.T`` for each tile, a view."""
+        return _batched(self._batched, self.a, tiles)
+
+
+def _batched(views: dict[int, torch.Tensor], weight: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``weight.T`` repeated ``tiles`` times along a new first dimension, as a view kept in ``views`` (a
+    step's segments mostly have one tile: the view is made once, not per call)."""
+    view = views.get(tiles)
+    if view is None:
+        view = views[tiles] = weight.T.expand(tiles, *weight.T.shape)
+    return view
 
 
 @dataclass
@@ -122,13 +146,12 @@ def lora_segmented(
         if packed is None:
             continue
         tiles, offset, rows = _tiles(x, meta, start, end, run)
-        n = end - start
-        a = packed.a.T  # [in_features, R_slot]
-        shrunk = torch.bmm(tiles, a.expand(tiles.shape[0], *a.shape))  # [tiles, ROW_TILE, R_slot]
+        n, k = end - start, tiles.shape[0]
+        shrunk = torch.bmm(tiles, packed.batched(k))  # [tiles, ROW_TILE, R_slot]
+        whole = len(packed.slices) == 1
         for s in packed.slices:
-            b = s.b.T  # [r, out_s]
-            delta = torch.bmm(shrunk[:, :, s.first : s.last], b.expand(tiles.shape[0], *b.shape))
-            delta = delta.view(-1, b.shape[1])[offset : offset + n]  # [n, out_s]
+            delta = torch.bmm(shrunk if whole else shrunk.narrow(2, s.first, s.last - s.first), s.batched(k))
+            delta = delta.view(-1, s.hi - s.lo)[offset : offset + n]  # [n, out_s]
             if isinstance(rows, slice) and y.dtype == torch.float32:  # y[rows] is a view: add in place
                 y[rows, s.lo : s.hi].add_(delta)
             else:
@@ -140,15 +163,15 @@ def _tiles(x: torch.Tensor, meta: LoraMeta, start: int, end: int,
     """A segment's rows of ``x`` as float32 tiles [tiles, ROW_TILE, in_features], where in the tiles its
     first row is, and its rows of the step. A run is read in place where the step has rows enough
     around it to fill its tiles (those rows' results are computed and dropped); scattered rows, or a
-    run in a step shorter than its tiles, are copied and padded with zero rows."""
+    run in a step shorter than its tiles or off a 64-byte boundary, are copied and padded with zero rows."""
     n = end - start
     padded = -(-n // ROW_TILE) * ROW_TILE
     rows = meta.segment_rows(start, end, run)
     window = min(run, x.shape[0] - padded) if isinstance(rows, slice) else -1
+    if window >= 0 and (x.stride(1) != 1 or (x.data_ptr() + window * x.stride(0) * x.element_size()) % _ALIGN):
+        window = -1  # not a run of whole rows on a 64-byte boundary: copied
     if window >= 0:
         xs, offset = x[window : window + padded], run - window
-    else:
-        xs, offset = x[rows], 0
-        if n < padded:
-            xs = torch.cat([xs, xs.new_zeros(padded - n, xs.shape[1])])
+    else:  # a new tensor, so on the boundary, even with no rows to pad
+        xs, offset = torch.cat([x[rows], x.new_zeros(padded - n, x.shape[1])]), 0
     return xs.float().reshape(-1, ROW_TILE, x.shape[1]), offset, rows

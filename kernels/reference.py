@@ -1,5 +1,5 @@
-"""Pure torch: multi-adapter LoRA (the CPU path) and paged attention, the oracles the Triton kernels
-are tested against.
+"""Pure torch: multi-adapter LoRA and paged attention, the oracles the Triton kernels and the CPU LoRA path
+(``kernels.cpu_lora``) are tested against.
 
 Layouts shared with the kernels (S = packed output slices of the layer, e.g. 3 for qkv):
     lora_a:  [S, max_loras, max_rank, in_features]   A of every slot, per slice

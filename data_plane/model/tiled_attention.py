@@ -24,9 +24,10 @@ Sequences are grouped by their number of new tokens (rounded up to a power of tw
 is padded to its own longest, so that a decode batch is not padded to a prefill chunk's length; a
 long prefill's queries go ``QUERY_BLOCK`` at a time, each block over the keys its last query sees.
 Every key/value head of every sequence in a group is one matrix of the same batched matmuls (keys and
-values are gathered head-major, each head's keys one contiguous matrix), so a group costs the same
-few calls per layer whatever its heads: a matrix's shape and layout, and with them its sums, are
-those of one head's (benchmarks/RESULTS.md, "Attention and LoRA per step": with the demo model's 3
+values are gathered head-major, each head's keys one contiguous matrix), so a group of short queries
+costs a few calls per layer whatever its heads (a long prompt's blocks, or heads whose scores would
+pass ``ATTENTION_BYTES``, take more); each matrix has one head's shape and layout in every call, and
+with them its sums (benchmarks/RESULTS.md, "Attention and LoRA per step": with the demo model's 3
 key/value heads, base-model CPU steps 4-11% shorter than with a call per head, a prompt's chunk
 beside decodes the most).
 Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
@@ -49,6 +50,10 @@ ROW_MULTIPLE = 8
 # A long prefill's queries are taken this many at a time, each block over the keys its last query sees
 # (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
 QUERY_BLOCK = 128
+# Working memory one call's heads may take (scores, probabilities, tile sums; float32): past it a group's
+# heads go a few at a time. All heads at once for a 128-query block of an 8-head model at 8k keys would
+# take about 0.7 GB.
+ATTENTION_BYTES = 64 << 20
 
 
 class SeqShare(Protocol):
@@ -144,7 +149,7 @@ def tiled_attention(
     per_kv = num_heads // num_kv
     out = q.new_zeros(num_tokens, num_heads * head_dim)  # rows of no group (padding) stay zero
     # the caches as one row per (slot, key/value head), gathered head-major: each head's keys one matrix
-    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)  # [slots * num_kv_heads, head_dim]
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)  # [slots * num_kv_heads, head_dim]
     heads = torch.arange(num_kv, device=q.device)[:, None]
     for g in groups:
         n, max_new = g.query_index.shape
@@ -159,20 +164,31 @@ def tiled_attention(
         index = (g.key_index.reshape(1, -1) * num_kv + heads).reshape(-1)  # [kv_heads * n * keys]
         k = k_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
         v = v_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
-        if len(g.block_keys) == 1:
-            attn = _attend(qg, k, v, hidden, per_kv, softcap)
-        else:  # a block over fewer keys than the group's, one sequence at a time
-            attn = qg.new_empty(num_kv, n, rows, head_dim)
-            for b, (i, block_keys) in itertools.product(range(n), enumerate(g.block_keys)):
-                q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, max_new)
-                attn[:, b : b + 1, q0 * per_kv : q1 * per_kv] = _attend(
-                    qg[:, b : b + 1, q0 * per_kv : q1 * per_kv], k[:, b : b + 1, :block_keys],
-                    v[:, b : b + 1, :block_keys], hidden[b : b + 1, q0:q1, :block_keys], per_kv, softcap)
+        # A block over fewer keys than the group's is taken one sequence at a time.
+        seqs = [slice(None)] if len(g.block_keys) == 1 else [slice(b, b + 1) for b in range(n)]
+        attn = qg.new_empty(num_kv, n, rows, head_dim)
+        for s, (i, block_keys) in itertools.product(seqs, enumerate(g.block_keys)):
+            q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, max_new)
+            together = _heads_per_call(num_kv, len(range(n)[s]), (q1 - q0) * per_kv, block_keys, head_dim)
+            for h0 in range(0, num_kv, together):
+                h = slice(h0, h0 + together)
+                attn[h, s, q0 * per_kv : q1 * per_kv] = _attend(
+                    qg[h, s, q0 * per_kv : q1 * per_kv], k[h, s, :block_keys], v[h, s, :block_keys],
+                    hidden[s, q0:q1, :block_keys], per_kv, softcap)
         # [n, max_new, kv_heads, per_kv, head_dim]: query head h is kv head h // per_kv, place h % per_kv
         attn = attn.view(num_kv, n, max_new, per_kv, head_dim).permute(1, 2, 0, 3, 4)
         attn = attn.reshape(n * max_new, num_heads * head_dim)
         out.index_copy_(0, g.tokens, attn.index_select(0, g.rows).to(out.dtype))
     return out
+
+
+def _heads_per_call(num_kv: int, n: int, rows: int, keys: int, head_dim: int) -> int:
+    """How many key/value heads one ``_attend`` call takes: all of them, unless their float32 scores,
+    probabilities and tile sums for ``n`` sequences' ``rows`` query rows over ``keys`` keys would pass
+    ``ATTENTION_BYTES``; then as many as fit, at least one. A head's matrices are the same in any call."""
+    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    per_head = 4 * n * padded * (2 * keys + keys // KEY_TILE * head_dim)
+    return max(1, min(num_kv, ATTENTION_BYTES // per_head))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,

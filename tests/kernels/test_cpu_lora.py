@@ -97,10 +97,29 @@ def test_a_rows_delta_is_the_same_bits_whatever_shares_its_step(layer):
 def test_a_segment_gathered_from_scattered_rows_gives_the_bits_of_one_run():
     p = _problem(QKV, [1] * 4, torch.float32, seed=14)
     packed = pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), QKV.offsets)
-    x = torch.randn(5, QKV.in_features, generator=torch.Generator().manual_seed(15))
-    run = _delta_of_row(x, [1, 1, 1, 1, -1], 2, packed, QKV.offsets[-1])
-    scattered = _delta_of_row(x, [1, -1, 1, 1, 1], 2, packed, QKV.offsets[-1])  # not one run: indexed
+    x = torch.randn(ROW_TILE + 5, QKV.in_features, generator=torch.Generator().manual_seed(15))
+    base = [-1] * (ROW_TILE + 1)
+    run = _delta_of_row(x, [1, 1, 1, 1, *base], 2, packed, QKV.offsets[-1])  # one run, read in place
+    scattered = _delta_of_row(x, [1, -1, 1, 1, 1, *base[1:]], 2, packed, QKV.offsets[-1])  # not one run: indexed
     assert torch.equal(run, scattered)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_rows_delta_is_the_same_bits_at_every_place_in_its_tile(dtype):
+    # a lone row of slot 2 at each row of a step of 2 * ROW_TILE: read in place, its tile is the step's
+    # last ROW_TILE rows once it is among them, so it sits at each place of the tile in turn; alone (a
+    # padded copy) it starts the tile
+    p = _problem(GATE_UP, [2], dtype, seed=18)
+    packed = pack_segments(p.lora_a, p.lora_b, p.ranks.tolist(), GATE_UP.offsets)
+    gen = torch.Generator().manual_seed(19)
+    mine = torch.randn(GATE_UP.in_features, generator=gen).to(dtype)
+    alone = _delta_of_row(mine[None], [2], 0, packed, GATE_UP.offsets[-1])
+    for at in range(2 * ROW_TILE):
+        x = torch.randn(2 * ROW_TILE, GATE_UP.in_features, generator=gen).to(dtype)
+        x[at] = mine
+        slots = [-1] * (2 * ROW_TILE)
+        slots[at] = 2
+        assert torch.equal(_delta_of_row(x, slots, at, packed, GATE_UP.offsets[-1]), alone), at
 
 
 def test_an_overflowing_adapter_does_not_reach_other_rows():

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data_plane.model import tiled_attention
 from data_plane.model.tiled_attention import KEY_TILE
 from data_plane.model.torch_attention import TorchAttention
 from tests.steps import SeqSlice, attention_inputs
@@ -15,13 +16,13 @@ from tests.tolerances import sum_atol
 BLOCK = 16
 
 
-def _attend(cache, seqs, qkv, window=None, heads=(9, 3)):
+def _attend(cache, seqs, qkv, window=None, heads=(9, 3), softcap=None):
     """Writes each sequence's new keys and values and returns its queries' outputs, in seqs order."""
     k_cache, v_cache = cache
     step = TorchAttention({window}).prepare(attention_inputs([SeqSlice(list(s.block_table), s.num_cached, s.num_new)
                                                               for s in seqs], BLOCK))
     q, k, v = (torch.cat(parts) for parts in zip(*qkv, strict=True))
-    return step(q, k, v, k_cache, v_cache, window, q.shape[-1] ** -0.5)
+    return step(q, k, v, k_cache, v_cache, window, q.shape[-1] ** -0.5, softcap)
 
 
 def _new(n: int, seed: int, heads=(9, 3), head_dim=64):
@@ -71,25 +72,48 @@ def test_a_decode_query_gives_the_same_bits_whatever_shares_its_step(heads):
         assert torch.equal(out, alone), others
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("chunks", [(20, 1, 16, 113), (1,) * 150, (5, 145), (KEY_TILE, 150 - KEY_TILE),
                                     (KEY_TILE + 1, KEY_TILE - 1, 150 - 2 * KEY_TILE)])
-def test_a_prompt_gives_the_same_bits_however_it_is_chunked(window, chunks):
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked(window, chunks, softcap):
     qkv = _new(150, 9)
-    whole = _attend(_cache(), [SeqSlice(range(10), 0, 150)], [qkv], window)
+    whole = _attend(_cache(), [SeqSlice(range(10), 0, 150)], [qkv], window, softcap=softcap)
     cache, parts, done = _cache(), [], 0
     for n in chunks:
-        parts.append(_attend(cache, [SeqSlice(range(10), done, n)], [tuple(t[done: done + n] for t in qkv)], window))
+        parts.append(_attend(cache, [SeqSlice(range(10), done, n)], [tuple(t[done: done + n] for t in qkv)], window,
+                             softcap=softcap))
         done += n
     assert torch.equal(torch.cat(parts), whole)
 
 
-def test_a_long_prefill_gives_the_same_bits_beside_another_long_prefill_and_decodes():
-    qkv = _new(150, 9)
-    alone = _attend(_cache(), [SeqSlice(range(10), 0, 150)], [qkv])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["gqa3", "mqa8"])
+def test_a_long_prefill_gives_the_same_bits_beside_another_long_prefill_and_decodes(heads):
+    qkv = _new(150, 9, heads)
+    alone = _attend(_cache(heads), [SeqSlice(range(10), 0, 150)], [qkv], heads=heads)
     seqs = [SeqSlice(range(10, 30), 100, 140), SeqSlice(range(10), 0, 150), SeqSlice(range(30, 40), 99, 1)]
-    together = _attend(_cache(), seqs, [_new(140, 10), qkv, _new(1, 11)])
+    together = _attend(_cache(heads), seqs, [_new(140, 10, heads), qkv, _new(1, 11, heads)], heads=heads)
     assert torch.equal(together[140:290], alone)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_heads_taken_a_few_at_a_time_give_the_bits_of_all_at_once(monkeypatch, softcap):
+    # past ATTENTION_BYTES a group's key/value heads go a few per call; each head's matrices are the same
+    seqs = [SeqSlice(range(3), 30, 1), SeqSlice(range(3, 6), 20, 1), SeqSlice(range(6, 16), 37, 5),
+            SeqSlice(range(16, 30), 0, 150)]
+    heads = (8, 4)
+    qkv = [_new(s.num_new, i, heads) for i, s in enumerate(seqs)]
+
+    def attend() -> torch.Tensor:
+        return _attend(_cache(heads), seqs, qkv, heads=heads, softcap=softcap)
+
+    together = attend()
+    calls = []
+    attend_heads = tiled_attention._attend
+    monkeypatch.setattr(tiled_attention, "_attend", lambda q, *rest: calls.append(q.shape[0]) or attend_heads(q, *rest))
+    monkeypatch.setattr(tiled_attention, "ATTENTION_BYTES", 1)
+    assert torch.equal(attend(), together)
+    assert calls and set(calls) == {1}, calls
 
 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa3", "mha", "mqa8"])
