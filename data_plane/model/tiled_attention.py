@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -75,6 +75,16 @@ class AttentionGroup:
     tokens: torch.Tensor  # [group tokens] its step token
     # keys that queries QUERY_BLOCK * i onwards (the next QUERY_BLOCK) may see, a multiple of KEY_TILE
     block_keys: tuple[int, ...]
+    _head_major: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def head_major(self, num_kv: int) -> torch.Tensor:
+        """[num_kv * seqs * keys]: the row of each (key/value head, key) in a cache viewed as [slots * num_kv,
+        head_dim], head by head; the same for every layer of the step, so made once."""
+        index = self._head_major.get(num_kv)
+        if index is None:
+            heads = torch.arange(num_kv, device=self.key_index.device)[:, None]
+            index = self._head_major[num_kv] = (self.key_index.reshape(1, -1) * num_kv + heads).reshape(-1)
+        return index
 
 
 def build_groups(seqs: Sequence[SeqShare], block_size: int, windows: set[int | None],
@@ -150,7 +160,6 @@ def tiled_attention(
     out = q.new_zeros(num_tokens, num_heads * head_dim)  # rows of no group (padding) stay zero
     # the caches as one row per (slot, key/value head), gathered head-major: each head's keys one matrix
     k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)  # [slots * num_kv_heads, head_dim]
-    heads = torch.arange(num_kv, device=q.device)[:, None]
     for g in groups:
         n, max_new = g.query_index.shape
         keys = g.key_index.shape[1]
@@ -161,7 +170,7 @@ def tiled_attention(
         rows = max_new * per_kv
         qg = qg.reshape(num_kv, n, rows, head_dim)
         # keys and values as gathered, [kv_heads, n, keys, head_dim]
-        index = (g.key_index.reshape(1, -1) * num_kv + heads).reshape(-1)  # [kv_heads * n * keys]
+        index = g.head_major(num_kv)
         k = k_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
         v = v_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
         # A block over fewer keys than the group's is taken one sequence at a time.
