@@ -62,11 +62,12 @@ def measure(tiles: list[int], steps: int) -> dict:
     """Median ms per mix: its base-only step, and its step at each LoRA row tile and the shipped one, with
     this process's pod code."""
     compute_on_one_thread(asyncio.new_event_loop())  # as a pod starts: the model thread's team is the only one
-    shipped = cpu_lora.ROW_TILE
-    tiles = list(dict.fromkeys([*tiles, shipped]))
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         engine, slots = build_demo_engine(32, Path(tmp), "auto", available_cpus())
+        rule = getattr(engine.model, "row_rule", None)  # the tile the pod probed (trees before it: the module's)
+        shipped = rule.lora_rows if rule is not None else cpu_lora.ROW_TILE
+        tiles = list(dict.fromkeys([*tiles, shipped]))
         runs = {}
         for name, mix in mixes(len(slots) - 1).items():
             runs[f"{name}|base"] = (shipped, batch(engine, slots[1:], [(None, *m[1:]) for m in mix]))
@@ -76,16 +77,24 @@ def measure(tiles: list[int], steps: int) -> dict:
             for measured in (False, True):  # a warm-up round, then the measured ones
                 for _ in range(steps if measured else 1):
                     for key, (tile, steps_of) in runs.items():
-                        cpu_lora.ROW_TILE = tile
+                        use_tile(engine, tile)
                         seconds = engine.on_model_thread(timed, engine, steps_of)
                         if measured:
                             times.setdefault(key, []).append(seconds)
         finally:
-            cpu_lora.ROW_TILE = shipped
+            use_tile(engine, shipped)
         precision = engine.model.precision.value
         names = list(mixes(len(slots) - 1))
     return {"shipped": shipped, "precision": precision, "mixes": names,
             "ms": {key: statistics.median(t) * 1e3 for key, t in times.items()}}
+
+
+def use_tile(engine, tile: int) -> None:
+    """The LoRA path's row tile set to ``tile`` in every layer (in trees before the probed tile, the module's)."""
+    cpu_lora.ROW_TILE = tile
+    for layer in engine.lora.layers.values():
+        if hasattr(layer.backend, "use_row_tile"):  # a tree older than the probed tile has no such method
+            layer.backend.use_row_tile(tile)
 
 
 def run_in(tree: Path, tiles: list[int], steps: int) -> dict:

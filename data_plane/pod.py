@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from data_plane.lora.fetcher import AdapterFetcher
 from data_plane.lora.peft_adapter import AdapterLimits
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.metrics import PodMetrics
-from data_plane.model import LlamaForCausalLM, cpu_linear, load_model
+from data_plane.model import LlamaForCausalLM, cpu_linear, load_model, row_rule
 from data_plane.model.attention import KVCache
 from data_plane.model.demo_model import ensure_demo_model
 from data_plane.model.precision import AUTO, Precision, load_dtype
@@ -58,6 +59,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                        config.max_num_batched_tokens, roots,
                        AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),
                        fetcher)
+    if device.type == "cpu":
+        use_row_rule(model, lora, config.max_lora_rank)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,
@@ -96,6 +99,27 @@ def set_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> P
                          f"{model.head_weight.device.type} cannot compute in {precision.value}")
     log.info("precision", extra={"precision": model.precision.value, "reason": reason, **timings})
     return model.precision
+
+
+def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, max_rank: int) -> row_rule.RowRule:
+    """Probes which row tiles keep a row's bits on this CPU, in the model's own shapes and its LoRA layers'
+    at ranks up to ``max_rank`` (``row_rule.probe``), makes the model and its LoRA layers use them, and
+    returns them, logged (a warning where a path has no invariant tiling here)."""
+    c = model.config
+    shapes = [row_rule.LoraShape(w.base.in_features, tuple(w.base.slices.values())) for w in lora.layers.values()]
+    started = time.perf_counter()
+    rule = row_rule.probe([w for w, _ in model.matmul_weights()], model.precision.matmul_dtype, model.head_weight,
+                          shapes, max_rank, c.head_dim, c.num_heads // c.num_kv_heads)
+    model.use_row_rule(rule)
+    for layer in lora.layers.values():
+        layer.backend.use_row_tile(rule.lora_rows)
+    extra = {"row_rule": rule.describe(), "probe_s": round(time.perf_counter() - started, 3)}
+    if rule.broken:
+        log.warning("no row tiling keeps every row's bits on this CPU: a request's tokens may depend on what "
+                    "shares its step", extra=extra)
+    else:
+        log.info("row tiles", extra=extra)
+    return rule
 
 
 def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> int:

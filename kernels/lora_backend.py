@@ -47,6 +47,10 @@ class LoraBackend(Protocol):
     def slot_changed(self, slot: int) -> None:
         """The layer rewrote ``slot``: the next ``apply`` reads its new weights."""
 
+    def use_row_tile(self, row_tile: int) -> None:
+        """A CPU path's rows go ``row_tile`` at a time from the next ``apply`` on (the rule a pod probes at
+        start-up, ``data_plane.model.row_rule``); paths that do not tile rows ignore it."""
+
 
 def lora_backend(slots: LoraSlots) -> LoraBackend:
     """The backend for the device the slots live on."""
@@ -72,18 +76,27 @@ class TritonBackend:
     def slot_changed(self, slot: int) -> None:
         pass
 
+    def use_row_tile(self, row_tile: int) -> None:
+        pass  # each kernel program reads its own rows: nothing is tiled
+
 
 class CpuBackend:
     """The CPU path (``kernels.cpu_lora``) on one thread, over a packed copy of the slots that follows
     each changed slot before the next step reads it."""
 
-    def __init__(self, slots: LoraSlots) -> None:
+    def __init__(self, slots: LoraSlots, row_tile: int = cpu_lora.ROW_TILE) -> None:
         self.slots = slots
+        self.row_tile = row_tile  # rows of every tile of the CPU path (``cpu_lora.ROW_TILES``)
         self._pack: cpu_lora.SegmentPack | None = None  # None: not built yet
         self._stale_slots: set[int] = set()  # slots changed since the pack was last brought up to date
 
     def slot_changed(self, slot: int) -> None:
         self._stale_slots.add(slot)
+
+    def use_row_tile(self, row_tile: int) -> None:
+        """Tiles of ``row_tile`` rows from the next ``apply`` on (the pack is rebuilt for them)."""
+        self.row_tile, self._pack = row_tile, None
+        self._stale_slots.clear()
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
         with intra_op_threads(1):
@@ -93,7 +106,7 @@ class CpuBackend:
         """The packed copy of the slots as they are now."""
         sl = self.slots
         if self._pack is None:
-            self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets)
+            self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, self.row_tile)
         else:
             for slot in sorted(self._stale_slots):
                 cpu_lora.update_slot(self._pack, sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)

@@ -78,13 +78,15 @@ class AttentionBackend(Protocol):
         """What the layers of one step call; runs once per forward, without syncing with the host."""
 
 
-def attention_backend(device: torch.device | str, windows: set[int | None]) -> AttentionBackend:
+def attention_backend(device: torch.device | str, windows: set[int | None],
+                      row_multiple: int | None = None) -> AttentionBackend:
     """The backend for ``device``: the Triton paged kernels on CUDA, tiled attention elsewhere;
-    ``windows``: the sliding windows of the model's layers (None: full attention)."""
+    ``windows``: the sliding windows of the model's layers (None: full attention); ``row_multiple``: the
+    query rows tiled attention's matmuls compute a multiple of (default: ``tiled_attention.ROW_MULTIPLE``)."""
     if torch.device(device).type == "cuda":
         from data_plane.model.triton_attention import TritonAttention  # Triton: the `cuda` extra
 
         return TritonAttention()
     from data_plane.model.torch_attention import TorchAttention
 
-    return TorchAttention(windows)
+    return TorchAttention(windows) if row_multiple is None else TorchAttention(windows, row_multiple)

@@ -74,15 +74,15 @@ def bfloat16_supported() -> bool:
     return onednn_serves(torch.bfloat16)
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> CpuWeight:
-    """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's):
-    reordered by oneDNN where it serves ``dtype``, else kept plain (then each tile runs a plain
-    matmul: still one shape per call, only slower)."""
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None) -> CpuWeight:
+    """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's) in tiles
+    of ``rows`` rows (default: ``ROW_TILES[dtype]``): reordered by oneDNN where it serves ``dtype``, else kept
+    plain (then each tile runs a plain matmul: still one shape per call, only slower)."""
     dtype = dtype or weight.dtype
+    rows = rows or ROW_TILES[dtype]
     if onednn_serves(dtype):
-        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), ROW_TILES[dtype]), dtype,
-                         ROW_TILES[dtype], True)
-    return CpuWeight(weight.to(dtype).contiguous(), dtype, ROW_TILES[dtype], False)
+        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True)
+    return CpuWeight(weight.to(dtype).contiguous(), dtype, rows, False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

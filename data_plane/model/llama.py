@@ -21,6 +21,7 @@ from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCach
 from data_plane.model.config import ModelConfig
 from data_plane.model.precision import Precision
 from data_plane.model.rope import RotaryEmbedding
+from data_plane.model.row_rule import RowRule
 
 
 @dataclass(frozen=True)
@@ -184,12 +185,13 @@ class LlamaForCausalLM(nn.Module):
         self._packed_head: cpu_linear.CpuWeight | None = None
         self.attention: AttentionBackend = attention_backend("cpu", self.windows)
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
+        self.row_rule: RowRule | None = None  # the CPU row tiles in use, once probed (``use_row_rule``)
 
     def use_device(self, device: torch.device | str) -> None:
         """Builds what depends on the device the weights now live on: rotary tables, attention backend."""
         for rotary in self.rotaries:
             rotary.build(device)
-        self.attention = attention_backend(device, self.windows)
+        self.attention = attention_backend(device, self.windows, self.row_rule and self.row_rule.attention_rows)
         scale = self.config.embed_scale  # rounded to the weights' dtype first, as Gemma does
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
 
@@ -224,13 +226,24 @@ class LlamaForCausalLM(nn.Module):
     def prepack_cpu_weights(self, matmul_dtype: torch.dtype | None = None) -> None:
         """On CPU, gives every projection a fixed-tile copy of its weight taking its operands in
         ``matmul_dtype`` (default: the weights' dtype), and the output head one in the weights' dtype (its
-        logits are the returned log-probabilities); see ``cpu_linear``. Call once the weights are final."""
+        logits are the returned log-probabilities); see ``cpu_linear``. The tiles are ``row_rule``'s once it
+        is set, else ``cpu_linear.ROW_TILES``'. Call once the weights are final."""
         if self.head_weight.device.type != "cpu":
             return
+        rule = self.row_rule
         for module in self.modules():
             if isinstance(module, Projection):
-                module.packed = cpu_linear.pack(module.weight, matmul_dtype)
-        self._packed_head = cpu_linear.pack(self.head_weight)
+                module.packed = cpu_linear.pack(module.weight, matmul_dtype, rule and rule.projection_rows)
+        self._packed_head = cpu_linear.pack(self.head_weight, None, rule and rule.head_rows)
+
+    def use_row_rule(self, rule: RowRule) -> None:
+        """On CPU, runs the projections, the head and attention in ``rule``'s tiles from now on (the rule a
+        pod probes at start-up, ``row_rule.probe``)."""
+        if self.head_weight.device.type != "cpu":
+            return
+        self.row_rule = rule
+        self.prepack_cpu_weights(self.precision.matmul_dtype)
+        self.attention = attention_backend("cpu", self.windows, rule.attention_rows)
 
     @property
     def row_tile(self) -> int:

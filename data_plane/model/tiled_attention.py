@@ -45,8 +45,10 @@ import torch
 
 KEY_TILE = 64
 # Every matmul computes a multiple of this many query rows (query heads of a key/value head, times
-# queries); a decode's rows (its query heads per key/value head) are padded to it.
-ROW_MULTIPLE = 8
+# queries); a decode's rows (its query heads per key/value head) are padded to it. The candidates, the
+# cheapest first: a pod takes the first that keeps a row's bits on its CPU (``row_rule``).
+ROW_MULTIPLES = (8, 16, 32)
+ROW_MULTIPLE = ROW_MULTIPLES[0]
 # A long prefill's queries are taken this many at a time, each block over the keys its last query sees
 # (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
 QUERY_BLOCK = 128
@@ -150,10 +152,12 @@ def tiled_attention(
     window: int | None,
     scale: float,
     softcap: float | None = None,
+    row_multiple: int = ROW_MULTIPLE,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     """``softmax(q·scale kᵀ, masked causally and to ``window``) v`` for every token over its own
     sequence's keys, query head h reading key/value head h // (num_heads // num_kv_heads); with
-    ``softcap``, the scores are ``softcap·tanh(scores / softcap)`` before the mask."""
+    ``softcap``, the scores are ``softcap·tanh(scores / softcap)`` before the mask. Every matmul computes a
+    multiple of ``row_multiple`` query rows."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     per_kv = num_heads // num_kv
@@ -178,12 +182,13 @@ def tiled_attention(
         attn = qg.new_empty(num_kv, n, rows, head_dim)
         for s, (i, block_keys) in itertools.product(seqs, enumerate(g.block_keys)):
             q0, q1 = i * QUERY_BLOCK, min((i + 1) * QUERY_BLOCK, max_new)
-            together = _heads_per_call(num_kv, len(range(n)[s]), (q1 - q0) * per_kv, block_keys, head_dim)
+            together = _heads_per_call(num_kv, len(range(n)[s]), (q1 - q0) * per_kv, block_keys, head_dim,
+                                       row_multiple)
             for h0 in range(0, num_kv, together):
                 h = slice(h0, h0 + together)
                 attn[h, s, q0 * per_kv : q1 * per_kv] = _attend(
                     qg[h, s, q0 * per_kv : q1 * per_kv], k[h, s, :block_keys], v[h, s, :block_keys],
-                    hidden[s, q0:q1, :block_keys], per_kv, softcap)
+                    hidden[s, q0:q1, :block_keys], per_kv, softcap, row_multiple)
         # [n, max_new, kv_heads, per_kv, head_dim]: query head h is kv head h // per_kv, place h % per_kv
         attn = attn.view(num_kv, n, max_new, per_kv, head_dim).permute(1, 2, 0, 3, 4)
         attn = attn.reshape(n * max_new, num_heads * head_dim)
@@ -191,23 +196,23 @@ def tiled_attention(
     return out
 
 
-def _heads_per_call(num_kv: int, n: int, rows: int, keys: int, head_dim: int) -> int:
+def _heads_per_call(num_kv: int, n: int, rows: int, keys: int, head_dim: int, row_multiple: int) -> int:
     """How many key/value heads one ``_attend`` call takes: all of them, unless their float32 scores,
     probabilities and tile sums for ``n`` sequences' ``rows`` query rows over ``keys`` keys would pass
     ``ATTENTION_BYTES``; then as many as fit, at least one. A head's matrices are the same in any call."""
-    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    padded = -(-rows // row_multiple) * row_multiple
     per_head = 4 * n * padded * (2 * keys + keys // KEY_TILE * head_dim)
     return max(1, min(num_kv, ATTENTION_BYTES // per_head))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-            per_kv: int, softcap: float | None) -> torch.Tensor:  # [kv_heads, n, rows, head_dim]
+            per_kv: int, softcap: float | None, row_multiple: int) -> torch.Tensor:  # [kv_heads, n, rows, head_dim]
     """Attention for a block of queries of ``n`` sequences, every key/value head and sequence one
     matrix of one batch: ``q`` [kv_heads, n, queries * per_kv, head_dim] (scaled), ``k`` and ``v``
     [kv_heads, n, keys, head_dim], ``hidden`` [n, queries, keys]."""
     num_kv, n, rows, head_dim = q.shape
     keys, tiles, batch = k.shape[2], k.shape[2] // KEY_TILE, num_kv * n
-    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    padded = -(-rows // row_multiple) * row_multiple
     q = q.reshape(batch, rows, head_dim)
     if padded != rows:  # zero rows, left unmasked (a finite softmax), dropped at the end
         q = torch.cat([q, q.new_zeros(batch, padded - rows, head_dim)], dim=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.model.attention import AttentionInputs
-from data_plane.model.tiled_attention import AttentionGroup, build_groups, tiled_attention
+from data_plane.model.tiled_attention import ROW_MULTIPLE, AttentionGroup, build_groups, tiled_attention
 
 
 @dataclass(frozen=True)
@@ -29,23 +29,27 @@ class TiledAttention:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot that receives each new token
     groups: tuple[AttentionGroup, ...]
+    row_multiple: int  # every matmul computes a multiple of this many query rows
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
-        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale, softcap)
+        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale, softcap, self.row_multiple)
 
 
 class TorchAttention:
-    """``windows`` are the sliding windows the model's layers use (None: full)."""
+    """``windows`` are the sliding windows the model's layers use (None: full); every matmul computes a
+    multiple of ``row_multiple`` query rows (``tiled_attention.ROW_MULTIPLES``)."""
 
-    def __init__(self, windows: set[int | None]) -> None:
+    def __init__(self, windows: set[int | None], row_multiple: int = ROW_MULTIPLE) -> None:
         self.windows = set(windows)
+        self.row_multiple = row_multiple
 
     def prepare(self, inputs: AttentionInputs) -> TiledAttention:
         starts, lens = inputs.query_start.tolist(), inputs.seq_lens.tolist()  # host tensors on a CPU pod
         # Padding sequences (no context) come last and are left out: their rows stay zero.
         shares = [_Share(inputs.block_tables[b], lens[b] - (starts[b + 1] - starts[b]), starts[b + 1] - starts[b])
                   for b in range(len(lens)) if lens[b] > 0]
-        return TiledAttention(inputs.slot_mapping, build_groups(shares, inputs.block_size, self.windows))
+        return TiledAttention(inputs.slot_mapping, build_groups(shares, inputs.block_size, self.windows),
+                              self.row_multiple)

@@ -20,6 +20,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.engine.sequence import SamplingParams
 from data_plane.metrics import PodMetrics
 from data_plane.model.config import ModelConfig
+from data_plane.model.llama import Projection
 from data_plane.model.precision import Precision
 from data_plane.pod import build_engine
 from tests.data_plane.conftest import ADAPTERS, SEED, TINY
@@ -78,6 +79,26 @@ def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dty
     same = sum(a == t for a, t in zip(alone, together, strict=True))
     assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {precision.value} (seed {SEED})"
     assert len({tuple(t for t, _, _ in answer) for answer in alone}) > NUM_REQUESTS // 2, "answers barely differ"
+
+
+def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_files):
+    from data_plane.servicers.admin import pod_state
+
+    model_dir, root, _ = tiny_pod_files
+    config = DataPlaneConfig(model=model_dir, dtype="float32", adapter_roots=(root,), max_loras=len(ADAPTERS),
+                             max_cpu_loras=len(ADAPTERS), max_lora_rank=32, num_kv_blocks=16)
+
+    async def run():
+        engine = build_engine(config, PodMetrics())
+        rule = engine.model.row_rule
+        assert rule is not None and not rule.broken, rule and rule.describe()
+        projections = [m.packed.rows for m in engine.model.modules() if isinstance(m, Projection)]
+        assert projections and set(projections) == {rule.projection_rows}
+        assert {layer.backend.row_tile for layer in engine.lora.layers.values()} == {rule.lora_rows}
+        assert engine.model.attention.row_multiple == rule.attention_rows
+        assert pod_state(engine, "pod-0", "tiny").row_rule == rule.describe()
+
+    asyncio.run(run())
 
 
 def test_float32_named_equals_transformers_and_peft_in_float32(tiny_pod_files):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu_lora import ROW_TILE, lora_segmented, pack_segments, update_slot
+from kernels.cpu_lora import ROW_TILE, SHRINK_COLUMNS, lora_segmented, pack_segments, update_slot
 from kernels.lora_backend import intra_op_threads
 from kernels.lora_meta import LoraMetaBuilder
 from tests.kernels.test_lora_kernels import LAYERS, MIXES, QKV, Layer, _mix, _problem
@@ -143,7 +143,9 @@ def test_the_pack_holds_real_ranks_only_and_each_adapted_slice_on_its_own():
     assert sorted(packed.slots) == [slot for slot in range(5) if any(ranks[s][slot] for s in range(3))]
     for slot, ps in packed.slots.items():
         adapted = [s for s in range(3) if ranks[s][slot]]
-        assert ps.a.shape == (sum(ranks[s][slot] for s in adapted), QKV.in_features)
+        real = sum(ranks[s][slot] for s in adapted)
+        assert ps.a.shape == (max(real, SHRINK_COLUMNS), QKV.in_features)
+        assert not ps.a[real:].any(), "rows past the ranks are zero (the shrink's columns are never fewer)"
         assert [(sl.lo, sl.hi) for sl in ps.slices] == [(QKV.offsets[s], QKV.offsets[s + 1]) for s in adapted]
         c = 0
         for s, sl in zip(adapted, ps.slices, strict=True):

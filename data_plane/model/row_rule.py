@@ -1,0 +1,184 @@
+"""Which row tiling keeps a row's bits on this CPU, measured on it at start-up.
+
+A CPU pod promises that a request's tokens do not depend on what shares its step. Each of its matmul
+paths therefore runs in calls whose shapes do not depend on the step: projections in tiles of a fixed
+number of rows (``cpu_linear``), the LoRA shrink and expand in tiles of a fixed number of rows
+(``kernels.cpu_lora``), attention's score and value products over a multiple of a fixed number of query
+rows (``tiled_attention``). That is enough only if, within such a call, a row's result depends neither on
+the other rows nor on its place among them, nor on how many tiles one call batches. Whether it does is
+the matmul library's choice, made per CPU: on a 2-core AMD EPYC 8-row LoRA tiles kept every row's bits;
+on a 2-core Xeon with AMX an 8-row tile summed a rank-2 shrink ([8, 64] @ [64, 2]) differently at each
+place of the tile, and 16-row tiles did not.
+
+So the pod does not trust a rule measured elsewhere: ``probe`` runs each path's own code on this machine,
+in the model's shapes, over every candidate tile (the cheapest first), and keeps the first under which
+every row came out the same bits alone, at each place of its tile, beside other rows and in a call of
+several tiles. If no candidate holds for a path it says so (``RowRule.broken``) and keeps the largest;
+the pod logs it, and ``tests/model/test_row_rule.py`` runs the same probe so that such a CPU fails in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from data_plane.model import cpu_linear, tiled_attention
+from kernels import cpu_lora
+
+# Each path's candidates, the cheapest first.
+PROJECTION_ROWS = {dtype: (rows, 2 * rows) for dtype, rows in cpu_linear.ROW_TILES.items()}
+LORA_ROWS = cpu_lora.ROW_TILES
+ATTENTION_ROWS = tiled_attention.ROW_MULTIPLES
+# LoRA ranks probed: every rank up to this (small products are where a library switches kernels by
+# shape), then every eighth rank and the largest.
+EVERY_RANK_UP_TO = 64
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """The tiles a CPU pod runs its matmul paths in."""
+
+    projection_rows: int  # rows of every projection's tile
+    head_rows: int  # rows of every output-head tile (the head takes the weights' dtype)
+    lora_rows: int  # rows of every LoRA tile
+    attention_rows: int  # every attention matmul computes a multiple of this many query rows
+    broken: tuple[str, ...] = ()  # paths for which no candidate held (each with what broke it)
+
+    def describe(self) -> str:
+        """One line for the pod's log and GetState."""
+        text = (f"projections {self.projection_rows} rows, head {self.head_rows}, LoRA {self.lora_rows}, "
+                f"attention a multiple of {self.attention_rows}")
+        return text + (f"; NOT INVARIANT: {'; '.join(self.broken)}" if self.broken else "")
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """A LoRA layer as the probe needs it: its input width and its slices' output widths."""
+
+    in_features: int
+    outs: tuple[int, ...]
+
+
+def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: torch.Tensor,
+          lora: Sequence[LoraShape], max_rank: int, head_dim: int, per_kv: int) -> RowRule:
+    """The cheapest rule under which every path keeps a row's bits on this CPU: ``projections`` (one [out,
+    in] weight per shape) with operands in ``matmul_dtype``, the output ``head`` [vocab, hidden] in its own
+    dtype, the LoRA layers ``lora`` at ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv``
+    query heads per key/value head. Deterministic inputs; the LoRA path on one thread, as it runs."""
+    broken: list[str] = []
+
+    def first(path: str, candidates: Sequence[int], breaks: Callable[[int], str | None]) -> int:
+        found = []
+        for rows in candidates:
+            failure = breaks(rows)
+            if failure is None:
+                return rows
+            found.append(f"{rows} rows: {failure}")
+        broken.append(f"{path} ({', '.join(found)})")
+        return candidates[-1]
+
+    projection = first("projections", PROJECTION_ROWS[matmul_dtype],
+                       lambda rows: _projection_breaks(projections, matmul_dtype, rows))
+    head_rows = first("output head", PROJECTION_ROWS[head.dtype],
+                      lambda rows: _projection_breaks([head], head.dtype, rows))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lora_rows = first("LoRA", LORA_ROWS, lambda rows: _lora_breaks(lora, max_rank, rows))
+    finally:
+        torch.set_num_threads(before)
+    attention = first("attention", ATTENTION_ROWS, lambda rows: _attention_breaks(head_dim, per_kv, rows))
+    return RowRule(projection, head_rows, lora_rows, attention, tuple(broken))
+
+
+def _inputs(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, rows: int) -> str | None:
+    """Where ``cpu_linear.linear`` in ``rows``-row tiles gave a row other bits, or None."""
+    for weight in weights:
+        packed = cpu_linear.pack(weight, dtype, rows)
+        x = _inputs(3 * rows, weight.shape[1], rows, weight.dtype)
+        def run(t: torch.Tensor) -> torch.Tensor:
+            return cpu_linear.linear(t, weight, None, packed)
+        failure = _row_breaks(run, x, rows)
+        if failure:
+            return f"[{weight.shape[0]}, {weight.shape[1]}] {failure}"
+    return None
+
+
+def _row_breaks(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> str | None:
+    """Whether ``run`` (rows in, the same rows out) gives each row of ``x`` [3 * rows, in] the bits it
+    gives it: in a call of several tiles, at another place of its tile, beside other rows, alone."""
+    whole = run(x)
+    if not torch.equal(run(x.roll(1, 0)).roll(-1, 0), whole):
+        return "a row's place in its tile changed its bits"
+    if not torch.equal(run(x[rows : 2 * rows]), whole[rows : 2 * rows]):
+        return "the tiles of one call changed a row's bits"
+    for row in (0, rows // 2 + 1, rows - 1):
+        if not torch.equal(run(x[row : row + 1]), whole[row : row + 1]):
+            return f"a row alone (place {row}) got other bits"
+    return None
+
+
+def _lora_shapes(lora: Sequence[LoraShape], max_rank: int) -> list[tuple[LoraShape, tuple[int, ...]]]:
+    """(layer, ranks of its slices) to probe: each rank on the first slice alone and on every slice."""
+    ranks = sorted({*range(1, min(max_rank, EVERY_RANK_UP_TO) + 1), *range(8, max_rank + 1, 8), max_rank})
+    shapes = []
+    for layer in set(lora):
+        for r in ranks:
+            shapes.append((layer, (r,) + (0,) * (len(layer.outs) - 1)))
+            if len(layer.outs) > 1:
+                shapes.append((layer, (r,) * len(layer.outs)))
+    return shapes
+
+
+def _lora_breaks(lora: Sequence[LoraShape], max_rank: int, rows: int) -> str | None:
+    """Where ``cpu_lora.tile_products`` in ``rows``-row tiles gave a row other bits, or None."""
+    for layer, ranks in _lora_shapes(lora, max_rank):
+        slot = _slot(layer, ranks)
+        x = _inputs(3 * rows, layer.in_features, sum(ranks))
+        def run(t: torch.Tensor, slot: cpu_lora.PackedSlot = slot) -> torch.Tensor:
+            padded = -(-t.shape[0] // rows) * rows  # a short call is padded with zero rows, as a segment is
+            tiles = torch.cat([t, t.new_zeros(padded - t.shape[0], t.shape[1])]).view(-1, rows, t.shape[1])
+            products = cpu_lora.tile_products(tiles, slot)
+            return torch.cat([p.reshape(padded, -1) for p in products], dim=1)[: t.shape[0]]
+        failure = _row_breaks(run, x, rows)
+        if failure:
+            return f"in {layer.in_features}, out {list(layer.outs)}, ranks {list(ranks)}: {failure}"
+    return None
+
+
+def _slot(layer: LoraShape, ranks: tuple[int, ...]) -> cpu_lora.PackedSlot:
+    gen = torch.Generator().manual_seed(len(ranks) * 1000 + sum(ranks))
+    offsets = [0]
+    for out in layer.outs:
+        offsets.append(offsets[-1] + out)
+    a = [torch.randn(r, layer.in_features, generator=gen) for r in ranks]
+    b = [torch.randn(out, r, generator=gen) for out, r in zip(layer.outs, ranks, strict=True)]
+    return cpu_lora.packed_slot(a, b, offsets)
+
+
+def _attention_breaks(head_dim: int, per_kv: int, rows: int) -> str | None:
+    """Where ``tiled_attention``'s products over a multiple of ``rows`` query rows gave a query other bits:
+    a query's output alone (a decode) against the same query among others (of one sequence and of several,
+    few and many queries, one and two key/value heads), over 1 and 3 key tiles."""
+    tile = tiled_attention.KEY_TILE
+    gen = torch.Generator().manual_seed(rows)
+    for keys in (tile, 3 * tile):
+        k, v = (torch.randn(2, 3, keys, head_dim, generator=gen) for _ in range(2))
+        q = torch.randn(2, 3, 40 * per_kv, head_dim, generator=gen)
+
+        def attend(heads: int, seqs: int, queries: int) -> torch.Tensor:
+            hidden = torch.zeros(seqs, queries, keys, dtype=torch.bool)
+            return tiled_attention._attend(q[:heads, :seqs, : queries * per_kv], k[:heads, :seqs], v[:heads, :seqs],
+                                           hidden, per_kv, None, rows)
+
+        alone = attend(1, 1, 1)
+        for heads, seqs, queries in ((1, 1, 3), (2, 3, 1), (2, 3, 40), (1, 1, 40)):
+            if not torch.equal(attend(heads, seqs, queries)[0, 0, :per_kv], alone[0, 0]):
+                return f"{keys} keys: a query among {heads * seqs * queries * per_kv} rows got other bits"
+    return None
