@@ -20,10 +20,11 @@ from data_plane.pod import build_engine
 async def local_engine(model: Path | None = None, adapter_roots: tuple[Path, ...] = (), device: str = "cpu",
                        dtype: str = "float32", max_num_seqs: int = 1, max_loras: int = 1) -> AsyncIterator[Engine]:
     """A started engine on ``model`` (default: the demo model) resolving adapters under ``adapter_roots``,
-    with ``max_loras`` adapter slots (one per adapter that may run in the same batch)."""
+    with ``max_loras`` adapter slots (one per adapter that may run in the same batch). It queues every
+    request its caller sends (no --max-queue-delay): there is no other pod a refused one could go to."""
     config = DataPlaneConfig(model=model, device=device, dtype=dtype, max_loras=max_loras, max_cpu_loras=max_loras,
                              max_lora_rank=64, adapter_roots=adapter_roots, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=512, num_kv_blocks=0)
+                             max_num_batched_tokens=512, num_kv_blocks=0, max_queue_delay_s=0)
     engine = build_engine(config, PodMetrics())
     engine.start()
     try:

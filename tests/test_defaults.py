@@ -14,6 +14,7 @@ import yaml
 
 from cli.admin_client import control_plane_target
 from cli.main import build_parser as cli_parser
+from cli.main import main as cli_main
 from cli.up.config import config_from_args as up_config
 from control_plane.config import build_parser as control_plane_parser
 from conventions import defaults
@@ -100,6 +101,16 @@ def test_up_starts_the_servers_the_command_line_dials(tmp_path):
         == (defaults.CONTROL_PLANE_ENDPOINT, defaults.POD_ENDPOINT, defaults.ROUTER_ENDPOINT)
     assert (stack.device, stack.dtype, stack.max_loras) == (defaults.DEVICE, defaults.DTYPE, defaults.MAX_LORAS)
     assert stack.resolved_token_file == default_token_file() == tmp_path.resolve() / "up" / "admin-token"
+
+
+def test_ups_one_pod_queues_a_burst_that_a_fleet_pod_would_refuse(capsys):
+    # a fleet pod refuses what it cannot start within --max-queue-delay, for the router to retry elsewhere;
+    # up's stack has no elsewhere, so its pod queues (a 2-core CPU pod refused one of a handful of questions)
+    assert up_config(cli_parser().parse_args(["up"])).max_queue_delay_s == 0
+    assert DataPlaneConfig(model=None).max_queue_delay_s > 0
+    with pytest.raises(SystemExit):
+        cli_main(["up", "--help"])
+    assert "--max-queue-delay (default 0.0: no limit." in " ".join(capsys.readouterr().out.split())
 
 
 def test_engine_limits_have_no_defaults_of_their_own():

@@ -33,6 +33,10 @@ class StackConfig:
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
     max_loras: int = defaults.MAX_LORAS
+    # The pod's --max-queue-delay. A fleet pod refuses a request it could not start in time so that the
+    # router retries it on another pod; the stack's one pod has no other, so by default it queues instead
+    # (a 2-core CPU pod at the fleet default of 1.5 s refused one of a handful of concurrent questions).
+    max_queue_delay_s: float = 0.0
     adapter_roots: tuple[Path, ...] = ()
     token_file: Path | None = None  # None: data_dir/admin-token, generated when missing
     redis_server: str | None = None
@@ -46,6 +50,9 @@ class StackConfig:
                 raise StackError(f"{flag} {port} is not a TCP port; use 1-65535")
         if len(set(ports.values())) != len(ports):
             raise StackError(f"the ports must all differ: {', '.join(f'{k} {v}' for k, v in ports.items())}")
+        if not 0 <= self.max_queue_delay_s < float("inf"):
+            raise StackError(f"--max-queue-delay must be 0 (no limit) or a positive number of seconds, "
+                             f"got {self.max_queue_delay_s}")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise StackError("--start-timeout and --stop-timeout must be positive")
         if self.token_file is not None and not self.token_file.is_file():
@@ -106,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=defaults.DTYPES,
                    help="the pod's precision (see lorafleet data-plane --help)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapter slots on the compute device")
+    p.add_argument("--max-queue-delay", type=float, default=d.max_queue_delay_s, metavar="SECONDS",
+                   help=f"the pod's --max-queue-delay (default {d.max_queue_delay_s}: no limit. The stack has one pod, "
+                        "so a request it refused would have no other pod to go to: it queues instead. A fleet pod's "
+                        "default is lorafleet data-plane's)")
     p.add_argument("--adapter-root", type=Path, action="append",
                    help="another directory the pod may load adapters from (repeatable; default: only the demo "
                         "adapters' directory and DATA_DIR/adapters)")
@@ -123,6 +134,6 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         data_dir=(args.data_dir or up_dir()).resolve(), host=args.host,
         **{name: getattr(args, name) for name in PORTS},
         model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
-        max_loras=args.max_loras, adapter_roots=tuple(r.resolve() for r in args.adapter_root or ()),
+        max_loras=args.max_loras, max_queue_delay_s=args.max_queue_delay, adapter_roots=tuple(r.resolve() for r in args.adapter_root or ()),
         token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,
         start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)

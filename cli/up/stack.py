@@ -139,7 +139,8 @@ class Stack:
         roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, user_adapters, *c.adapter_roots)
         argv = [sys.executable, "-m", "data_plane.server", "--host", c.host, "--port", str(c.pod_port),
                 "--metrics-port", str(c.pod_metrics_port), "--device", c.device, "--dtype", c.dtype,
-                "--max-loras", str(c.max_loras), "--control-plane", c.control_plane,
+                "--max-loras", str(c.max_loras), "--max-queue-delay", str(c.max_queue_delay_s),
+                "--control-plane", c.control_plane,
                 "--admin-token-file", str(c.resolved_token_file), "--pod-id", POD_ID, "--heartbeat-interval", "1",
                 "--drain-grace", str(max(1.0, c.stop_timeout_s / 3))]
         for root in roots:
