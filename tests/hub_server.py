@@ -14,13 +14,17 @@ answers. Every request's method, path and authorization header is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
+
+import pytest
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<filename>.+)$")
 _INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<revision>[^/]+))?$")
@@ -35,6 +39,25 @@ class Repo:
 
     def commit_of(self, revision: str) -> str | None:
         return revision if revision in self.commits else self.refs.get(revision)
+
+
+# Offline switches of huggingface_hub (a shell where models run offline often sets one): with either set,
+# the client refuses every request, to a Hub on loopback too.
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextlib.contextmanager
+def hub_online() -> Iterator[None]:
+    """huggingface_hub allowed to make requests within the block, whatever the shell set: the offline
+    variables cleared for processes started meanwhile, and this process's client (which read them when
+    imported) told so too."""
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in OFFLINE_VARIABLES:
+            patch.delenv(name, raising=False)
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        yield
 
 
 class HubServer:

@@ -20,7 +20,7 @@ from benchmarks.object_store import MotoS3
 from benchmarks.processes import Fleet, PodProcess, RouterProcess, copy_demo_adapters, wait_until
 from cli.admin_client import sha256_of
 from tests.grpc_helpers import collect, request
-from tests.hub_server import HubServer
+from tests.hub_server import HubServer, hub_online
 
 pytestmark = pytest.mark.slow
 READY_WITHIN_S = 60
@@ -40,7 +40,8 @@ def stack(demo_model_dir, tmp_path_factory):
         s3.put_adapter("team/pirate", root / "pirate")
         hub.publish("acme/signoff", {f: (root / "signoff" / f).read_bytes() for f in FILES})
         env = {**s3.reader.env(s3.endpoint), "LORAFLEET_HOME": str(workdir / "home")}
-        with mock.patch.dict(os.environ, env):  # what the pods inherit: the key, the endpoint, their disk tiers' home
+        # what the pods inherit: the key, the endpoint, their disk tiers' home, and the Hub online
+        with mock.patch.dict(os.environ, env), hub_online():
             fleet = Fleet(workdir, root, "--model", str(demo_model_dir), "--hf-endpoint", hub.endpoint, *ALLOW).start()
             router = RouterProcess(workdir, fleet.cp.target, fleet.token_file, "--refresh-interval", "0.3").start()
             yield fleet, router, s3, hub, root, workdir
