@@ -5,7 +5,7 @@ Every slot with a rank on the layer gets, once when it changes, its A of every a
 and each adapted slice's B on its own, in float32 and in the orientation the slots hold them (so a
 repack copies rows, never transposes them),
 
-    a: [R_slot, in_features]    b of slice s: [out_s, r_s]    (R_slot = the sum of the slices' r_s, at least SHRINK_COLUMNS)
+    a: [R_slot, in_features]    b of slice s: [out_s, r_s]    (R_slot: the slices' r_s summed, >= SHRINK_COLUMNS)
 
 and a step adds ``(x[rows] @ a.T)[:, cols_s] @ b_s.T`` to each segment's rows, slice by slice (the
 model runner sorts a step's sequences by slot, so a segment is usually one run of rows). The products

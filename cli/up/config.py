@@ -134,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         data_dir=(args.data_dir or up_dir()).resolve(), host=args.host,
         **{name: getattr(args, name) for name in PORTS},
         model=args.model.resolve() if args.model else None, device=args.device, dtype=args.dtype,
-        max_loras=args.max_loras, max_queue_delay_s=args.max_queue_delay, adapter_roots=tuple(r.resolve() for r in args.adapter_root or ()),
+        max_loras=args.max_loras, max_queue_delay_s=args.max_queue_delay,
+        adapter_roots=tuple(r.resolve() for r in args.adapter_root or ()),
         token_file=args.token_file.resolve() if args.token_file else None, redis_server=args.redis_server,
         start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)

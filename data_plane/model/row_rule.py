@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -102,9 +103,7 @@ def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, rows
     for weight in weights:
         packed = cpu_linear.pack(weight, dtype, rows)
         x = _inputs(3 * rows, weight.shape[1], rows, weight.dtype)
-        def run(t: torch.Tensor) -> torch.Tensor:
-            return cpu_linear.linear(t, weight, None, packed)
-        failure = _row_breaks(run, x, rows)
+        failure = _row_breaks(partial(cpu_linear.linear, weight=weight, bias=None, packed=packed), x, rows)
         if failure:
             return f"[{weight.shape[0]}, {weight.shape[1]}] {failure}"
     return None
@@ -171,14 +170,17 @@ def _attention_breaks(head_dim: int, per_kv: int, rows: int) -> str | None:
     for keys in (tile, 3 * tile):
         k, v = (torch.randn(2, 3, keys, head_dim, generator=gen) for _ in range(2))
         q = torch.randn(2, 3, 40 * per_kv, head_dim, generator=gen)
-
-        def attend(heads: int, seqs: int, queries: int) -> torch.Tensor:
-            hidden = torch.zeros(seqs, queries, keys, dtype=torch.bool)
-            return tiled_attention._attend(q[:heads, :seqs, : queries * per_kv], k[:heads, :seqs], v[:heads, :seqs],
-                                           hidden, per_kv, None, rows)
-
-        alone = attend(1, 1, 1)
+        alone = _attend(q, k, v, per_kv, rows, 1, 1, 1)
         for heads, seqs, queries in ((1, 1, 3), (2, 3, 1), (2, 3, 40), (1, 1, 40)):
-            if not torch.equal(attend(heads, seqs, queries)[0, 0, :per_kv], alone[0, 0]):
+            if not torch.equal(_attend(q, k, v, per_kv, rows, heads, seqs, queries)[0, 0, :per_kv], alone[0, 0]):
                 return f"{keys} keys: a query among {heads * seqs * queries * per_kv} rows got other bits"
     return None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_kv: int, rows: int, heads: int, seqs: int,
+            queries: int) -> torch.Tensor:
+    """Attention of the first ``queries`` queries of ``seqs`` sequences and ``heads`` key/value heads of ``q``
+    [heads, seqs, queries * per_kv, head_dim] over all of ``k``, ``v`` [heads, seqs, keys, head_dim]."""
+    hidden = torch.zeros(seqs, queries, k.shape[2], dtype=torch.bool)
+    return tiled_attention._attend(q[:heads, :seqs, : queries * per_kv], k[:heads, :seqs], v[:heads, :seqs], hidden,
+                                   per_kv, None, rows)
