@@ -97,13 +97,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Polls ``predicate`` until it returns something truthy, and returns that; fails after ``timeout_s``."""
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition", failed=None):
+    """Polls ``predicate`` until it returns something truthy, and returns that. Fails as soon as ``failed``
+    (if given) returns a reason, text saying why the state can no longer come (a call ended, a process
+    exited), else after ``timeout_s``: a limit for a state that never comes, generous enough for real
+    processes sharing a loaded 2-core machine, not a measure of how long it should take."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        reason = failed() if failed is not None else None
+        if reason:
+            raise AssertionError(f"{what} will not be reached: {reason}")
         time.sleep(0.05)
     raise AssertionError(f"{what} not reached within {timeout_s} s")
 

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def small_pod(demo_model_dir, tmp_path_factory):
+    # no queue-delay limit: on a loaded machine the pod's estimate would refuse the queued request as late
+    # before the queue is full, and what these tests fill is the queue
     process = PodProcess(tmp_path_factory.mktemp("small-pod"), "--max-num-seqs", "1", "--max-waiting", "1",
-                         "--max-loras", "1", "--max-cpu-loras", "2", "--num-kv-blocks", "64", name="small")
+                         "--max-queue-delay", "0", "--max-loras", "1", "--max-cpu-loras", "2", "--num-kv-blocks", "64",
+                         name="small")
     try:
         yield process.start()
     finally:
@@ -40,14 +43,21 @@ class Stream(threading.Thread):
         except grpc.RpcError as e:
             self.error = e
 
+    def ended(self) -> str | None:
+        """Why the stream can no longer reach a state it is waited for: it ended (with what), or None."""
+        if self.error is not None:
+            return f"the stream failed: {self.error.code()}: {self.error.details()}"
+        return "the stream already finished" if self.result is not None else None
+
 
 def test_a_full_queue_answers_resource_exhausted(small_pod):
     running = Stream(small_pod, request("Tell me a story.", max_tokens=40, ignore_eos=True))
     running.start()
-    wait_until(lambda: small_pod.state().running_requests == 1, what="first request running")
+    wait_until(lambda: small_pod.state().running_requests == 1, what="first request running", failed=running.ended)
     waiting = Stream(small_pod, request("Tell me a story.", max_tokens=4, ignore_eos=True))
     waiting.start()
-    wait_until(lambda: small_pod.state().waiting_requests == 1, what="second request waiting")
+    wait_until(lambda: small_pod.state().waiting_requests == 1, what="second request waiting",
+               failed=lambda: running.ended() or waiting.ended())
     with pytest.raises(grpc.RpcError) as e:
         collect(small_pod, request("One more?", max_tokens=2))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -78,7 +88,7 @@ def test_a_serving_pod_is_ready_and_live_on_every_health_service(small_pod):
 def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits(small_pod):
     running = Stream(small_pod, request("Tell me a story.", max_tokens=60, ignore_eos=True))
     running.start()
-    wait_until(lambda: small_pod.state().running_requests == 1, what="request running")
+    wait_until(lambda: small_pod.state().running_requests == 1, what="request running", failed=running.ended)
     small_pod.signal()
     health = health_pb2_grpc.HealthStub(small_pod.channel)
     wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status

@@ -47,8 +47,9 @@ def fill(pod: PodProcess, adapter: str, calls: list) -> None:
     for i in range(2):
         calls.append(pod.generation().Generate(
             request(f"Count to a thousand, slowly ({i}).", adapter, max_tokens=900, ignore_eos=True), timeout=120))
-    wait_until(lambda: (s := pod.state()).running_requests == 1 and s.waiting_requests == 1, 30,
-               f"{pod.address} running one request and queueing one")
+    wait_until(lambda: (s := pod.state()).running_requests == 1 and s.waiting_requests == 1, 120,
+               f"{pod.address} running one request and queueing one",
+               failed=lambda: next((f"a call ended: {c.code()}: {c.details()}" for c in calls[-2:] if c.done()), None))
 
 
 def test_a_full_pods_refusal_sends_the_request_to_the_other_pod_and_all_full_is_resource_exhausted(full_stack):
