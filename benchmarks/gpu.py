@@ -246,7 +246,11 @@ def parse_args() -> argparse.Namespace:
                                                  "benchmarks/results/gpu-MODEL-DEVICE-DATE.json)")
     parser.add_argument("--skip", action="append", default=[], choices=PARTS,
                         help="leave a part out (repeatable), to rerun the others within a device lease")
+    parser.add_argument("--only", action="append", default=[], choices=PARTS,
+                        help="run only these parts (repeatable): every other part is skipped")
     args = parser.parse_args()
+    if args.only:
+        args.skip = sorted(set(args.skip) | (set(PARTS) - set(args.only)))
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU here; run --device cpu (with --model tiny) instead")
@@ -268,7 +272,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are defined (imported)
         torch.set_num_threads(args.threads)
     sizes, dtype, preset = SIZES[args.model], getattr(torch, args.dtype), PRESETS[args.model]
-    report = Report(args.device, REPO)
+    report = Report(args.device, REPO, out=args.out, model=args.model)
     with tempfile.TemporaryDirectory(prefix="lorafleet-gpu-") as tmp:
         written = report.run("checkpoint and adapters", prepare, Path(tmp), preset, dtype, args.device)
         clock = Clock(torch.device(args.device), sizes.iters, sizes.warmup)

@@ -17,7 +17,7 @@ from gpu_clock import Clock  # benchmarks/gpu_clock.py
 
 from kernels import reference
 from kernels.lora_expand import lora_expand
-from kernels.lora_meta import LoraMetaBuilder
+from kernels.lora_meta import LoraMetaBuilder, partial_rows
 from kernels.lora_shrink import lora_shrink
 from kernels.paged_attention import paged_attention
 from tests.tolerances import RTOL, eps, magnitude, sum_atol, tolerances
@@ -44,7 +44,9 @@ class LoraLayer:
     def __init__(self, config: dict, rank: int, tokens: int, max_loras: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.rank, self.tokens, self.adapters = rank, tokens, min(tokens, max_loras)
-        meta_builder = LoraMetaBuilder(tokens, max_loras, device, max_rank=rank, max_slices=3)
+        shapes = [(len(widths), in_features) for in_features, widths in layer_projections(config).values()]
+        meta_builder = LoraMetaBuilder(tokens, max_loras, device, max_rank=rank, max_slices=3,
+                                       partial_rows=partial_rows(shapes))  # as the pod's steps: split shrink
         self.meta = meta_builder.build([t % max_loras for t in range(tokens)])
         self.ops = []
         for in_features, widths in layer_projections(config).values():

@@ -65,6 +65,8 @@ class Report:
     sections: dict = field(default_factory=dict)  # section -> its figures, as written to the JSON
     phases: dict[str, float] = field(default_factory=dict)  # part -> seconds from the start when it ended
     started: float = field(default_factory=time.perf_counter)
+    out: Path | None = None  # where the JSON goes, rewritten after every part: a run cut short keeps its figures
+    model: str = ""
 
     def run(self, part: str, fn: Callable, *args):
         """Runs one part of the evaluation, saying when it starts and recording when it ends. An exception
@@ -79,6 +81,8 @@ class Report:
             return None
         finally:
             self.phases[part] = round(time.perf_counter() - self.started, 1)
+            if self.out is not None:
+                self.write_json(self.out, self.model, quiet=True)
 
     def row(self, section: str, what: str, value: float | str, unit: str = "", against: str = "",
             ratio: float | None = None, target: str = "") -> None:
@@ -111,7 +115,7 @@ class Report:
         print(f"{time.perf_counter() - self.started:.0f} s in all; parts ended at " +
               ", ".join(f"{part} {t:.0f} s" for part, t in self.phases.items()))
 
-    def write_json(self, path: Path, model: str) -> None:
+    def write_json(self, path: Path, model: str, quiet: bool = False) -> None:
         meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": model, "device": self.device,
                 "device_name": device_name(self.device), "python": platform.python_version(),
@@ -123,4 +127,5 @@ class Report:
                 "passed": self.passed, "phases_s": self.phases}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2, allow_nan=True))
-        print(f"\nwrote {path}")
+        if not quiet:
+            print(f"\nwrote {path}")

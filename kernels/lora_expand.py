@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch, segments
+from kernels import lora_launch, lora_tuning, segments
 from kernels.lora_launch import Tiles, segment_block
 from kernels.lora_meta import LoraMeta
 
@@ -151,7 +151,8 @@ def lora_expand(
     ``y`` and ``lora_b`` may each be fp16, bf16 or fp32; ``y`` and ``buf`` may be strided views,
     dense along their last axis. Nothing is allocated and nothing waits on the device, so the
     call can be captured in a CUDA graph; the grid depends only on tensor shapes. ``tiles``
-    overrides ``default_tiles``, e.g. to launch fewer programs under the interpreter.
+    overrides the tuned or default tiles (``kernels.lora_tuning``), e.g. to launch fewer programs
+    under the interpreter.
     """
     # Check.
     if lora_b.dim() != 3 or not lora_b.is_contiguous():
@@ -180,7 +181,7 @@ def lora_expand(
             got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
         raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {y.device}, got {got}")
     lora_launch.check_meta(meta, num_tokens, y.device)
-    tiles = tiles or default_tiles(num_tokens, max_rank)
+    tiles = tiles or lora_tuning.expand_tiles(num_tokens, num_slices, out_features, max_rank, lora_b.dtype, y.device)
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or out_features == 0 or max_rank == 0 or num_segments == 0:
         return
@@ -197,5 +198,5 @@ def lora_expand(
         NUM_SLICES=num_slices, MAX_RANK=max_rank, RANK_ALIGN=math.gcd(max_rank, 8),
         BLOCK_M=tiles.m, BLOCK_N=tiles.n, BLOCK_K=tiles.k,
         UPCAST=not y.is_cuda,
-        num_warps=tiles.num_warps,
+        **tiles.launch_options(),
     )  # fmt: skip

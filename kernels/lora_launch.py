@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import LoraMeta
+from kernels.lora_meta import MIN_CHUNK, MIN_TILE, LoraMeta
 from kernels.segments import segment_walk
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,15 +82,25 @@ def check_rows(name: str, t: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Tiles:
     """Tile sizes of one launch: each program computes a ``[m, n]`` output tile (shrink: tokens x
-    rank columns; expand: tokens x output columns), looping over its reduction in steps of ``k``."""
+    rank columns; expand: tokens x output columns), looping over its reduction in steps of ``k``.
+    The shrink sums its reduction (in_features) in ``chunk``s, each from zero, added in order: a
+    multiple of ``k``, 0 for one chunk of everything. ``num_stages`` 0 leaves Triton's default."""
 
     m: int
     n: int
     k: int
     num_warps: int = 4
+    chunk: int = 0
+    num_stages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("m", "n", "k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if value < MIN_TILE or value & (value - 1):
                 raise ValueError(f"Tiles.{name}={value}: tile sizes must be powers of two and at least 16 (tl.dot)")
+        if self.chunk and (self.chunk % self.k or self.chunk < MIN_CHUNK):
+            raise ValueError(f"Tiles.chunk={self.chunk}: a chunk is a multiple of k={self.k} and at least {MIN_CHUNK}")
+
+    def launch_options(self) -> dict[str, int]:
+        """The launch's keyword options: warps, and stages where set."""
+        return {"num_warps": self.num_warps} | ({"num_stages": self.num_stages} if self.num_stages else {})

@@ -30,6 +30,10 @@ class LoraMeta:
     # are one contiguous run (an engine that orders its batch by adapter gets these), else -1: the CPU
     # path then slices instead of gathering.
     host_segments: tuple[tuple[int, int, int, int], ...]
+    # The split shrink's scratch (``kernels.lora_shrink``), None where the builder keeps none: one
+    # float32 partial sum per (slice, chunk, token, rank column), and zeroed int32 arrival counters.
+    partials: torch.Tensor | None = None  # [partial_rows * split_tokens * max_rank] float32
+    counters: torch.Tensor | None = None  # [max_slices * rank tiles * token blocks] int32, zero between launches
 
     @property
     def has_lora(self) -> bool:
@@ -42,6 +46,17 @@ class LoraMeta:
 
 
 SECTIONS = ("token_slots", "sorted_tokens", "seg_slots", "seg_starts")
+# The split shrink sums in_features in chunks of at least this many (``Tiles.chunk``), and splits a
+# launch of at most SPLIT_TOKENS tokens (decode-sized steps) one program per chunk.
+MIN_CHUNK = 64
+SPLIT_TOKENS = 256
+MIN_TILE = 16  # tl.dot's smallest tile side (``Tiles``)
+
+
+def partial_rows(shapes: Sequence[tuple[int, int]]) -> int:
+    """The partial rows a split shrink needs for projections of these (slices, in_features): the most
+    (slice, chunk) pairs any of them has at the smallest chunk."""
+    return max((s * -(-in_features // MIN_CHUNK) for s, in_features in shapes), default=0)
 
 
 class LoraMetaBuilder:
@@ -49,12 +64,21 @@ class LoraMetaBuilder:
     one (``sections`` says what to reserve there), whose single upload then carries them."""
 
     def __init__(self, max_tokens: int, max_loras: int, device: torch.device | str, max_rank: int = 0,
-                 max_slices: int = 3, step_buffer: StepBuffer | None = None) -> None:
+                 max_slices: int = 3, step_buffer: StepBuffer | None = None, partial_rows: int = 0) -> None:
+        """``partial_rows`` (see ``partial_rows``): the split shrink's scratch, for GPU steps of up to
+        SPLIT_TOKENS tokens; 0 keeps none, and every shrink walks its chunks in one program."""
         self.max_tokens = max_tokens
         self.max_loras = max_loras
         self._owns_buffer = step_buffer is None
         self._step = step_buffer or StepBuffer(self.sections(max_tokens, max_loras), device)
         self._buffer = torch.zeros(max_slices, max_tokens, max_rank, dtype=torch.float32, device=device)
+        self._partials = self._counters = None
+        if partial_rows and max_rank:
+            split_tokens = min(max_tokens, SPLIT_TOKENS)
+            self._partials = torch.empty(partial_rows * split_tokens * max_rank, dtype=torch.float32, device=device)
+            rank_tiles = -(-max_rank // MIN_TILE)
+            blocks = -(-split_tokens // MIN_TILE) + min(max_loras, split_tokens)  # token blocks (segments.py)
+            self._counters = torch.zeros(max_slices * rank_tiles * blocks, dtype=torch.int32, device=device)
 
     @staticmethod
     def sections(max_tokens: int, max_loras: int) -> dict[str, int]:
@@ -102,4 +126,6 @@ class LoraMetaBuilder:
             buffer=self._buffer,
             num_tokens=n,
             host_segments=segments,
+            partials=self._partials,
+            counters=self._counters,
         )

@@ -2,7 +2,8 @@
 
 One launch serves a whole batch of mixed adapters, prefill and decode alike. Program
 ``(tile, p)`` takes ``BLOCK_R`` rank columns of one output slice (``tile``) for the ``p``-th
-block of up to ``BLOCK_M`` tokens of one adapter slot (see ``kernels.lora_launch``). Programs
+block of up to ``BLOCK_M`` tokens of one adapter slot (see ``kernels.lora_launch``), and, in a
+split launch, one chunk of in_features (see ``lora_shrink``). Programs
 past the last block, and programs whose rank columns lie past the slot's real rank, return at
 once; rows of A past the real rank are never loaded. So a rank-8 adapter costs a rank-8 read of
 A even in a layer padded to rank 64.
@@ -14,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch, segments
+from kernels import lora_launch, lora_tuning, segments
 from kernels.lora_launch import Tiles, segment_block
-from kernels.lora_meta import LoraMeta
+from kernels.lora_meta import SPLIT_TOKENS, LoraMeta
 
 
 @triton.jit
@@ -28,29 +29,37 @@ def _lora_shrink_kernel(
     seg_slots_ptr,  # [num_segments] int32
     seg_starts_ptr,  # [num_segments + 1] int32
     buf_ptr,  # [S, num_tokens, MAX_RANK] float32, strides (stride_bs, stride_bm, 1)
+    part_ptr,  # SPLIT: [S, num_chunks, num_tokens, MAX_RANK] float32 contiguous, one partial sum per chunk
+    counters_ptr,  # SPLIT: int32, one per (slice x rank tile, token block), zero between launches
     stride_xm,
     stride_bs,
     stride_bm,
+    stride_pc,  # num_tokens * MAX_RANK: from one chunk's partials to the next
     in_features,
     num_slots,
     num_segments,
+    num_chunks,  # cdiv(in_features, CHUNK)
+    num_blocks,  # size of the grid's token-block axis
     SEG_BLOCK: tl.constexpr,  # a power of two >= num_segments
     MAX_RANK: tl.constexpr,
     RANK_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,  # a multiple of BLOCK_K: in_features is summed chunk by chunk
+    SPLIT: tl.constexpr,  # one program per chunk (else one program walks every chunk)
     UPCAST: tl.constexpr,  # dot in float32 (the interpreter misreads bf16 operands)
 ):
-    slice_id = tl.program_id(0) // RANK_TILES
-    r0 = (tl.program_id(0) % RANK_TILES) * BLOCK_R
+    tile = tl.program_id(0) // num_chunks if SPLIT else tl.program_id(0)
+    slice_id = tile // RANK_TILES
+    r0 = (tile % RANK_TILES) * BLOCK_R
     slot, first, end = segment_block(seg_slots_ptr, seg_starts_ptr, num_segments, tl.program_id(1), SEG_BLOCK, BLOCK_M)
     if slot < 0:
         return
     # Clamped so that a rank larger than the buffers (a caller bug) cannot read out of bounds.
     rank = tl.minimum(tl.load(ranks_ptr + slice_id * num_slots + slot), MAX_RANK)
     if r0 >= rank:
-        return
+        return  # every chunk of this tile returns here alike: its counter is never touched
 
     offs_m = first + tl.arange(0, BLOCK_M)
     m_mask = offs_m < end
@@ -61,33 +70,58 @@ def _lora_shrink_kernel(
     x_rows = x_ptr + tokens[:, None] * stride_xm  # [BLOCK_M, 1]
     a_base = (slice_id * num_slots + slot).to(tl.int64) * MAX_RANK
     a_rows = lora_a_ptr + (a_base + offs_r[None, :]) * in_features  # [1, BLOCK_R]
+    rows_mask = m_mask[:, None] & r_mask[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < in_features
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_rows + k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
-        if UPCAST or x_ptr.dtype.element_ty == tl.float32:
-            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, a, acc)  # tensor cores in the input dtype, float32 accumulator
+    # A row's sum is the same in both modes: each chunk's partial starts from zero and runs the same
+    # K steps, and the partials are added in chunk order; only who adds them differs.
+    first_chunk = tl.program_id(0) % num_chunks if SPLIT else 0
+    last_chunk = first_chunk + 1 if SPLIT else num_chunks
+    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for c in range(first_chunk, last_chunk):
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, in_features), BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < in_features
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            a = tl.load(a_rows + k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
+            if UPCAST or x_ptr.dtype.element_ty == tl.float32:
+                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, a, acc)  # tensor cores in the input dtype, float32 accumulator
+        total += acc
+
+    if SPLIT:
+        # Each chunk's program stores its partial; the last of them to arrive adds all in chunk order.
+        part_rows = part_ptr + (slice_id * num_chunks).to(tl.int64) * stride_pc + tokens[:, None] * MAX_RANK
+        part = part_rows + first_chunk * stride_pc + offs_r[None, :]  # [BLOCK_M, BLOCK_R]
+        tl.store(part, total, mask=rows_mask)
+        tl.debug_barrier()  # every thread's store before the release below
+        counter = counters_ptr + tile * num_blocks + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived != num_chunks - 1:
+            return
+        total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for c in range(0, num_chunks):
+            p = part_rows + c * stride_pc + offs_r[None, :]
+            total += tl.load(p, mask=rows_mask, other=0.0, cache_modifier=".cg")  # from L2, past a stale L1
+        tl.atomic_xchg(counter, 0)  # zero for the next launch (a CUDA graph replays this one)
 
     out = buf_ptr + slice_id * stride_bs + tokens[:, None] * stride_bm + offs_r[None, :]  # [BLOCK_M, BLOCK_R]
-    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+    tl.store(out, total, mask=rows_mask)
 
 
 def default_tiles(num_tokens: int, max_rank: int, dtype: torch.dtype) -> Tiles:
-    """Tiles (tokens x rank columns, in_features step) for a GPU; chosen by reasoning, not yet
-    tuned on hardware."""
-    if num_tokens < 512:
-        # Decode: few tokens per adapter, so the work is reading A. Narrow rank tiles skip the
-        # padding of low-rank slots and, with long K tiles, spread that read over more programs.
-        # float32 operands (no tensor cores: both tiles live in registers) take half the K tile,
-        # which at 256 spills on sm_80.
-        return Tiles(m=16, n=16, k=128 if dtype == torch.float32 else 256)
+    """Tiles (tokens x rank columns, in_features step and chunk) for a GPU without a tuned table
+    (``kernels.lora_tuning``). The K step and the chunk are the same at every token count, so a row's
+    sum runs the same steps in any step; only the token and rank tiles follow the phase."""
+    # float32 operands (no tensor cores: both tiles live in registers) take half the K tile.
+    k = 64 if dtype == torch.float32 else 128
+    if num_tokens <= SPLIT_TOKENS:
+        # Decode: few tokens per adapter, so the work is reading A, one program per chunk of it.
+        # Narrow rank tiles skip the padding of low-rank slots.
+        return Tiles(m=16, n=16, k=k, chunk=256)
     # Prefill: one rank tile per slice (up to rank 64) reads each token block of x once per slice.
-    return Tiles(m=64, n=min(64, max(16, triton.next_power_of_2(max_rank))), k=64)
+    return Tiles(m=64, n=min(64, max(16, triton.next_power_of_2(max_rank))), k=k, chunk=256)
 
 
 def lora_shrink(
@@ -113,8 +147,17 @@ def lora_shrink(
     columns past ``r`` are neither read nor written. ``x`` and ``lora_a`` share one dtype
     (fp16, bf16 or fp32); ``x`` and ``buf`` may be strided views, dense along their last axis.
     Nothing is allocated and nothing waits on the device, so the call can be captured in a CUDA
-    graph; the grid depends only on tensor shapes. ``tiles`` overrides ``default_tiles`` (``n`` is
-    the rank tile), e.g. to launch fewer programs under the interpreter.
+    graph; the grid depends only on tensor shapes. ``tiles`` overrides the tuned or default tiles
+    (``kernels.lora_tuning``; ``n`` is the rank tile), e.g. to launch fewer programs under the
+    interpreter.
+
+    Each row sums ``in_features`` in ``tiles.chunk``s, each from zero, then adds the chunks' sums in
+    order. A step of up to ``SPLIT_TOKENS`` tokens whose metadata holds the split scratch
+    (``meta.partials``) runs one program per chunk (split-K: a decode step's few rows read A with
+    many programs); the last program of a tile to finish adds the partials, in chunk order, whoever
+    finishes first. Otherwise one program walks every chunk. The arithmetic is the same either way,
+    so a row's bits do not depend on the mode, hence not on what else shares its step, as long as
+    the same ``k`` and ``chunk`` are used (the tuned table keeps them per shape, not per step).
     """
     # Check.
     if lora_a.dim() != 4 or not lora_a.is_contiguous():
@@ -129,22 +172,45 @@ def lora_shrink(
     lora_launch.check_ranks(ranks, num_slices, num_slots, x.device)
     lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, x.device)
     lora_launch.check_meta(meta, num_tokens, x.device)
-    tiles = tiles or default_tiles(num_tokens, max_rank, x.dtype)
+    tiles = tiles or lora_tuning.shrink_tiles(num_tokens, num_slices, in_features, max_rank, x.dtype, x.device)
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or max_rank == 0 or num_segments == 0:
         return
 
-    # Grid: (slice x rank tile, token block of some segment). Slices vary fastest so that
-    # programs reading the same token block of x run side by side and share it through L2.
-    rank_tiles = triton.cdiv(max_rank, tiles.n)
-    grid = (num_slices * rank_tiles, segments.segment_block_count(num_tokens, num_segments, tiles.m))
+    # Grid: (slice x rank tile [x chunk], token block of some segment).
+    grid, split = launch_grid(num_tokens, num_slices, in_features, max_rank, num_segments, tiles, meta)
+    chunk = tiles.chunk or in_features
+    num_chunks = triton.cdiv(in_features, chunk)
+    # Without the split, partials and counters are never touched: buf stands in for them.
+    partials = meta.partials if split else buf
+    counters = meta.counters if split else meta.seg_starts
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_shrink_kernel[grid](
-        x, lora_a, ranks, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, buf,
-        x.stride(0), buf.stride(0), buf.stride(1), in_features, num_slots, num_segments,
-        SEG_BLOCK=triton.next_power_of_2(num_segments), MAX_RANK=max_rank, RANK_TILES=rank_tiles,
-        BLOCK_M=tiles.m, BLOCK_R=tiles.n, BLOCK_K=tiles.k,
+        x, lora_a, ranks, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, buf, partials, counters,
+        x.stride(0), buf.stride(0), buf.stride(1), num_tokens * max_rank, in_features, num_slots, num_segments,
+        num_chunks, grid[1],
+        SEG_BLOCK=triton.next_power_of_2(num_segments), MAX_RANK=max_rank, RANK_TILES=grid_rank_tiles(max_rank, tiles),
+        BLOCK_M=tiles.m, BLOCK_R=tiles.n, BLOCK_K=tiles.k, CHUNK=chunk, SPLIT=split,
         UPCAST=not x.is_cuda,
-        num_warps=tiles.num_warps,
+        **tiles.launch_options(),
     )  # fmt: skip
+
+
+def grid_rank_tiles(max_rank: int, tiles: Tiles) -> int:
+    return triton.cdiv(max_rank, tiles.n)
+
+
+def launch_grid(num_tokens: int, num_slices: int, in_features: int, max_rank: int, num_segments: int, tiles: Tiles,
+                meta: LoraMeta | None) -> tuple[tuple[int, int], bool]:
+    """(grid, split): the shrink's grid for these shapes, and whether it runs a program per chunk (a
+    step of up to SPLIT_TOKENS tokens whose metadata holds enough split scratch). The grid's first axis
+    is slice x rank tile x chunk (chunks fastest, then rank tiles: programs reading the same token
+    block of x run side by side and share it through L2); its second, the token blocks."""
+    rank_tiles = grid_rank_tiles(max_rank, tiles)
+    num_chunks = triton.cdiv(in_features, tiles.chunk or in_features)
+    blocks = segments.segment_block_count(num_tokens, num_segments, tiles.m)
+    split = (num_chunks > 1 and num_tokens <= SPLIT_TOKENS and meta is not None and meta.partials is not None
+             and num_slices * num_chunks * num_tokens * max_rank <= meta.partials.numel()
+             and num_slices * rank_tiles * blocks <= meta.counters.numel())
+    return (num_slices * rank_tiles * (num_chunks if split else 1), blocks), split

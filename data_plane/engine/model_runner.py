@@ -28,8 +28,8 @@ class ModelRunner:
         self.lora = lora
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
-        meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras,
-                    max_rank=lora.limits.max_rank) if lora is not None else {}
+        meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras, max_rank=lora.limits.max_rank,
+                    lora_partial_rows=lora.partial_rows) if lora is not None else {}
         self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
         self.masks = TokenMasks(max_seqs, model.config.vocab_size, self.device)
         # A graph's attention covers the longest context a sequence can have: the model's, the cache's, or

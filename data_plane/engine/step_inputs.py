@@ -64,9 +64,10 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, blocks: BlockManager, kv_cache: KVCache, max_seqs: int, max_tokens: int,
                  device: torch.device | str, lora_meta: type[LoraMetaBuilder] | None = None, max_loras: int = 0,
-                 max_rank: int = 0, separate: bool | None = None) -> None:
+                 max_rank: int = 0, separate: bool | None = None, lora_partial_rows: int = 0) -> None:
         """``max_seqs`` and ``max_tokens`` bound a step (padding included); ``lora_meta`` (with
-        ``max_loras``, ``max_rank``) builds the LoRA metadata, None for a model without LoRA layers;
+        ``max_loras``, ``max_rank``, ``lora_partial_rows``) builds the LoRA metadata, None for a model
+        without LoRA layers;
         ``separate``: whether the device keeps copies of its own (``StepBuffer``; default: off the CPU)."""
         self.blocks = blocks
         self.kv_cache = kv_cache
@@ -82,7 +83,8 @@ class StepInputBuilder:
         if lora_meta is not None:
             sections |= lora_meta.sections(max_tokens, max_loras)
         self.buffer = StepBuffer(sections, device, separate)
-        self.lora = (lora_meta(max_tokens, max_loras, device, max_rank, step_buffer=self.buffer)
+        self.lora = (lora_meta(max_tokens, max_loras, device, max_rank, step_buffer=self.buffer,
+                               partial_rows=lora_partial_rows)
                      if lora_meta is not None else None)
         on_host = self.buffer.device is self.buffer.host
         self.device_table = blocks.table if on_host else blocks.table.to(device, copy=True)  # [rows, max_blocks]

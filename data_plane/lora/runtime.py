@@ -10,7 +10,7 @@ from data_plane.lora.fetcher import AdapterFetcher, is_remote
 from data_plane.lora.layer import projection_shapes, wrap_with_lora
 from data_plane.lora.peft_adapter import AdapterLimits, LoraAdapter, load_peft_adapter
 from data_plane.model.llama import LlamaForCausalLM
-from kernels.lora_meta import LoraMeta, LoraMetaBuilder
+from kernels.lora_meta import LoraMeta, LoraMetaBuilder, partial_rows
 
 
 class LoraRuntime:
@@ -33,6 +33,9 @@ class LoraRuntime:
         # (data_plane.engine.step_inputs); this one serves steps built by hand (tests, benchmarks).
         self._meta: LoraMetaBuilder | None = None
         self._meta_shape = (max_tokens, max_loras, device, max_rank)
+        # The split shrink's scratch (kernels.lora_shrink), on a GPU only: the CPU path never splits.
+        self.partial_rows = partial_rows([(len(slices), in_features) for slices in self._shapes.values()
+                                          for in_features, _ in list(slices.values())[:1]]) if self._pin else 0
 
     def read(self, name: str, source: str, sha256: str = "") -> LoraAdapter:
         """Reads and validates an adapter from a directory under the adapter roots, or from a remote
@@ -65,7 +68,8 @@ class LoraRuntime:
         """LoRA metadata for a step built by hand; the engine's steps get theirs from its step builder."""
         if self._meta is None:
             max_tokens, max_loras, device, max_rank = self._meta_shape
-            self._meta = LoraMetaBuilder(max_tokens, max_loras, device, max_rank=max_rank)
+            self._meta = LoraMetaBuilder(max_tokens, max_loras, device, max_rank=max_rank,
+                                         partial_rows=self.partial_rows)
         return self._meta.build(token_slots)
 
     def load(self, name: str, source: str, sha256: str = ""):

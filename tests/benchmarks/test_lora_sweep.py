@@ -1,0 +1,45 @@
+"""benchmarks/lora_sweep.py, the LoRA tile sweep with the peers side by side, runs end to end in its tiny
+CPU mode (the Triton kernels, ours and the peers', under the interpreter): every tile it keeps computed
+the reference's result, every layer row has ours and each peer checked and timed, and the split shrink
+kept a row's bits. A CPU run writes no tuned table."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = REPO.parent / "shared" / "peers"  # the peers' kernels, beside the checkout (never copied into it)
+
+
+@pytest.mark.slow
+def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(tmp_path):
+    out = tmp_path / "sweep.json"
+    tables = set((REPO / "kernels" / "tuned").glob("*.json"))
+    peers = ["--peers", str(PEERS)] if PEERS.is_dir() else []
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora_sweep.py"), "--tiny", "--device", "cpu",
+                           *peers, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert not data["failures"]
+    tuned = data["tuned"]
+    for projection in ("qkv", "o", "gate_up", "down"):
+        rows = [r for r in data["tuning"] if r["projection"] == projection]
+        assert {(r["kernel"], r["phase"]) for r in rows} == {(k, p) for k in ("shrink", "expand")
+                                                              for p in ("decode", "prefill")}
+        assert all(math.isfinite(t) and t > 0 for r in rows for t in r["ms"])
+    decode, prefill = (tuned[k] for k in sorted(tuned) if k.startswith("shrink/") and "/s3/" in k)
+    assert (decode["k"], decode["chunk"]) == (prefill["k"], prefill["chunk"]), "a row must sum in the same steps"
+    [row] = data["layer"]
+    assert math.isfinite(row["ours_ms"]) and math.isfinite(row["ours before_ms"]) and row["floor_ms"] > 0
+    for peer in ("vllm", "sglang") if peers else ():
+        assert math.isfinite(row[f"{peer}_ms"]) and math.isfinite(row[f"ours_over_{peer}"])
+    [bits] = data["bits"]
+    assert bits["split = one program"] and bits["replays unlike one program"] == 0
+    assert all(v for k, v in bits.items() if k.startswith("alone = in"))
+    assert set((REPO / "kernels" / "tuned").glob("*.json")) == tables, "a CPU run must not write a tuned table"

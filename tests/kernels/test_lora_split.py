@@ -1,0 +1,144 @@
+"""The split shrink: one program per chunk of in_features, the last to arrive adding the chunks' partial
+sums in order (kernels/lora_shrink.py). It must give the bits of one program walking every chunk, so a
+row's bits do not depend on the step it is in; and its launch shapes at Llama-3-8B's projections must
+give a decode step's few rows many programs, each with a short serial loop.
+
+Under the interpreter programs run one after another, so the order in which chunks arrive is fixed
+here; on a GPU, benchmarks/lora_sweep.py replays the split launch 200 times against one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.lora_launch import Tiles
+from kernels.lora_meta import SPLIT_TOKENS, LoraMeta, LoraMetaBuilder, partial_rows
+from kernels.lora_shrink import launch_grid, lora_shrink
+from tests.kernels.test_lora_kernels import DEVICE, MAX_RANK, NUM_SLOTS, QKV, SINGLE, Layer, _bits, _mix
+from tests.tolerances import magnitude, tolerances
+
+# K steps of 32 in chunks of 64: QKV's 96 features are one full chunk and one half chunk; WIDE's 200,
+# three full chunks and one of 8 features.
+TILES = Tiles(m=16, n=16, k=32, chunk=64)
+WIDE = Layer(200, SINGLE.widths, SINGLE.ranks)
+
+
+def _inputs(layer: Layer, token_slots: list[int], dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_slices = len(layer.widths)
+    x = torch.randn(len(token_slots), layer.in_features, generator=gen).to(DEVICE, dtype)
+    lora_a = torch.randn(num_slices, NUM_SLOTS, MAX_RANK, layer.in_features, generator=gen) / layer.in_features**0.5
+    ranks = torch.tensor(layer.ranks, dtype=torch.int32, device=DEVICE)
+    return x, lora_a.to(DEVICE, dtype), ranks
+
+
+def _meta(layer: Layer, token_slots: list[int], split: bool) -> LoraMeta:
+    rows = partial_rows([(len(layer.widths), layer.in_features)]) if split else 0
+    return LoraMetaBuilder(len(token_slots), NUM_SLOTS, DEVICE, max_rank=MAX_RANK, partial_rows=rows).build(token_slots)
+
+
+def _shrink(x, lora_a, ranks, meta: LoraMeta, tiles: Tiles = TILES) -> torch.Tensor:
+    buf = torch.full((lora_a.shape[0], x.shape[0], MAX_RANK), float("nan"), device=DEVICE)  # poisoned
+    lora_shrink(x, lora_a, ranks, meta, buf, tiles=tiles)
+    return buf
+
+
+@pytest.mark.parametrize(("layer", "mix", "tokens", "dtype"), [
+    (QKV, "distinct", 7, torch.float32), (QKV, "skewed", 40, torch.float16), (WIDE, "zipf", 13, torch.float32),
+    (WIDE, "uniform", 3, torch.float16),
+])  # fmt: skip
+def test_split_shrink_gives_the_bits_of_one_program_and_leaves_its_counters_at_zero(layer, mix, tokens, dtype):
+    token_slots = _mix(mix, tokens, random.Random(tokens))
+    x, lora_a, ranks = _inputs(layer, token_slots, dtype, seed=tokens)
+    split_meta = _meta(layer, token_slots, split=True)
+    grid, split = launch_grid(tokens, len(layer.widths), layer.in_features, MAX_RANK, NUM_SLOTS, TILES, split_meta)
+    chunks = -(-layer.in_features // TILES.chunk)
+    assert split and grid[0] == len(layer.widths) * (MAX_RANK // TILES.n) * chunks  # a program per chunk
+
+    split_buf = _shrink(x, lora_a, ranks, split_meta)
+    one_program = _shrink(x, lora_a, ranks, _meta(layer, token_slots, split=False))
+
+    assert torch.equal(_bits(split_buf), _bits(one_program))
+    assert not split_meta.counters.any(), "a split launch must leave its arrival counters at zero"
+    expected = torch.full_like(split_buf, float("nan"))
+    reference.lora_shrink(x, lora_a, ranks, split_meta, expected)
+    abs_sums = torch.full_like(split_buf, float("nan"))
+    reference.lora_shrink(x.abs(), lora_a.abs(), ranks, split_meta, abs_sums)
+    rtol, atol = tolerances(dtype, depth=layer.in_features, scale=magnitude(abs_sums))
+    torch.testing.assert_close(split_buf, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def test_a_rows_bits_are_the_same_alone_beside_others_and_in_a_prefill_sized_step():
+    # Row 0 (slot 3) alone, in a split decode step of 40 tokens, and in a step too long to split, whose
+    # launcher takes prefill tiles: same k and chunk, so the same sums in the same order.
+    layer = QKV
+    tokens = SPLIT_TOKENS + 9
+    slots = [3, *_mix("uniform", tokens - 1, random.Random(5))]
+    x, lora_a, ranks = _inputs(layer, slots, torch.float32, seed=9)
+    rows = {}
+    for n in (1, 40, tokens):
+        meta = _meta(layer, slots[:n], split=True)
+        tiles = TILES if n <= SPLIT_TOKENS else dataclasses.replace(TILES, m=64, n=64)
+        _, split = launch_grid(n, 3, layer.in_features, MAX_RANK, NUM_SLOTS, tiles, meta)
+        assert split == (n <= SPLIT_TOKENS)
+        rows[n] = _shrink(x[:n], lora_a, ranks, meta, tiles)[:, 0]
+    assert torch.equal(_bits(rows[1]), _bits(rows[40]))
+    assert torch.equal(_bits(rows[1]), _bits(rows[tokens]))
+
+
+def test_a_step_without_enough_scratch_runs_one_program_per_tile():
+    # Metadata built for a narrower layer holds too few partial rows for QKV: the launch falls back.
+    slots = [0, 1, 2]
+    meta = LoraMetaBuilder(3, NUM_SLOTS, DEVICE, max_rank=MAX_RANK, partial_rows=1).build(slots)
+    grid, split = launch_grid(3, 3, QKV.in_features, MAX_RANK, NUM_SLOTS, TILES, meta)
+    assert not split and grid[0] == 3 * MAX_RANK // TILES.n
+    x, lora_a, ranks = _inputs(QKV, slots, torch.float32, seed=2)
+    one_program = _shrink(x, lora_a, ranks, _meta(QKV, slots, split=False))
+    assert torch.equal(_bits(_shrink(x, lora_a, ranks, meta)), _bits(one_program))
+
+
+def test_chunks_are_whole_k_steps_of_at_least_the_smallest_chunk():
+    with pytest.raises(ValueError, match="multiple of k"):
+        Tiles(m=16, n=16, k=128, chunk=192)
+    with pytest.raises(ValueError, match="at least 64"):
+        Tiles(m=16, n=16, k=32, chunk=32)
+
+
+# Llama-3-8B's LoRA projections: (slices, in_features, out_features).
+LLAMA3_8B = {"qkv": (3, 4096, 6144), "o": (1, 4096, 4096), "gate_up": (2, 4096, 28672), "down": (1, 14336, 4096)}
+H100_SMS = 132
+
+
+@pytest.mark.parametrize("device_name", ["NVIDIA H200", ""])  # the measured table, and the stated default
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_decode_launches_at_llama3_8b_shapes_keep_serial_loops_short_and_fill_the_gpu_from_64_rows(device_name, tokens):
+    # Every token its own rank-16 adapter, as the serving benchmark's 64-adapter mix. Each program's
+    # serial loop (shrink: the K steps of its chunk; expand: the rank steps of each slice) is at most 16
+    # steps at every batch. From 64 rows on, the programs with work outnumber an H100's SMs. At 1 and 16
+    # rows some launches have fewer (the o projection at batch 1: 8 shrink programs): on an H200 the
+    # sweep measured fewer, longer chunks faster there (down at batch 1: chunks of 64 features, 224
+    # programs, 19.5 us; chunks of 512, 28 programs, 10.4 us): a decode launch of a few rows is bound
+    # by its chain of dependent loads, not by programs in flight (benchmarks/RESULTS.md).
+    from kernels import lora_expand, lora_shrink, lora_tuning
+
+    rank, dtype = 16, torch.bfloat16
+    for name, (slices, in_features, out_features) in LLAMA3_8B.items():
+        shrink = (lora_tuning.tuned("shrink", tokens, slices, in_features, rank, dtype, device_name)
+                  or lora_shrink.default_tiles(tokens, rank, dtype))
+        expand = (lora_tuning.tuned("expand", tokens, slices, out_features, rank, dtype, device_name)
+                  or lora_expand.default_tiles(tokens, rank))
+        meta = dataclasses.make_dataclass("Scratch", ["partials", "counters"])(
+            torch.empty(partial_rows([(slices, in_features)]) * SPLIT_TOKENS * rank), torch.empty(1 << 16))
+        grid, split = launch_grid(tokens, slices, in_features, rank, 64, shrink, meta)
+        assert split, f"{name}: a decode step's shrink must split"
+        assert shrink.chunk // shrink.k <= 16, f"{name}: {shrink.chunk // shrink.k} serial K steps in a chunk"
+        assert -(-rank // expand.k) <= 16
+        busy_shrink = grid[0] * tokens  # one token block per distinct adapter
+        busy_expand = -(-out_features // expand.n) * tokens
+        if tokens >= 64:
+            assert min(busy_shrink, busy_expand) >= H100_SMS, f"{name}: {busy_shrink} / {busy_expand} programs"
