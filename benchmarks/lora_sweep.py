@@ -66,8 +66,11 @@ def candidates(kind: str, phase: str, rank: int, dtype: torch.dtype, tiny: bool,
         k, chunk = fixed.k, fixed.chunk
         out = [Tiles(m=m, n=n, k=k, chunk=chunk) for m in (16, 64) for n in sorted({16, rank_tile})]
         return out[:2] if tiny else out
+    if phase == "decode" and tiny:
+        return [Tiles(m=16, n=32, k=rank_tile), Tiles(m=16, n=32, k=rank_tile, col_tiles=2)]
     if phase == "decode":
         out = [Tiles(m=16, n=n, k=rank_tile) for n in (32, 64, 128)] + [Tiles(m=16, n=64, k=rank_tile, num_warps=2)]
+        out += [Tiles(m=16, n=n, k=rank_tile, col_tiles=4) for n in (64, 128)]  # fewer programs, each reading more
     else:
         out = [Tiles(m=64, n=n, k=rank_tile) for n in (64, 128)]
     return out[:2] if tiny else out

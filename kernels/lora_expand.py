@@ -2,8 +2,9 @@
 
 One launch serves a whole batch of mixed adapters, prefill and decode alike, and all output
 slices of a packed layer (q/k/v of unequal widths, gate/up). Program ``(tile, p)`` owns
-``BLOCK_N`` output columns (``tile``) of the ``p``-th block of up to ``BLOCK_M`` tokens of one
-adapter slot (see ``kernels.lora_launch``). For every slice overlapping its columns it loops
+``COL_TILES`` tiles of ``BLOCK_N`` output columns (``tile``), one after another, of the ``p``-th
+block of up to ``BLOCK_M`` tokens of one adapter slot (see ``kernels.lora_launch``); its tokens
+and slot are read once for all its tiles. For every slice overlapping a tile's columns it loops
 over the slot's real rank of that slice in ``BLOCK_K`` steps (slices of rank 0 are skipped),
 then reads, adds and writes its ``y`` tile once, masked to the columns some slice touched: rows
 of base-model tokens and columns of rank-0 slices are never read or written.
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from kernels import lora_launch, lora_tuning, segments
 from kernels.lora_launch import Tiles, segment_block
-from kernels.lora_meta import LoraMeta
+from kernels.lora_meta import SPLIT_TOKENS, LoraMeta
 
 
 @triton.jit
@@ -45,6 +46,7 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COL_TILES: tl.constexpr,  # column tiles of BLOCK_N a program walks
     UPCAST: tl.constexpr,  # dot in float32 (the interpreter misreads bf16 operands)
 ):
     slot, first, end = segment_block(seg_slots_ptr, seg_starts_ptr, num_segments, tl.program_id(1), SEG_BLOCK, BLOCK_M)
@@ -54,66 +56,68 @@ def _lora_expand_kernel(
     offs_m = first + tl.arange(0, BLOCK_M)
     m_mask = offs_m < end
     tokens = tl.load(sorted_tokens_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
-    n0 = tl.program_id(0) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_rows = lora_b_ptr + (slot.to(tl.int64) * out_features + offs_n[None, :]) * MAX_RANK  # [1, BLOCK_N]
+    # A program walks COL_TILES column tiles: its token block and slot are read once for all of them.
+    for c in tl.static_range(COL_TILES):
+        n0 = (tl.program_id(0) * COL_TILES + c) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        b_rows = lora_b_ptr + (slot.to(tl.int64) * out_features + offs_n[None, :]) * MAX_RANK  # [1, BLOCK_N]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    touched = offs_n < 0  # [BLOCK_N] columns of a slice with rank > 0; none yet
-    for s in tl.static_range(NUM_SLICES):
-        lo = tl.load(slice_offsets_ptr + s)
-        hi = tl.load(slice_offsets_ptr + s + 1)
-        # Clamped so that a rank larger than the buffers (a caller bug) cannot read out of bounds.
-        rank = tl.minimum(tl.load(ranks_ptr + s * num_slots + slot), MAX_RANK)
-        if (rank > 0) & (lo < n0 + BLOCK_N) & (hi > n0):
-            n_mask = (offs_n >= lo) & (offs_n < hi) & (offs_n < out_features)
-            touched = touched | n_mask
-            # buf and B rows are dense along the rank: loading whole RANK_ALIGN groups (still
-            # inside the padded row) lets loads vectorise, and tl.where drops the columns past
-            # the rank, whatever they hold (NaN included).
-            rank_loaded = tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
-            buf_rows = buf_ptr + s * stride_bs + tokens[:, None] * stride_bm  # [BLOCK_M, 1]
-            for k0 in range(0, rank, BLOCK_K):
-                k = k0 + offs_k
-                k_mask = k < rank
-                k_load = k < rank_loaded
-                h = tl.load(buf_rows + k[None, :], mask=m_mask[:, None] & k_load[None, :], other=0.0)
-                b = tl.load(b_rows + k[:, None], mask=k_load[:, None] & n_mask[None, :], other=0.0)
-                h = tl.where(k_mask[None, :], h, 0.0)  # [BLOCK_M, BLOCK_K]
-                b = tl.where(k_mask[:, None], b, 0.0)  # [BLOCK_K, BLOCK_N]
-                if lora_b_ptr.dtype.element_ty == tl.float32:
-                    acc = tl.dot(h, b, acc, input_precision="ieee")
-                else:
-                    # fp32 buf as hi + lo in B's dtype: two tensor-core products keep ~16 of its
-                    # mantissa bits, where rounding it to bf16 once would keep 8.
-                    h_hi = h.to(lora_b_ptr.dtype.element_ty)
-                    h_lo = (h - h_hi.to(tl.float32)).to(lora_b_ptr.dtype.element_ty)
-                    if UPCAST:
-                        b = b.to(tl.float32)
-                        acc = tl.dot(h_hi.to(tl.float32), b, acc, input_precision="ieee")
-                        acc = tl.dot(h_lo.to(tl.float32), b, acc, input_precision="ieee")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        touched = offs_n < 0  # [BLOCK_N] columns of a slice with rank > 0; none yet
+        for s in tl.static_range(NUM_SLICES):
+            lo = tl.load(slice_offsets_ptr + s)
+            hi = tl.load(slice_offsets_ptr + s + 1)
+            # Clamped so that a rank larger than the buffers (a caller bug) cannot read out of bounds.
+            rank = tl.minimum(tl.load(ranks_ptr + s * num_slots + slot), MAX_RANK)
+            if (rank > 0) & (lo < n0 + BLOCK_N) & (hi > n0):
+                n_mask = (offs_n >= lo) & (offs_n < hi) & (offs_n < out_features)
+                touched = touched | n_mask
+                # buf and B rows are dense along the rank: loading whole RANK_ALIGN groups (still
+                # inside the padded row) lets loads vectorise, and tl.where drops the columns past
+                # the rank, whatever they hold (NaN included).
+                rank_loaded = tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
+                buf_rows = buf_ptr + s * stride_bs + tokens[:, None] * stride_bm  # [BLOCK_M, 1]
+                for k0 in range(0, rank, BLOCK_K):
+                    k = k0 + offs_k
+                    k_mask = k < rank
+                    k_load = k < rank_loaded
+                    h = tl.load(buf_rows + k[None, :], mask=m_mask[:, None] & k_load[None, :], other=0.0)
+                    b = tl.load(b_rows + k[:, None], mask=k_load[:, None] & n_mask[None, :], other=0.0)
+                    h = tl.where(k_mask[None, :], h, 0.0)  # [BLOCK_M, BLOCK_K]
+                    b = tl.where(k_mask[:, None], b, 0.0)  # [BLOCK_K, BLOCK_N]
+                    if lora_b_ptr.dtype.element_ty == tl.float32:
+                        acc = tl.dot(h, b, acc, input_precision="ieee")
                     else:
-                        acc = tl.dot(h_hi, b, acc)
-                        acc = tl.dot(h_lo, b, acc)
+                        # fp32 buf as hi + lo in B's dtype: two tensor-core products keep ~16 of its
+                        # mantissa bits, where rounding it to bf16 once would keep 8.
+                        h_hi = h.to(lora_b_ptr.dtype.element_ty)
+                        h_lo = (h - h_hi.to(tl.float32)).to(lora_b_ptr.dtype.element_ty)
+                        if UPCAST:
+                            b = b.to(tl.float32)
+                            acc = tl.dot(h_hi.to(tl.float32), b, acc, input_precision="ieee")
+                            acc = tl.dot(h_lo.to(tl.float32), b, acc, input_precision="ieee")
+                        else:
+                            acc = tl.dot(h_hi, b, acc)
+                            acc = tl.dot(h_lo, b, acc)
 
-    y_tile = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-    # Two copies of the read-add-write: a mask that varies along a row stops the common case, a
-    # tile inside adapted slices, from using vector loads and stores.
-    if tl.sum(touched.to(tl.int32), axis=0) == BLOCK_N:
-        y = tl.load(y_tile, mask=m_mask[:, None], other=0.0)
-        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=m_mask[:, None])
-    else:
-        mask = m_mask[:, None] & touched[None, :]
-        y = tl.load(y_tile, mask=mask, other=0.0)
-        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+        y_tile = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        # Two copies of the read-add-write: a mask that varies along a row stops the common case, a
+        # tile inside adapted slices, from using vector loads and stores.
+        if tl.sum(touched.to(tl.int32), axis=0) == BLOCK_N:
+            y = tl.load(y_tile, mask=m_mask[:, None], other=0.0)
+            tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=m_mask[:, None])
+        else:
+            mask = m_mask[:, None] & touched[None, :]
+            y = tl.load(y_tile, mask=mask, other=0.0)
+            tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
 def default_tiles(num_tokens: int, max_rank: int) -> Tiles:
     """Tiles (tokens x output columns, rank step) for a GPU; chosen by reasoning, not yet tuned
     on hardware."""
     rank_step = min(64, max(16, triton.next_power_of_2(max_rank)))
-    if num_tokens < 512:
+    if num_tokens <= SPLIT_TOKENS:
         # Decode: the work is reading B; narrow column tiles spread it over more programs.
         return Tiles(m=16, n=64, k=rank_step)
     # Prefill: the work is reading and writing y; 64 x 64 tiles keep the accumulator and the
@@ -188,7 +192,8 @@ def lora_expand(
 
     # Grid: (column tile over all slices, token block of some segment). Tiling the packed output
     # rather than each slice keeps the grid independent of the (device-side) slice widths.
-    grid = (triton.cdiv(out_features, tiles.n), segments.segment_block_count(num_tokens, num_segments, tiles.m))
+    grid = (triton.cdiv(out_features, tiles.n * tiles.col_tiles),
+            segments.segment_block_count(num_tokens, num_segments, tiles.m))
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_expand_kernel[grid](
@@ -196,7 +201,7 @@ def lora_expand(
         y.stride(0), buf.stride(0), buf.stride(1), out_features, num_slots, num_segments,
         SEG_BLOCK=triton.next_power_of_2(num_segments),
         NUM_SLICES=num_slices, MAX_RANK=max_rank, RANK_ALIGN=math.gcd(max_rank, 8),
-        BLOCK_M=tiles.m, BLOCK_N=tiles.n, BLOCK_K=tiles.k,
+        BLOCK_M=tiles.m, BLOCK_N=tiles.n, BLOCK_K=tiles.k, COL_TILES=tiles.col_tiles,
         UPCAST=not y.is_cuda,
         **tiles.launch_options(),
     )  # fmt: skip

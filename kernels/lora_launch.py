@@ -84,7 +84,8 @@ class Tiles:
     """Tile sizes of one launch: each program computes a ``[m, n]`` output tile (shrink: tokens x
     rank columns; expand: tokens x output columns), looping over its reduction in steps of ``k``.
     The shrink sums its reduction (in_features) in ``chunk``s, each from zero, added in order: a
-    multiple of ``k``, 0 for one chunk of everything. ``num_stages`` 0 leaves Triton's default."""
+    multiple of ``k``, 0 for one chunk of everything. The expand's programs each walk ``col_tiles``
+    column tiles of ``n``. ``num_stages`` 0 leaves Triton's default."""
 
     m: int
     n: int
@@ -92,6 +93,7 @@ class Tiles:
     num_warps: int = 4
     chunk: int = 0
     num_stages: int = 0
+    col_tiles: int = 1
 
     def __post_init__(self) -> None:
         for name in ("m", "n", "k"):
@@ -100,6 +102,8 @@ class Tiles:
                 raise ValueError(f"Tiles.{name}={value}: tile sizes must be powers of two and at least 16 (tl.dot)")
         if self.chunk and (self.chunk % self.k or self.chunk < MIN_CHUNK):
             raise ValueError(f"Tiles.chunk={self.chunk}: a chunk is a multiple of k={self.k} and at least {MIN_CHUNK}")
+        if self.col_tiles < 1:
+            raise ValueError(f"Tiles.col_tiles={self.col_tiles}: a program walks at least one column tile")
 
     def launch_options(self) -> dict[str, int]:
         """The launch's keyword options: warps, and stages where set."""

@@ -129,7 +129,8 @@ class StepInputBuilder:
         sample_rows = (query_start[1:] - 1)[samples.bool()]
         host("sample_rows")[: sample_rows.shape[0]] = sample_rows
         num_appends = self._stage_appends()
-        lora = self.lora.build(slots[seq_of_token]) if self.lora is not None else None
+        # A step without adapter tokens builds no LoRA metadata: its forward runs (and replays) without LoRA.
+        lora = self.lora.build(slots[seq_of_token]) if self.lora is not None and bool((slots >= 0).any()) else None
         self.buffer.upload()
 
         dev = self.buffer.device_view

@@ -81,6 +81,20 @@ def test_padding_sequences_have_no_context_no_adapter_and_write_to_the_pad_slot(
     assert (inputs.num_seqs, inputs.num_tokens, inputs.decode_only) == (1, 1, True)
 
 
+def test_a_step_without_adapter_tokens_builds_no_lora_metadata(monkeypatch):
+    # Base-model sequences on a pod with LoRA: no metadata is built, so the step runs (and, on a GPU,
+    # replays) without LoRA; a step with one adapter token builds it.
+    blocks, _, builder = _setup(separate=False)
+    built = []
+    monkeypatch.setattr(builder.lora, "build", lambda slots, build=builder.lora.build: built.append(1) or build(slots))
+    a, b = _seq(blocks, 3, 2, 1, -1, "a"), _seq(blocks, 4, 3, 1, -1, "b")
+    assert _build(builder, [(a, 2, 1), (b, 3, 1)], pad_to=4).lora is None
+    assert not built
+    c = _seq(blocks, 5, 4, 1, 1, "c")
+    assert _build(builder, [(a, 2, 1), (c, 4, 1)]).lora.host_segments == ((1, 0, 1, 1),)
+    assert built == [1]
+
+
 def test_the_device_table_follows_appends_frees_and_reused_rows():
     blocks, _, builder = _setup(separate=True)
     a, b = _seq(blocks, 9, 0, 9, -1, "a"), _seq(blocks, 2, 0, 2, -1, "b")

@@ -110,9 +110,11 @@ def _lora_kernels(arch: int) -> list[Compiled]:
         expand = _compile_for(arch, expand_module._lora_expand_kernel, {"y_ptr": "*fp16", "lora_b_ptr": f"*{dtype}"}
                               | pointers, {
             "SEG_BLOCK": 64, "NUM_SLICES": 3, "MAX_RANK": MAX_RANK, "RANK_ALIGN": 8,
-            "BLOCK_M": tiles.m, "BLOCK_N": tiles.n, "BLOCK_K": tiles.k, "UPCAST": False,
+            "BLOCK_M": tiles.m, "BLOCK_N": tiles.n, "BLOCK_K": tiles.k, "COL_TILES": 4 if split else 1,
+            "UPCAST": False,
         }, aligned, tiles.num_warps)  # fmt: skip
-        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}"
+        config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}" + (
+            ", 4 column tiles a program" if split else "")
         rows.append(_record("lora_expand", arch, dtype, config, expand))
     return rows
 

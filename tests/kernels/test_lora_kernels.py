@@ -313,3 +313,21 @@ def test_launchers_reject_buffers_that_do_not_match():
         lora_expand(y[:, :-1], buf, p.lora_b, p.ranks, p.slice_offsets, p.meta)
     with pytest.raises(ValueError, match="powers of two"):
         Tiles(m=16, n=48, k=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_programs_walking_several_column_tiles_give_the_bits_of_one_tile_each(dtype):
+    # 3 tiles of 16 columns a program over QKV's 128 columns: the last program walks past the end, and
+    # tiles straddle slice edges (80 | 24 | 24); a column's sum is the same, so are its bits.
+    token_slots = [0, 2, -1, 3, 4, 1, 2]
+    p = _problem(QKV, token_slots, dtype, seed=13)
+    buf = _reference_buf(p)
+    wide0 = _poisoned_y(p, dtype, seed=13)
+    out_features = QKV.offsets[-1]
+    one, walked = wide0.clone(), wide0.clone()
+    lora_expand(one[:, :out_features], buf, p.lora_b, p.ranks, p.slice_offsets, p.meta, tiles=Tiles(m=16, n=16, k=16))
+    lora_expand(walked[:, :out_features], buf, p.lora_b, p.ranks, p.slice_offsets, p.meta,
+                tiles=Tiles(m=16, n=16, k=16, col_tiles=3))
+    assert torch.equal(_bits(walked), _bits(one))
+    _assert_untouched(walked, wide0, p.untouched())
+    assert not torch.equal(_bits(walked), _bits(wide0)), "the adapted rows must change"
