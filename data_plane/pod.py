@@ -15,6 +15,7 @@ from data_plane.engine.engine import Engine, EngineLimits, Resolver
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import Policy, ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.engine.threads import model_thread
 from data_plane.errors import AdapterNotFound
 from data_plane.lora.fetcher import AdapterFetcher
 from data_plane.lora.peft_adapter import AdapterLimits
@@ -59,8 +60,9 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                        config.max_num_batched_tokens, roots,
                        AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),
                        fetcher)
-    if device.type == "cpu":
-        use_row_rule(model, lora, config.max_lora_rank)
+    if device.type == "cpu":  # probed on threads like the model thread's; the team ends with the thread
+        with model_thread(config.resolved_compute_threads) as probing:
+            probing.submit(use_row_rule, model, lora, config).result()
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,
@@ -101,15 +103,17 @@ def set_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> P
     return model.precision
 
 
-def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, max_rank: int) -> row_rule.RowRule:
-    """Probes which row tiles keep a row's bits on this CPU, in the model's own shapes and its LoRA layers'
-    at ranks up to ``max_rank`` (``row_rule.probe``), makes the model and its LoRA layers use them, and
-    returns them, logged (a warning where a path has no invariant tiling here)."""
+def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> row_rule.RowRule:
+    """Probes which row tiles keep a row's bits on this CPU, in the model's own shapes, in steps up to the
+    pod's sizes, and its LoRA layers' at ranks up to --max-lora-rank (``row_rule.probe``), makes the model
+    and its LoRA layers use them, and returns them, logged (a warning where a path has no invariant tiling
+    here). Call it on the threads the steps compute on."""
     c = model.config
     shapes = [row_rule.LoraShape(w.base.in_features, tuple(w.base.slices.values())) for w in lora.layers.values()]
     started = time.perf_counter()
     rule = row_rule.probe([w for w, _ in model.matmul_weights()], model.precision.matmul_dtype, model.head_weight,
-                          shapes, max_rank, c.head_dim, c.num_heads // c.num_kv_heads)
+                          shapes, config.max_lora_rank, c.head_dim, c.num_heads // c.num_kv_heads,
+                          config.max_num_batched_tokens, config.max_num_seqs)
     model.use_row_rule(rule)
     for layer in lora.layers.values():
         layer.backend.use_row_tile(rule.lora_rows)

@@ -1,4 +1,4 @@
-"""Linear layers on CPU in one fixed row tile, through oneDNN with weights reordered once.
+"""Linear layers on CPU in fixed row tiles or one padded call, through oneDNN with weights reordered once.
 
 Batch invariance. A matmul library chooses its kernel, and with it the order in which each output's
 products are summed, from the shape of the call and the threads it has. Measured with torch 2.13
@@ -11,7 +11,11 @@ depended on how many rows shared its step. Here every call has one shape: ``x`` 
 of exactly ``CpuWeight.rows`` rows, the last one padded with zeros, so oneDNN runs one kernel for
 every step, and within a tile a row's result depends neither on its position nor on the other rows
 (checked at every position, every shape). A token's projections are then the same bits in a decode
-step of 1 or 32 rows and in any prefill chunk.
+step of 1 or 32 rows and in any prefill chunk. Where oneDNN's float32 kernel gives a row the same bits
+in a call of any multiple of a few rows (on a 2-core Xeon with AMX: every multiple of 4, up to 1024
+rows), one call over all rows padded to that multiple (``CpuWeight.whole``) keeps them as well and costs
+less: a prefill chunk is one call, not one per tile, and a lone decode row pads 3 rows, not 15. Which of
+the two holds, and with how many rows, is measured on the pod's own CPU at start-up (``row_rule``).
 
 Speed. oneDNN takes a weight reordered ahead of time into its blocked layout ("prepacked"): for
 the few rows of a decode step it runs the demo model's projections 1.2–1.5× and its 49152-row
@@ -53,8 +57,9 @@ class CpuWeight:
 
     weight: torch.Tensor  # oneDNN's reordered copy (opaque) where ``reordered``, else the plain [out, in] in dtype
     dtype: torch.dtype  # the precision of the operands; inputs are rounded to it
-    rows: int  # the row tile: every call multiplies exactly this many rows
+    rows: int  # the row tile: every call multiplies exactly this many rows (``whole``: a multiple of it)
     reordered: bool
+    whole: bool = False  # one call over all rows, padded to a multiple of ``rows``, instead of a call per tile
 
 
 def onednn_serves(dtype: torch.dtype) -> bool:
@@ -74,22 +79,25 @@ def bfloat16_supported() -> bool:
     return onednn_serves(torch.bfloat16)
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None) -> CpuWeight:
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None,
+         whole: bool = False) -> CpuWeight:
     """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's) in tiles
-    of ``rows`` rows (default: ``ROW_TILES[dtype]``): reordered by oneDNN where it serves ``dtype``, else kept
-    plain (then each tile runs a plain matmul: still one shape per call, only slower)."""
+    of ``rows`` rows (default: ``ROW_TILES[dtype]``), or with ``whole`` in one call over all rows padded to
+    a multiple of ``rows``: reordered by oneDNN where it serves ``dtype``, else kept plain (then each call
+    runs a plain matmul, only slower)."""
     dtype = dtype or weight.dtype
     rows = rows or ROW_TILES[dtype]
     if onednn_serves(dtype):
-        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True)
-    return CpuWeight(weight.to(dtype).contiguous(), dtype, rows, False)
+        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True, whole)
+    return CpuWeight(weight.to(dtype).contiguous(), dtype, rows, False, whole)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: CpuWeight | None) -> torch.Tensor:
     """``x @ weight.T + bias`` in ``x``'s dtype. With ``packed`` (on CPU), in tiles of ``packed.rows``
-    rows with operands in ``packed.dtype``, so that each row's result depends on that row alone; without,
-    one plain matmul."""
+    rows (``packed.whole``: in one call, padded to a multiple of them) with operands in ``packed.dtype``,
+    so that each row's result depends on that row alone where the CPU's probe found it so (``row_rule``);
+    without, one plain matmul."""
     if packed is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     shape = x.shape
@@ -99,7 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if rows % tile:
         xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
     fused_bias = bias if bias is not None and bias.dtype == packed.dtype else None
-    if xin.shape[0] == tile:
+    if packed.whole or xin.shape[0] == tile:
         out = _tile(xin, packed, fused_bias)
     else:
         out = torch.cat([_tile(t, packed, fused_bias) for t in xin.split(tile)])

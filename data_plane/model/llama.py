@@ -231,10 +231,12 @@ class LlamaForCausalLM(nn.Module):
         if self.head_weight.device.type != "cpu":
             return
         rule = self.row_rule
+        rows, whole = (rule.projection.rows, rule.projection.whole) if rule else (None, False)
         for module in self.modules():
             if isinstance(module, Projection):
-                module.packed = cpu_linear.pack(module.weight, matmul_dtype, rule and rule.projection_rows)
-        self._packed_head = cpu_linear.pack(self.head_weight, None, rule and rule.head_rows)
+                module.packed = cpu_linear.pack(module.weight, matmul_dtype, rows, whole)
+        rows, whole = (rule.head.rows, rule.head.whole) if rule else (None, False)
+        self._packed_head = cpu_linear.pack(self.head_weight, None, rows, whole)
 
     def use_row_rule(self, rule: RowRule) -> None:
         """On CPU, runs the projections, the head and attention in ``rule``'s tiles from now on (the rule a
@@ -248,9 +250,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def row_tile(self) -> int:
         """The rows every projection multiplies at once on CPU (``cpu_linear``: a step's projections cost
-        the same for any row count up to it, and again for each tile past it); 0 where not tiled."""
+        the same for any row count up to it, and again for each tile past it); 0 where not tiled (on a GPU,
+        or where one call takes all rows)."""
         first = next(m for m in self.modules() if isinstance(m, Projection))
-        return first.packed.rows if first.packed is not None else 0
+        return first.packed.rows if first.packed is not None and not first.packed.whole else 0
 
     @property
     def precision(self) -> Precision:

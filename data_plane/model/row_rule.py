@@ -28,8 +28,28 @@ import torch
 from data_plane.model import cpu_linear, tiled_attention
 from kernels import cpu_lora
 
-# Each path's candidates, the cheapest first.
-PROJECTION_ROWS = {dtype: (rows, 2 * rows) for dtype, rows in cpu_linear.ROW_TILES.items()}
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a projection's rows are multiplied: one call over all of them padded to a multiple of ``rows``
+    (``whole``), or a call per tile of exactly ``rows`` rows."""
+
+    rows: int
+    whole: bool = False
+
+    def describe(self) -> str:
+        return f"one call of a multiple of {self.rows} rows" if self.whole else f"{self.rows}-row tiles"
+
+
+# Each path's candidates, the cheapest first. A projection's one call costs less than its tiles (a step of
+# many rows makes one call, not one per tile; a decode pads fewer rows); the tiles hold where it does not:
+# on a 2-core Xeon with AMX one float32 call kept every row's bits at every multiple of 4 rows, while in
+# bfloat16 its AMX kernels summed a row differently from 64 rows on.
+PROJECTION_TILINGS = {
+    torch.float32: (Tiling(4, True), Tiling(8, True), Tiling(16, True), Tiling(16), Tiling(32)),
+    torch.bfloat16: (Tiling(32, True), Tiling(32), Tiling(64)),
+    torch.float16: (Tiling(32, True), Tiling(32), Tiling(64)),
+}
 LORA_ROWS = cpu_lora.ROW_TILES
 ATTENTION_ROWS = tiled_attention.ROW_MULTIPLES
 # LoRA ranks probed: every rank up to this (small products are where a library switches kernels by
@@ -41,16 +61,16 @@ EVERY_RANK_UP_TO = 64
 class RowRule:
     """The tiles a CPU pod runs its matmul paths in."""
 
-    projection_rows: int  # rows of every projection's tile
-    head_rows: int  # rows of every output-head tile (the head takes the weights' dtype)
+    projection: Tiling  # how every projection multiplies its rows
+    head: Tiling  # how the output head does (in the weights' dtype)
     lora_rows: int  # rows of every LoRA tile
     attention_rows: int  # every attention matmul computes a multiple of this many query rows
     broken: tuple[str, ...] = ()  # paths for which no candidate held (each with what broke it)
 
     def describe(self) -> str:
         """One line for the pod's log and GetState."""
-        text = (f"projections {self.projection_rows} rows, head {self.head_rows}, LoRA {self.lora_rows}, "
-                f"attention a multiple of {self.attention_rows}")
+        text = (f"projections {self.projection.describe()}, head {self.head.describe()}, LoRA {self.lora_rows}-row "
+                f"tiles, attention a multiple of {self.attention_rows} rows")
         return text + (f"; NOT INVARIANT: {'; '.join(self.broken)}" if self.broken else "")
 
 
@@ -63,27 +83,29 @@ class LoraShape:
 
 
 def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: torch.Tensor,
-          lora: Sequence[LoraShape], max_rank: int, head_dim: int, per_kv: int) -> RowRule:
+          lora: Sequence[LoraShape], max_rank: int, head_dim: int, per_kv: int, max_rows: int,
+          max_head_rows: int) -> RowRule:
     """The cheapest rule under which every path keeps a row's bits on this CPU: ``projections`` (one [out,
-    in] weight per shape) with operands in ``matmul_dtype``, the output ``head`` [vocab, hidden] in its own
-    dtype, the LoRA layers ``lora`` at ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv``
-    query heads per key/value head. Deterministic inputs; the LoRA path on one thread, as it runs."""
+    in] weight per shape) with operands in ``matmul_dtype`` in steps of up to ``max_rows`` rows, the output
+    ``head`` [vocab, hidden] in its own dtype for up to ``max_head_rows`` rows, the LoRA layers ``lora`` at
+    ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv`` query heads per key/value head.
+    Deterministic inputs. Run it on the threads the steps compute on (the LoRA path on one, as it runs)."""
     broken: list[str] = []
 
-    def first(path: str, candidates: Sequence[int], breaks: Callable[[int], str | None]) -> int:
+    def first(path: str, candidates: Sequence, breaks: Callable, label: Callable = "{} rows".format):
         found = []
-        for rows in candidates:
-            failure = breaks(rows)
+        for candidate in candidates:
+            failure = breaks(candidate)
             if failure is None:
-                return rows
-            found.append(f"{rows} rows: {failure}")
+                return candidate
+            found.append(f"{label(candidate)}: {failure}")
         broken.append(f"{path} ({', '.join(found)})")
         return candidates[-1]
 
-    projection = first("projections", PROJECTION_ROWS[matmul_dtype],
-                       lambda rows: _projection_breaks(projections, matmul_dtype, rows))
-    head_rows = first("output head", PROJECTION_ROWS[head.dtype],
-                      lambda rows: _projection_breaks([head], head.dtype, rows))
+    projection = first("projections", PROJECTION_TILINGS[matmul_dtype],
+                       lambda tiling: _projection_breaks(projections, matmul_dtype, tiling, max_rows), Tiling.describe)
+    head_tiling = first("output head", PROJECTION_TILINGS[head.dtype],
+                        lambda tiling: _projection_breaks([head], head.dtype, tiling, max_head_rows), Tiling.describe)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -91,21 +113,44 @@ def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: 
     finally:
         torch.set_num_threads(before)
     attention = first("attention", ATTENTION_ROWS, lambda rows: _attention_breaks(head_dim, per_kv, rows))
-    return RowRule(projection, head_rows, lora_rows, attention, tuple(broken))
+    return RowRule(projection, head_tiling, lora_rows, attention, tuple(broken))
 
 
 def _inputs(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, rows: int) -> str | None:
-    """Where ``cpu_linear.linear`` in ``rows``-row tiles gave a row other bits, or None."""
+def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, tiling: Tiling,
+                       max_rows: int) -> str | None:
+    """Where ``cpu_linear.linear`` under ``tiling`` gave a row other bits in steps of up to ``max_rows``
+    rows, or None."""
     for weight in weights:
-        packed = cpu_linear.pack(weight, dtype, rows)
-        x = _inputs(3 * rows, weight.shape[1], rows, weight.dtype)
-        failure = _row_breaks(partial(cpu_linear.linear, weight=weight, bias=None, packed=packed), x, rows)
+        packed = cpu_linear.pack(weight, dtype, tiling.rows, tiling.whole)
+        run = partial(cpu_linear.linear, weight=weight, bias=None, packed=packed)
+        rows = tiling.rows
+        if tiling.whole:  # one call of each padded count: a count's kernel may differ from another's
+            x = _inputs(max(3 * rows, max_rows), weight.shape[1], rows, weight.dtype)
+            failure = _row_breaks(run, x[: 3 * rows], rows) or _count_breaks(run, x, rows)
+        else:
+            failure = _row_breaks(run, _inputs(3 * rows, weight.shape[1], rows, weight.dtype), rows)
         if failure:
             return f"[{weight.shape[0]}, {weight.shape[1]}] {failure}"
+    return None
+
+
+def _count_breaks(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> str | None:
+    """Whether ``run`` gives the first rows of ``x`` other bits in a call of any count up to all of ``x``'s
+    rows (each multiple of ``rows`` up to 8 of them, then each power of two, and all), or a row deep in
+    the call other bits than alone."""
+    n = x.shape[0]
+    counts = {*range(rows, 8 * rows + 1, rows), n} | {1 << i for i in range(rows.bit_length(), n.bit_length())}
+    whole = run(x)
+    for count in sorted(c for c in counts if c <= n):
+        if not torch.equal(run(x[:count]), whole[:count]):
+            return f"a call of {count} rows gave its rows other bits than one of {n}"
+    for row in sorted({n // 3 + 1, n // 2 + 3, n - 1}):
+        if not torch.equal(run(x[row : row + 1]), whole[row : row + 1]):
+            return f"row {row} of a call of {n} got other bits than alone"
     return None
 
 

@@ -92,8 +92,8 @@ def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_
         engine = build_engine(config, PodMetrics())
         rule = engine.model.row_rule
         assert rule is not None and not rule.broken, rule and rule.describe()
-        projections = [m.packed.rows for m in engine.model.modules() if isinstance(m, Projection)]
-        assert projections and set(projections) == {rule.projection_rows}
+        projections = [(m.packed.rows, m.packed.whole) for m in engine.model.modules() if isinstance(m, Projection)]
+        assert projections and set(projections) == {(rule.projection.rows, rule.projection.whole)}
         assert {layer.backend.row_tile for layer in engine.lora.layers.values()} == {rule.lora_rows}
         assert engine.model.attention.row_multiple == rule.attention_rows
         assert pod_state(engine, "pod-0", "tiny").row_rule == rule.describe()

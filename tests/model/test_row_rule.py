@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conventions.defaults import MAX_LORA_RANK
+from data_plane.config import DataPlaneConfig
 from data_plane.model import cpu_linear, row_rule
 from kernels import cpu_lora
 
@@ -29,9 +30,11 @@ def _probe(name: str, matmul_dtype: torch.dtype, weights_dtype: torch.dtype = to
     projections = [weight(q + 2 * kv, hidden), weight(hidden, q), weight(2 * inter, hidden), weight(hidden, inter)]
     lora = [row_rule.LoraShape(hidden, (q, kv, kv)), row_rule.LoraShape(q, (hidden,)),
             row_rule.LoraShape(hidden, (inter, inter)), row_rule.LoraShape(inter, (hidden,))]
-    return row_rule.probe(projections, matmul_dtype, weight(vocab, hidden), lora, max_rank, head_dim, heads // kv_heads)
+    return row_rule.probe(projections, matmul_dtype, weight(vocab, hidden), lora, max_rank, head_dim, heads // kv_heads,
+                          POD.max_num_batched_tokens, POD.max_num_seqs)
 
 
+POD = DataPlaneConfig(model=None)  # a pod's default step sizes
 PRECISIONS = {"float32": (torch.float32, torch.float32), "bfloat16-matmul": (torch.bfloat16, torch.float32),
               "bfloat16": (torch.bfloat16, torch.bfloat16)}
 
@@ -44,7 +47,8 @@ def test_every_cpu_path_has_a_tiling_that_keeps_a_rows_bits_on_this_cpu(shapes, 
         pytest.skip("this torch's oneDNN has no bfloat16 matmul on this CPU: a pod refuses bfloat16 here")
     rule = _probe(shapes, matmul_dtype, weights_dtype)
     assert not rule.broken, f"on this CPU ({_cpu()}): {rule.describe()}"
-    assert rule.projection_rows in row_rule.PROJECTION_ROWS[matmul_dtype]
+    assert rule.projection in row_rule.PROJECTION_TILINGS[matmul_dtype]
+    assert rule.head in row_rule.PROJECTION_TILINGS[weights_dtype]
     assert rule.lora_rows in cpu_lora.ROW_TILES
 
 
