@@ -246,6 +246,8 @@ def parse_args() -> argparse.Namespace:
                                                  "benchmarks/results/gpu-MODEL-DEVICE-DATE.json)")
     parser.add_argument("--skip", action="append", default=[], choices=PARTS,
                         help="leave a part out (repeatable), to rerun the others within a device lease")
+    parser.add_argument("--budget-s", type=float, help="start no part after this many seconds (its figures so far "
+                                                       "are kept; the table says which parts were skipped)")
     parser.add_argument("--only", action="append", default=[], choices=PARTS,
                         help="run only these parts (repeatable): every other part is skipped")
     args = parser.parse_args()
@@ -272,7 +274,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are defined (imported)
         torch.set_num_threads(args.threads)
     sizes, dtype, preset = SIZES[args.model], getattr(torch, args.dtype), PRESETS[args.model]
-    report = Report(args.device, REPO, out=args.out, model=args.model)
+    report = Report(args.device, REPO, out=args.out, model=args.model, budget_s=args.budget_s)
     with tempfile.TemporaryDirectory(prefix="lorafleet-gpu-") as tmp:
         written = report.run("checkpoint and adapters", prepare, Path(tmp), preset, dtype, args.device)
         clock = Clock(torch.device(args.device), sizes.iters, sizes.warmup)
@@ -298,7 +300,7 @@ def main() -> None:
             if "peft" not in args.skip:
                 report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
-            report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms)
+            report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms, always=True)
     if args.device == "cpu":
         report.notes.append("CPU run: the Triton kernels ran under the interpreter (their times are not speeds), "
                             "and CUDA graphs do not apply")

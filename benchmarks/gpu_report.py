@@ -67,12 +67,19 @@ class Report:
     started: float = field(default_factory=time.perf_counter)
     out: Path | None = None  # where the JSON goes, rewritten after every part: a run cut short keeps its figures
     model: str = ""
+    budget_s: float | None = None  # no part starts after this many seconds (a device lease's window)
 
-    def run(self, part: str, fn: Callable, *args):
+    def run(self, part: str, fn: Callable, *args, always: bool = False):
         """Runs one part of the evaluation, saying when it starts and recording when it ends. An exception
         becomes a failed check and the parts after it still run: one broken part must not cost the others'
-        device time. Returns ``fn``'s result, None when it raised."""
-        print(f"[{time.perf_counter() - self.started:4.0f} s] {part}", flush=True)
+        device time. A part due after ``budget_s`` is skipped (unless ``always``), and a note says so.
+        Returns ``fn``'s result, None when it raised or was skipped."""
+        elapsed = time.perf_counter() - self.started
+        if self.budget_s is not None and elapsed > self.budget_s and not always:
+            self.notes.append(f"{part}: skipped, {elapsed:.0f} s in (past --budget-s {self.budget_s:.0f})")
+            print(f"[{elapsed:4.0f} s] {part}: skipped (past --budget-s)", flush=True)
+            return None
+        print(f"[{elapsed:4.0f} s] {part}", flush=True)
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - reported as a failed check, and in full on stderr

@@ -1,6 +1,7 @@
-"""benchmarks/gpu.py, the whole GPU evaluation in one command, runs end to end in its tiny CPU mode:
-every section writes finite figures, and our pod matches transformers + peft. Its parity check fails
-a pod whose log-probabilities are off or that ignored the adapter."""
+"""benchmarks/gpu.py, the GPU evaluation's pods and kernels, runs end to end in its tiny CPU mode (as
+benchmarks/gpu_run.sh --tiny runs it: tests/benchmarks/conftest.py): every section writes finite figures,
+and our pod matches transformers + peft. Its parity check fails a pod whose log-probabilities are off or
+that ignored the adapter."""
 
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path_factory.mktemp("gpu-benchmark") / "gpu.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--model", "tiny", "--device", "cpu",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
-    return done, json.loads(out.read_text()) if out.is_file() else {}
+def tiny_run(gpu_run_tiny) -> tuple[subprocess.CompletedProcess, dict]:
+    """gpu.py's tiny CPU run, as the one GPU command (benchmarks/gpu_run.sh --tiny) ran it."""
+    done, out = gpu_run_tiny
+    return done, json.loads((out / "gpu.json").read_text()) if (out / "gpu.json").is_file() else {}
 
 
 def _finite(*values) -> bool:

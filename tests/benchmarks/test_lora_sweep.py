@@ -1,14 +1,13 @@
 """benchmarks/lora_sweep.py, the LoRA tile sweep with the peers side by side, runs end to end in its tiny
-CPU mode (the Triton kernels, ours and the peers', under the interpreter): every tile it keeps computed
-the reference's result, every layer row has ours and each peer checked and timed, and the split shrink
-kept a row's bits. A CPU run writes no tuned table."""
+CPU mode (the Triton kernels, ours and the peers', under the interpreter), as benchmarks/gpu_run.sh
+--tiny runs it (tests/benchmarks/conftest.py): every tile it keeps computed the reference's result, every
+layer row has ours and each peer checked and timed, and the split shrink kept a row's bits. A CPU run
+writes no tuned table."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,12 @@ PEERS = REPO.parent / "shared" / "peers"  # the peers' kernels, beside the check
 
 
 @pytest.mark.slow
-def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(tmp_path):
-    out = tmp_path / "sweep.json"
-    tables = set((REPO / "kernels" / "tuned").glob("*.json"))
-    peers = ["--peers", str(PEERS)] if PEERS.is_dir() else []
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora_sweep.py"), "--tiny", "--device", "cpu",
-                           *peers, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(gpu_run_tiny):
+    done, out = gpu_run_tiny
+    tables = {p.name for p in (REPO / "kernels" / "tuned").glob("*.json")}
+    peers = PEERS.is_dir()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = json.loads((out / "lora-sweep.json").read_text())
     assert not data["failures"]
     tuned = data["tuned"]
     for projection in ("qkv", "o", "gate_up", "down"):
@@ -42,4 +39,5 @@ def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(t
     [bits] = data["bits"]
     assert bits["split = one program"] and bits["replays unlike one program"] == 0
     assert all(v for k, v in bits.items() if k.startswith("alone = in"))
-    assert set((REPO / "kernels" / "tuned").glob("*.json")) == tables, "a CPU run must not write a tuned table"
+    assert tables == {"nvidia-h200.json"}, "a CPU run must not write a tuned table"  # only the committed one
+    assert not any(out.glob("nvidia-*.json")) and ("--peers" in data["command"]) == peers
