@@ -33,7 +33,10 @@ def segment_block(
     """(slot, first, end): the program's tokens are ``sorted_tokens[first:end]`` (at most
     ``BLOCK_M``), all on adapter ``slot``; ``slot`` is -1 when the program has no tokens."""
     segment, first, end = segment_walk(seg_starts_ptr, num_segments, pid, SEG_BLOCK, BLOCK_M)
-    slot = tl.load(seg_slots_ptr + tl.maximum(segment, 0))
+    # Loaded beside the segment starts (no load waits on the walk), then picked like its bounds.
+    offs_s = tl.arange(0, SEG_BLOCK)
+    slots = tl.load(seg_slots_ptr + offs_s, mask=offs_s < num_segments, other=-1)  # [SEG_BLOCK]
+    slot = tl.sum(tl.where(offs_s == segment, slots, 0), axis=0)
     return tl.where(segment >= 0, slot, -1), first, end
 
 

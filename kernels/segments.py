@@ -33,11 +33,13 @@ def segment_walk(
     # the last block counts them all.
     segment = tl.sum((tl.cumsum(seg_blocks, axis=0) <= pid).to(tl.int32), axis=0)
     block = pid - tl.sum(tl.where(offs_s < segment, seg_blocks, 0), axis=0)
-    in_range = segment < num_segments
-    segment = tl.minimum(segment, num_segments - 1)  # keeps the loads below in bounds
-    first = tl.load(seg_starts_ptr + segment) + block * BLOCK
-    end = tl.minimum(tl.load(seg_starts_ptr + segment + 1), first + BLOCK)
-    return tl.where(in_range, segment, -1), first, end
+    # The segment's bounds are picked from the vectors already loaded, not loaded again: one round trip
+    # to memory fewer before the program's real loads (a decode launch is bound by that chain). Past
+    # the last segment both are 0: no rows.
+    picked = offs_s == segment
+    first = tl.sum(tl.where(picked, seg_lo, 0), axis=0) + block * BLOCK
+    end = tl.minimum(tl.sum(tl.where(picked, seg_hi, 0), axis=0), first + BLOCK)
+    return tl.where(segment < num_segments, segment, -1), first, end
 
 
 def segment_block_count(num_rows: int, num_segments: int, block: int) -> int:
