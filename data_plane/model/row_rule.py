@@ -19,6 +19,7 @@ the pod logs it, and ``tests/model/test_row_rule.py`` runs the same probe so tha
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -69,8 +70,10 @@ class RowRule:
 
     def describe(self) -> str:
         """One line for the pod's log and GetState."""
+        attention = (f"a multiple of {self.attention_rows} query rows" if self.attention_rows > 1
+                     else "query rows unpadded")
         text = (f"projections {self.projection.describe()}, head {self.head.describe()}, LoRA {self.lora_rows}-row "
-                f"tiles, attention a multiple of {self.attention_rows} rows")
+                f"tiles, attention {attention}")
         return text + (f"; NOT INVARIANT: {'; '.join(self.broken)}" if self.broken else "")
 
 
@@ -208,17 +211,24 @@ def _slot(layer: LoraShape, ranks: tuple[int, ...]) -> cpu_lora.PackedSlot:
 
 def _attention_breaks(head_dim: int, per_kv: int, rows: int) -> str | None:
     """Where ``tiled_attention``'s products over a multiple of ``rows`` query rows gave a query other bits:
-    a query's output alone (a decode) against the same query among others (of one sequence and of several,
-    few and many queries, one and two key/value heads), over 1 and 3 key tiles."""
-    tile = tiled_attention.KEY_TILE
+    each query of a block of ``QUERY_BLOCK`` queries of 3 sequences and 2 key/value heads against the same
+    query in calls of fewer queries, sequences and heads (a decode's one query among them), and a query
+    deep in the block alone, over 1 and 3 key tiles."""
+    tile, block = tiled_attention.KEY_TILE, tiled_attention.QUERY_BLOCK
     gen = torch.Generator().manual_seed(rows)
     for keys in (tile, 3 * tile):
         k, v = (torch.randn(2, 3, keys, head_dim, generator=gen) for _ in range(2))
-        q = torch.randn(2, 3, 40 * per_kv, head_dim, generator=gen)
-        alone = _attend(q, k, v, per_kv, rows, 1, 1, 1)
-        for heads, seqs, queries in ((1, 1, 3), (2, 3, 1), (2, 3, 40), (1, 1, 40)):
-            if not torch.equal(_attend(q, k, v, per_kv, rows, heads, seqs, queries)[0, 0, :per_kv], alone[0, 0]):
-                return f"{keys} keys: a query among {heads * seqs * queries * per_kv} rows got other bits"
+        q = torch.randn(2, 3, block * per_kv, head_dim, generator=gen)
+        whole = _attend(q, k, v, per_kv, rows, 2, 3, block)
+        for heads, seqs, queries in itertools.product((1, 2), (1, 3), (1, 2, 3, 5, 8, 13, 40, block)):
+            got = _attend(q, k, v, per_kv, rows, heads, seqs, queries)
+            if not torch.equal(got, whole[:heads, :seqs, : queries * per_kv]):
+                return (f"{keys} keys: {queries} queries of {seqs} sequences, {heads} heads got other bits than "
+                        f"among {block} queries of 3 sequences, 2 heads")
+        deep = block // 2 + 5
+        alone = _attend(q.roll(-deep * per_kv, 2), k, v, per_kv, rows, 2, 3, 1)
+        if not torch.equal(alone, whole[:, :, deep * per_kv : (deep + 1) * per_kv]):
+            return f"{keys} keys: query {deep} of {block} got other bits alone"
     return None
 
 

@@ -45,10 +45,11 @@ import torch
 
 KEY_TILE = 64
 # Every matmul computes a multiple of this many query rows (query heads of a key/value head, times
-# queries); a decode's rows (its query heads per key/value head) are padded to it. The candidates, the
-# cheapest first: a pod takes the first that keeps a row's bits on its CPU (``row_rule``).
-ROW_MULTIPLES = (8, 16, 32)
-ROW_MULTIPLE = ROW_MULTIPLES[0]
+# queries); a decode's rows (its query heads per key/value head) are padded to it. 8 held on a 2-core AMD
+# EPYC (above); a pod takes the first of ROW_MULTIPLES, the cheapest first, that keeps a row's bits on its
+# own CPU (``row_rule``): on a 2-core Xeon with AMX any count of rows did, so nothing is padded there.
+ROW_MULTIPLE = 8
+ROW_MULTIPLES = (1, 2, 4, 8, 16, 32)
 # A long prefill's queries are taken this many at a time, each block over the keys its last query sees
 # (causal: the first of four blocks reads a quarter of the keys). Tiles a block skips would add zeros.
 QUERY_BLOCK = 128
