@@ -150,7 +150,9 @@ def main() -> None:
                                                      load_dtype(args.dtype, args.device))
         pod_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype,
                     "--max-num-seqs", str(args.requests), "--max-loras", str(len(names)),
-                    "--max-cpu-loras", str(max(32, len(names)))]
+                    "--max-cpu-loras", str(max(32, len(names))),
+                    # a closed batch, every request sent at once and each one served: no queue-delay refusals
+                    "--max-queue-delay", "0"]
         if args.model != "demo":  # slots sized to the adapters: 64 slots of rank 64 would take 21 GB at 8B
             pod_args += ["--max-lora-rank", str(args.rank)]
         if args.device == "cuda" and peft is not None:
