@@ -100,6 +100,8 @@ def lora_kernels(dev: str) -> str:
         buf, y = meta.buffer[:3, : len(slots)], y0.clone()
         lora_shrink(x, a, ranks, meta, buf, tiles=tiles)
         lora_expand(y, buf, b, ranks, torch.tensor(offsets, dtype=torch.int32, device=dev), meta)
+        if split and meta.counters.any():
+            raise RuntimeError("the split shrink left its arrival counters non-zero")
         results.append(y)
     expected, buf = y0.clone(), torch.zeros(3, len(slots), rank, device=dev)
     reference.lora_shrink(x, a, ranks, meta, buf)

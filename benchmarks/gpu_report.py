@@ -68,6 +68,7 @@ class Report:
     out: Path | None = None  # where the JSON goes, rewritten after every part: a run cut short keeps its figures
     model: str = ""
     budget_s: float | None = None  # no part starts after this many seconds (a device lease's window)
+    skipped: list[str] = field(default_factory=list)  # parts left out for want of budget
 
     def run(self, part: str, fn: Callable, *args, always: bool = False):
         """Runs one part of the evaluation, saying when it starts and recording when it ends. An exception
@@ -76,6 +77,7 @@ class Report:
         Returns ``fn``'s result, None when it raised or was skipped."""
         elapsed = time.perf_counter() - self.started
         if self.budget_s is not None and elapsed > self.budget_s and not always:
+            self.skipped.append(part)
             self.notes.append(f"{part}: skipped, {elapsed:.0f} s in (past --budget-s {self.budget_s:.0f})")
             print(f"[{elapsed:4.0f} s] {part}: skipped (past --budget-s)", flush=True)
             return None
@@ -131,7 +133,7 @@ class Report:
         if self.device == "cuda":
             meta["cuda"] = torch.version.cuda
         data = {"meta": meta, **self.sections, "table": self.rows, "notes": self.notes, "failures": self.failures,
-                "passed": self.passed, "phases_s": self.phases}
+                "passed": self.passed, "skipped": self.skipped, "phases_s": self.phases}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2, allow_nan=True))
         if not quiet:

@@ -12,6 +12,7 @@ peers prepare it on the host); what is timed is the shrink and the expand, as ou
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,9 @@ def load(path: Path) -> dict[str, object]:
     if not (path / "vllm_lora").is_dir() or not (path / "sglang_lora").is_dir():
         raise ImportError(f"--peers {path}: expected the folders vllm_lora and sglang_lora there")
     sys.path.insert(0, str(path))
+    # SGLang's launch cache keys its compiled kernels on some constexprs only (not on the rank), so a
+    # second rank would reuse the first one's kernel: off, as the peers' README says.
+    os.environ["SGLANG_USE_CUSTOM_TRITON_KERNEL_CACHE"] = "0"
     import sglang_lora
     import vllm_lora
 

@@ -7,13 +7,13 @@ Problems: the four LoRA projections of a decoder layer (``--model``: Llama-3-8B'
 padded to the rank timed (8, 16, 64), token t on adapter t % 64 (up to 64 distinct adapters), as
 benchmarks/gpu_kernels.py. For each projection and rank:
 
-1. shrink tiles for decode steps (up to SPLIT_TOKENS tokens, split one program per chunk): every
-   candidate is checked against ``kernels.reference`` once, then timed (CUDA graph replay, L2 flushed)
-   at each decode token count; the one with the least geometric-mean time wins. Then the prefill
-   shrink tiles with the winner's ``k`` and ``chunk`` (a row sums in the same steps in both phases);
-2. expand tiles for each phase likewise;
-3. the winners go to ``kernels/tuned/<device>.json`` (read by the launchers at start-up) and, with
-   every timing, to the JSON report.
+1. shrink tiles, then expand tiles: every candidate (all in blocks of 16 rows, see
+   kernels/lora_tuning.py) is checked against ``kernels.reference`` once, then timed (CUDA graph
+   replay, L2 flushed) at each decode token count (up to SPLIT_TOKENS: the shrink split one program per
+   chunk) and at a prefill-sized count; the one with the least geometric-mean time wins, one set for
+   every step of the shape, so a row runs the same instructions in any step;
+2. the winners are merged into ``kernels/tuned/<device>.json`` (read by the launchers at start-up;
+   shapes this run did not reach keep their entries) and written beside the JSON report.
 
 Then one layer (all four projections) per rank and token count: ours with the tuned tiles, ours with
 the tiles the kernels had before the split shrink (one program over all of in_features), each peer,
@@ -52,28 +52,23 @@ SIZES = {  # ranks, decode token counts, prefill token count, adapters, timed ru
 }
 
 
-def candidates(kind: str, phase: str, rank: int, dtype: torch.dtype, tiny: bool, fixed=None):
-    """Tiles to try. Decode shrink: K steps x chunks; prefill shrink: token and rank tiles at the decode
-    winner's k and chunk (``fixed``); expand: column tiles and warps."""
+def candidates(kind: str, rank: int, dtype: torch.dtype, tiny: bool):
+    """Tiles to try, all in blocks of 16 rows (one kind of tensor-core instruction: kernels/lora_tuning.py).
+    Shrink: K steps x chunks x rank tiles; expand: column tiles, warps and column tiles a program walks."""
     from kernels.lora_launch import Tiles
 
     rank_tile = min(64, max(16, 1 << (rank - 1).bit_length()))
-    if kind == "shrink" and phase == "decode":
-        steps = (64,) if tiny else ((32, 64) if dtype == torch.float32 else (64, 128, 256))
-        out = [Tiles(m=16, n=16, k=k, chunk=k * c) for k in steps for c in (1, 2) if k * c >= 64]
-        return out[:2] if tiny else out + [Tiles(m=16, n=16, k=128, chunk=256, num_warps=2)]
     if kind == "shrink":
-        k, chunk = fixed.k, fixed.chunk
-        out = [Tiles(m=m, n=n, k=k, chunk=chunk) for m in (16, 64) for n in sorted({16, rank_tile})]
-        return out[:2] if tiny else out
-    if phase == "decode" and tiny:
+        if tiny:
+            return [Tiles(m=16, n=16, k=64, chunk=64), Tiles(m=16, n=16, k=64, chunk=128)]
+        steps = (32, 64) if dtype == torch.float32 else (64, 128, 256)
+        out = [Tiles(m=16, n=16, k=k, chunk=k * c) for k in steps for c in (1, 2) if k * c >= 64]
+        out += [Tiles(m=16, n=16, k=128, chunk=256, num_warps=2)]
+        return out + ([Tiles(m=16, n=rank_tile, k=128, chunk=256)] if rank_tile > 16 else [])
+    if tiny:
         return [Tiles(m=16, n=32, k=rank_tile), Tiles(m=16, n=32, k=rank_tile, col_tiles=2)]
-    if phase == "decode":
-        out = [Tiles(m=16, n=n, k=rank_tile) for n in (32, 64, 128)] + [Tiles(m=16, n=64, k=rank_tile, num_warps=2)]
-        out += [Tiles(m=16, n=n, k=rank_tile, col_tiles=4) for n in (64, 128)]  # fewer programs, each reading more
-    else:
-        out = [Tiles(m=64, n=n, k=rank_tile) for n in (64, 128)]
-    return out[:2] if tiny else out
+    out = [Tiles(m=16, n=n, k=rank_tile) for n in (32, 64, 128)] + [Tiles(m=16, n=64, k=rank_tile, num_warps=2)]
+    return out + [Tiles(m=16, n=n, k=rank_tile, col_tiles=4) for n in (64, 128)]  # fewer programs, each reading more
 
 
 class Problem:
@@ -164,36 +159,31 @@ class Sweep:
         return self.clock.replay_ms(fn)[0]
 
     def tune(self, name: str, in_features: int, widths: tuple[int, ...], rank: int) -> None:
-        """The decode then prefill winners of shrink and expand for one projection at one rank."""
+        """The shrink's and the expand's tiles for one projection at one rank: one set for every step,
+        the least geometric-mean time over decode and prefill token counts."""
         from kernels.lora_tuning import entry_key
 
         ranks, decode_counts, prefill_count, adapters, _, _ = SIZES[self.args.size]
-        problems = {n: Problem(in_features, widths, rank, n, adapters, self.dtype, self.clock.device)
-                    for n in (*decode_counts, prefill_count)}
-        fixed = None
+        counts = (*decode_counts, prefill_count)
+        problems = [Problem(in_features, widths, rank, n, adapters, self.dtype, self.clock.device) for n in counts]
         for kind in ("shrink", "expand"):
-            for phase, counts in (("decode", decode_counts), ("prefill", (prefill_count,))):
-                best = None
-                for tiles in candidates(kind, phase, rank, self.dtype, self.args.size == "tiny", fixed):
-                    times = self.try_tiles(kind, tiles, [problems[n] for n in counts])
-                    if times is None:
-                        continue
-                    score = math.exp(sum(math.log(t) for t in times) / len(times))
-                    row = {"projection": name, "rank": rank, "kernel": kind, "phase": phase, "tiles": vars(tiles),
-                           "tokens": list(counts), "ms": times, "geomean_ms": score}
-                    self.report["tuning"].append(row)
-                    if best is None or score < best[0]:
-                        best = (score, tiles)
-                if best is None:
-                    self.fail(f"{name} rank {rank} {kind} {phase}: no candidate tiles ran correctly")
+            best = None
+            for tiles in candidates(kind, rank, self.dtype, self.args.size == "tiny"):
+                times = self.try_tiles(kind, tiles, problems)
+                if times is None:
                     continue
-                if kind == "shrink" and phase == "decode":
-                    fixed = best[1]
-                features = in_features if kind == "shrink" else sum(widths)
-                key = entry_key(kind, phase, len(widths), features, rank, self.dtype)
-                self.tuned[key] = vars(best[1])
-                print(f"[{self.elapsed():4.0f} s] {name} r{rank} {kind} {phase}: {best[1]} "
-                      f"geomean {best[0] * 1e3:.1f} us", flush=True)
+                score = math.exp(sum(math.log(t) for t in times) / len(times))
+                self.report["tuning"].append({"projection": name, "rank": rank, "kernel": kind, "tiles": vars(tiles),
+                                              "tokens": list(counts), "ms": times, "geomean_ms": score})
+                if best is None or score < best[0]:
+                    best = (score, tiles)
+            if best is None:
+                self.fail(f"{name} rank {rank} {kind}: no candidate tiles ran correctly")
+                continue
+            features = in_features if kind == "shrink" else sum(widths)
+            self.tuned[entry_key(kind, len(widths), features, rank, self.dtype)] = vars(best[1])
+            print(f"[{self.elapsed():4.0f} s] {name} r{rank} {kind}: {best[1]} geomean {best[0] * 1e3:.1f} us",
+                  flush=True)
         self.save()
 
     def try_tiles(self, kind: str, tiles, problems: list[Problem]) -> list[float] | None:
@@ -279,7 +269,7 @@ class Sweep:
         p = Problem(in_features, widths, rank, decode_counts[-1], adapters, self.dtype, self.clock.device, seed=7)
         from kernels.lora_tuning import shrink_tiles
 
-        tiles = shrink_tiles(p.x.shape[0], len(widths), in_features, rank, self.dtype, self.clock.device)
+        tiles = shrink_tiles(len(widths), in_features, rank, self.dtype, self.clock.device)
         p.shrink(tiles)
         split = p.buf.clone()
         serial = torch.full_like(split, float("nan"))
@@ -341,13 +331,15 @@ def main() -> None:
     if args.device == "cuda" and sweep.tuned:
         from kernels.lora_tuning import table_path
 
-        table = {"device": sweep.report["device"], "date": sweep.report["date"], "command": sweep.report["command"],
-                 "tiles": sweep.tuned}
         path = table_path(sweep.report["device"])
+        kept = json.loads(path.read_text())["tiles"] if path.exists() else {}
+        table = {"device": sweep.report["device"], "date": sweep.report["date"], "command": sweep.report["command"],
+                 "tiles": {**kept, **sweep.tuned}}
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        if os.environ.get("OUT"):
-            (Path(os.environ["OUT"]) / path.name).write_text(path.read_text())
-        print(f"tuned table: {path}", flush=True)
+        (args.out.parent / path.name).write_text(path.read_text())  # beside the report: what the run measured
+        print(f"tuned table: {path} ({len(sweep.tuned)} entries measured, {len(kept.keys() - sweep.tuned.keys())} "
+              "kept)", flush=True)
         from kernels import lora_tuning
 
         lora_tuning._table.cache_clear()

@@ -67,11 +67,16 @@ def traced(execute, trace: Trace):
         out = execute(step)
         tokens, seqs = step.inputs.input_ids.numel(), len(step.order)
         trace.steps.append(Step(time.perf_counter() - started, tokens, seqs,
-                                tokens - sum(o is not None for o in out), len(step.inputs.lora.host_segments),
+                                tokens - sum(o is not None for o in out), adapters(step.inputs.lora),
                                 trace.gc_ms - gc_ms))
         return out
 
     return run
+
+
+def adapters(meta) -> int:
+    """The adapters a step ran: a step without adapter tokens has no LoRA metadata."""
+    return len(meta.host_segments) if meta is not None else 0
 
 
 async def serve_once(engine, requests: list[tuple[list[int], str | None]], new_tokens: int, trace: Trace) -> float:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels import lora_launch, lora_tuning, segments
 from kernels.lora_launch import Tiles, segment_block
-from kernels.lora_meta import SPLIT_TOKENS, LoraMeta
+from kernels.lora_meta import LoraMeta
 
 
 @triton.jit
@@ -113,16 +113,11 @@ def _lora_expand_kernel(
             tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-def default_tiles(num_tokens: int, max_rank: int) -> Tiles:
-    """Tiles (tokens x output columns, rank step) for a GPU; chosen by reasoning, not yet tuned
-    on hardware."""
-    rank_step = min(64, max(16, triton.next_power_of_2(max_rank)))
-    if num_tokens <= SPLIT_TOKENS:
-        # Decode: the work is reading B; narrow column tiles spread it over more programs.
-        return Tiles(m=16, n=64, k=rank_step)
-    # Prefill: the work is reading and writing y; 64 x 64 tiles keep the accumulator and the
-    # y tile in registers at 4 warps.
-    return Tiles(m=64, n=64, k=rank_step)
+def default_tiles(max_rank: int) -> Tiles:
+    """Tiles (tokens x output columns, rank step) for a GPU without a tuned table, the same for every
+    step (``kernels.lora_tuning``): narrow column tiles spread a decode step's read of B over many
+    programs; blocks of 16 rows keep one kind of tensor-core instruction whatever the step."""
+    return Tiles(m=16, n=64, k=min(64, max(16, triton.next_power_of_2(max_rank))))
 
 
 def lora_expand(
@@ -185,7 +180,7 @@ def lora_expand(
             got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
         raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {y.device}, got {got}")
     lora_launch.check_meta(meta, num_tokens, y.device)
-    tiles = tiles or lora_tuning.expand_tiles(num_tokens, num_slices, out_features, max_rank, lora_b.dtype, y.device)
+    tiles = tiles or lora_tuning.expand_tiles(num_slices, out_features, max_rank, lora_b.dtype, y.device)
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or out_features == 0 or max_rank == 0 or num_segments == 0:
         return

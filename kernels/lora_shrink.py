@@ -110,18 +110,12 @@ def _lora_shrink_kernel(
     tl.store(out, total, mask=rows_mask)
 
 
-def default_tiles(num_tokens: int, max_rank: int, dtype: torch.dtype) -> Tiles:
+def default_tiles(dtype: torch.dtype) -> Tiles:
     """Tiles (tokens x rank columns, in_features step and chunk) for a GPU without a tuned table
-    (``kernels.lora_tuning``). The K step and the chunk are the same at every token count, so a row's
-    sum runs the same steps in any step; only the token and rank tiles follow the phase."""
+    (``kernels.lora_tuning``), the same for every step: a decode step's few rows read A with a program
+    per chunk, a prefill step's rows in blocks of 16, in the same instructions and order."""
     # float32 operands (no tensor cores: both tiles live in registers) take half the K tile.
-    k = 64 if dtype == torch.float32 else 128
-    if num_tokens <= SPLIT_TOKENS:
-        # Decode: few tokens per adapter, so the work is reading A, one program per chunk of it.
-        # Narrow rank tiles skip the padding of low-rank slots.
-        return Tiles(m=16, n=16, k=k, chunk=256)
-    # Prefill: one rank tile per slice (up to rank 64) reads each token block of x once per slice.
-    return Tiles(m=64, n=min(64, max(16, triton.next_power_of_2(max_rank))), k=k, chunk=256)
+    return Tiles(m=16, n=16, k=64 if dtype == torch.float32 else 128, chunk=256)
 
 
 def lora_shrink(
@@ -156,8 +150,8 @@ def lora_shrink(
     (``meta.partials``) runs one program per chunk (split-K: a decode step's few rows read A with
     many programs); the last program of a tile to finish adds the partials, in chunk order, whoever
     finishes first. Otherwise one program walks every chunk. The arithmetic is the same either way,
-    so a row's bits do not depend on the mode, hence not on what else shares its step, as long as
-    the same ``k`` and ``chunk`` are used (the tuned table keeps them per shape, not per step).
+    so a row's bits do not depend on the mode, hence not on what else shares its step: the tuned and
+    default tiles are per shape, the same in every step (``kernels.lora_tuning``).
     """
     # Check.
     if lora_a.dim() != 4 or not lora_a.is_contiguous():
@@ -172,7 +166,7 @@ def lora_shrink(
     lora_launch.check_ranks(ranks, num_slices, num_slots, x.device)
     lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, x.device)
     lora_launch.check_meta(meta, num_tokens, x.device)
-    tiles = tiles or lora_tuning.shrink_tiles(num_tokens, num_slices, in_features, max_rank, x.dtype, x.device)
+    tiles = tiles or lora_tuning.shrink_tiles(num_slices, in_features, max_rank, x.dtype, x.device)
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or max_rank == 0 or num_segments == 0:
         return

@@ -2,12 +2,13 @@
 
 ``benchmarks/lora_sweep.py`` times a grid of tiles per projection shape on a GPU and writes
 ``kernels/tuned/<device>.json`` (device = ``torch.cuda.get_device_name``, lower case, spaces as
-``-``). An entry is keyed by kernel, phase, slices, in/out features, max rank and dtype, and holds
-the ``Tiles`` that ran fastest over that phase's token counts. The phase is ``decode`` for launches of
-up to ``SPLIT_TOKENS`` tokens and ``prefill`` above; the sweep keeps the shrink's ``k`` and ``chunk``
-the same in both phases of a shape, so a row sums in the same steps whichever phase its step is in
-(see ``kernels.lora_shrink``). Shapes or devices without an entry take the launchers'
-``default_tiles``; on a CPU (the interpreter) there is no table.
+``-``). An entry is keyed by kernel, slices, in/out features, max rank and dtype, and holds the one
+``Tiles`` that ran fastest over decode and prefill token counts together. One set of tiles serves every
+step of a shape, so a row runs the same instructions in any step: on a GPU, tiles of 16 rows compile to
+one kind of tensor-core instruction and tiles of 64 to another (Hopper's warpgroup MMA), and nothing
+promises the two sum a row alike. The shrink then differs between steps only in who adds its chunks'
+partial sums, in the same order (``kernels.lora_shrink``). Shapes or devices without an entry take the
+launchers' ``default_tiles``; on a CPU (the interpreter) there is no table.
 """
 
 from __future__ import annotations
@@ -20,22 +21,17 @@ from pathlib import Path
 import torch
 
 from kernels.lora_launch import Tiles
-from kernels.lora_meta import SPLIT_TOKENS
 
 TABLES = Path(__file__).resolve().parent / "tuned"
-
-
-def phase(num_tokens: int) -> str:
-    return "decode" if num_tokens <= SPLIT_TOKENS else "prefill"
 
 
 def table_path(device_name: str) -> Path:
     return TABLES / f"{re.sub(r'[^a-z0-9]+', '-', device_name.lower()).strip('-')}.json"
 
 
-def entry_key(kernel: str, phase_name: str, slices: int, features: int, max_rank: int, dtype: torch.dtype) -> str:
+def entry_key(kernel: str, slices: int, features: int, max_rank: int, dtype: torch.dtype) -> str:
     """``features``: in_features for the shrink, out_features for the expand."""
-    return f"{kernel}/{phase_name}/s{slices}/f{features}/r{max_rank}/{str(dtype).removeprefix('torch.')}"
+    return f"{kernel}/s{slices}/f{features}/r{max_rank}/{str(dtype).removeprefix('torch.')}"
 
 
 @functools.cache
@@ -52,25 +48,20 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
-def tuned(kernel: str, num_tokens: int, slices: int, features: int, max_rank: int, dtype: torch.dtype,
-          device_name: str) -> Tiles | None:
+def tuned(kernel: str, slices: int, features: int, max_rank: int, dtype: torch.dtype, device_name: str) -> Tiles | None:
     """The tuned tiles of a launch on the GPU named ``device_name``, None where none were measured."""
     if not device_name:
         return None
-    return _table(device_name).get(entry_key(kernel, phase(num_tokens), slices, features, max_rank, dtype))
+    return _table(device_name).get(entry_key(kernel, slices, features, max_rank, dtype))
 
 
-def shrink_tiles(num_tokens: int, slices: int, in_features: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> Tiles:
+def shrink_tiles(slices: int, in_features: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     from kernels.lora_shrink import default_tiles
 
-    found = tuned("shrink", num_tokens, slices, in_features, max_rank, dtype, _device_name(device))
-    return found or default_tiles(num_tokens, max_rank, dtype)
+    return tuned("shrink", slices, in_features, max_rank, dtype, _device_name(device)) or default_tiles(dtype)
 
 
-def expand_tiles(num_tokens: int, slices: int, out_features: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> Tiles:
+def expand_tiles(slices: int, out_features: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     from kernels.lora_expand import default_tiles
 
-    found = tuned("expand", num_tokens, slices, out_features, max_rank, dtype, _device_name(device))
-    return found or default_tiles(num_tokens, max_rank)
+    return tuned("expand", slices, out_features, max_rank, dtype, _device_name(device)) or default_tiles(max_rank)

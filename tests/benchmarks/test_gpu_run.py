@@ -19,7 +19,7 @@ def test_the_tiny_run_passes_every_step_and_leaves_each_ones_figures(gpu_run_tin
     assert {p.name for p in out.iterdir()} == {"preflight.log", "lora-sweep.json", "lora-sweep.log", "gpu.json",
                                                "gpu.log"}
     assert "preflight passed" in (out / "preflight.log").read_text()
-    order = [done.stdout.index(marker) for marker in ("preflight passed", "shrink decode", "[   0 s] checkpoint")
+    order = [done.stdout.index(marker) for marker in ("preflight passed", " shrink: Tiles(", "[   0 s] checkpoint")
              if marker in done.stdout]
     assert len(order) == 3 and order == sorted(order), "preflight, then the sweep, then gpu.py"
     assert json.loads((out / "gpu.json").read_text())["passed"]

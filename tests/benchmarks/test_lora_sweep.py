@@ -27,11 +27,11 @@ def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(g
     tuned = data["tuned"]
     for projection in ("qkv", "o", "gate_up", "down"):
         rows = [r for r in data["tuning"] if r["projection"] == projection]
-        assert {(r["kernel"], r["phase"]) for r in rows} == {(k, p) for k in ("shrink", "expand")
-                                                              for p in ("decode", "prefill")}
+        assert {r["kernel"] for r in rows} == {"shrink", "expand"}
         assert all(math.isfinite(t) and t > 0 for r in rows for t in r["ms"])
-    decode, prefill = (tuned[k] for k in sorted(tuned) if k.startswith("shrink/") and "/s3/" in k)
-    assert (decode["k"], decode["chunk"]) == (prefill["k"], prefill["chunk"]), "a row must sum in the same steps"
+        assert all(r["tokens"][-1] > 16 for r in rows), "a prefill-sized step is timed too"
+    # one entry per kernel and shape (o's and down's expands share one: 1 slice of 128 columns)
+    assert len(tuned) == 7 and all(t["m"] == 16 for t in tuned.values())
     [row] = data["layer"]
     assert math.isfinite(row["ours_ms"]) and math.isfinite(row["ours before_ms"]) and row["floor_ms"] > 0
     for peer in ("vllm", "sglang") if peers else ():

@@ -87,15 +87,16 @@ def _record(name: str, arch: int, dtype: str, config: str, compiled) -> Compiled
 
 
 def _lora_kernels(arch: int) -> list[Compiled]:
-    """Shrink and expand with the launchers' default tiles for decode (8 tokens: the shrink split one
-    program per chunk) and prefill (4096: one program walks the chunks); fp32 weights (no tensor
-    cores, slowest to compile) only with decode tiles."""
+    """Shrink and expand with the launchers' default tiles (one set for every step), as a decode step
+    runs them (8 tokens: the shrink split one program per chunk, the expand walking 4 column tiles, a
+    tuned table's option) and a prefill step (4096: one program walks the chunks); fp32 weights (no
+    tensor cores, slowest to compile) only as a decode step."""
     ints = ("ranks_ptr", "sorted_tokens_ptr", "seg_slots_ptr", "seg_starts_ptr", "slice_offsets_ptr", "counters_ptr")
     pointers = {n: "*i32" for n in ints} | {"buf_ptr": "*fp32", "part_ptr": "*fp32"}
     aligned = {"in_features", "out_features", "stride_xm", "stride_ym", "stride_bs", "stride_bm", "stride_pc"}
     rows = []
     for dtype, num_tokens in (("bf16", 8), ("bf16", 4096), ("fp32", 8)):
-        tiles = shrink_module.default_tiles(num_tokens, MAX_RANK, TORCH_DTYPES[dtype])
+        tiles = shrink_module.default_tiles(TORCH_DTYPES[dtype])
         split = num_tokens <= shrink_module.SPLIT_TOKENS
         config = (f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}, chunk {tiles.chunk}"
                   + (", split" if split else ""))
@@ -106,7 +107,7 @@ def _lora_kernels(arch: int) -> list[Compiled]:
             "UPCAST": False,
         }, aligned, tiles.num_warps)  # fmt: skip
         rows.append(_record("lora_shrink", arch, dtype, config, shrink))
-        tiles = expand_module.default_tiles(num_tokens, MAX_RANK)
+        tiles = expand_module.default_tiles(MAX_RANK)
         expand = _compile_for(arch, expand_module._lora_expand_kernel, {"y_ptr": "*fp16", "lora_b_ptr": f"*{dtype}"}
                               | pointers, {
             "SEG_BLOCK": 64, "NUM_SLICES": 3, "MAX_RANK": MAX_RANK, "RANK_ALIGN": 8,

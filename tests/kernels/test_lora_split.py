@@ -10,6 +10,7 @@ here; on a GPU, benchmarks/lora_sweep.py replays the split launch 200 times agai
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -74,8 +75,8 @@ def test_split_shrink_gives_the_bits_of_one_program_and_leaves_its_counters_at_z
 
 
 def test_a_rows_bits_are_the_same_alone_beside_others_and_in_a_prefill_sized_step():
-    # Row 0 (slot 3) alone, in a split decode step of 40 tokens, and in a step too long to split, whose
-    # launcher takes prefill tiles: same k and chunk, so the same sums in the same order.
+    # Row 0 (slot 3) alone, in a split decode step of 40 tokens, and in a step too long to split: the
+    # same tiles (one set per shape), so the same sums in the same order.
     layer = QKV
     tokens = SPLIT_TOKENS + 9
     slots = [3, *_mix("uniform", tokens - 1, random.Random(5))]
@@ -83,10 +84,9 @@ def test_a_rows_bits_are_the_same_alone_beside_others_and_in_a_prefill_sized_ste
     rows = {}
     for n in (1, 40, tokens):
         meta = _meta(layer, slots[:n], split=True)
-        tiles = TILES if n <= SPLIT_TOKENS else dataclasses.replace(TILES, m=64, n=64)
-        _, split = launch_grid(n, 3, layer.in_features, MAX_RANK, NUM_SLOTS, tiles, meta)
+        _, split = launch_grid(n, 3, layer.in_features, MAX_RANK, NUM_SLOTS, TILES, meta)
         assert split == (n <= SPLIT_TOKENS)
-        rows[n] = _shrink(x[:n], lora_a, ranks, meta, tiles)[:, 0]
+        rows[n] = _shrink(x[:n], lora_a, ranks, meta)[:, 0]
     assert torch.equal(_bits(rows[1]), _bits(rows[40]))
     assert torch.equal(_bits(rows[1]), _bits(rows[tokens]))
 
@@ -109,6 +109,18 @@ def test_chunks_are_whole_k_steps_of_at_least_the_smallest_chunk():
         Tiles(m=16, n=16, k=32, chunk=32)
 
 
+def test_every_tuned_table_keeps_one_kind_of_tensor_core_instruction():
+    # Blocks of 16 rows everywhere (kernels/lora_tuning.py): 64-row blocks would run Hopper's warpgroup
+    # MMA, 16-row ones mma.sync, and nothing promises the two sum a row alike.
+    from kernels import lora_tuning
+
+    tables = list(lora_tuning.TABLES.glob("*.json"))
+    assert tables
+    for path in tables:
+        for key, tiles in lora_tuning._table(json.loads(path.read_text())["device"]).items():
+            assert tiles.m == 16, f"{path.name}: {key} has {tiles.m}-row blocks"
+
+
 # Llama-3-8B's LoRA projections: (slices, in_features, out_features).
 LLAMA3_8B = {"qkv": (3, 4096, 6144), "o": (1, 4096, 4096), "gate_up": (2, 4096, 28672), "down": (1, 14336, 4096)}
 H100_SMS = 132
@@ -128,10 +140,10 @@ def test_decode_launches_at_llama3_8b_shapes_keep_serial_loops_short_and_fill_th
 
     rank, dtype = 16, torch.bfloat16
     for name, (slices, in_features, out_features) in LLAMA3_8B.items():
-        shrink = (lora_tuning.tuned("shrink", tokens, slices, in_features, rank, dtype, device_name)
-                  or lora_shrink.default_tiles(tokens, rank, dtype))
-        expand = (lora_tuning.tuned("expand", tokens, slices, out_features, rank, dtype, device_name)
-                  or lora_expand.default_tiles(tokens, rank))
+        shrink = (lora_tuning.tuned("shrink", slices, in_features, rank, dtype, device_name)
+                  or lora_shrink.default_tiles(dtype))
+        expand = (lora_tuning.tuned("expand", slices, out_features, rank, dtype, device_name)
+                  or lora_expand.default_tiles(rank))
         meta = dataclasses.make_dataclass("Scratch", ["partials", "counters"])(
             torch.empty(partial_rows([(slices, in_features)]) * SPLIT_TOKENS * rank), torch.empty(1 << 16))
         grid, split = launch_grid(tokens, slices, in_features, rank, 64, shrink, meta)
