@@ -18,9 +18,10 @@ benchmarks/gpu_kernels.py. For each projection and rank:
 Then one layer (all four projections) per rank and token count: ours with the tuned tiles, ours with
 the tiles the kernels had before the split shrink (one program over all of in_features), each peer,
 and the time to read the layer's bytes once at this device's copy bandwidth; ``ours / peer`` rows.
-Last, the bits: a decode row alone, beside 63 others, and inside a prefill-sized step; the split
-shrink against the one-program shrink, replayed many times (the last program to arrive adds the
-partials: a broken ordering would show as a mismatch).
+Last, the bits, for every projection and rank with the tiles the launchers now take: a decode row
+alone, beside 255 others, and inside a prefill-sized step; the split shrink against the one-program
+shrink, replayed (200 times for the first shape: the last program to arrive adds the partials, and a
+broken ordering would show as a mismatch).
 
 ``--tiny --device cpu`` runs all of it at tiny sizes under Triton's interpreter in about a minute
 (tests/benchmarks/test_lora_sweep.py); its times say nothing about speed. Figures are printed and
@@ -256,8 +257,9 @@ class Sweep:
         ratios = "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.startswith("ours_over"))
         print(f"[{self.elapsed():4.0f} s] layer r{rank} {tokens} tok: {cells}  {ratios}", flush=True)
 
-    def bits(self, in_features: int, widths: tuple[int, ...], rank: int, replays: int) -> None:
-        """A decode row's bits alone, beside others and in a prefill-sized step; split against one program."""
+    def bits(self, name: str, in_features: int, widths: tuple[int, ...], rank: int, replays: int) -> None:
+        """A decode row's bits alone, beside others and in a prefill-sized step, through shrink and expand
+        with the launchers' own tiles; the split shrink against one program, replayed."""
         ranks, decode_counts, prefill_count, adapters, _, _ = SIZES[self.args.size]
         rows = {}
         for tokens in (1, decode_counts[-1], prefill_count):
@@ -281,7 +283,7 @@ class Sweep:
         for _ in range(replays):
             p.shrink(tiles)
             mismatches += int(not torch.equal(p.buf, serial))
-        row = {"in_features": in_features, "rank": rank, **same, "replays": replays,
+        row = {"projection": name, "in_features": in_features, "rank": rank, **same, "replays": replays,
                "split = one program": bool(torch.equal(split, serial)), "replays unlike one program": mismatches}
         self.report["bits"].append(row)
         self.save()
@@ -355,11 +357,18 @@ def main() -> None:
                 sweep.layer_rows(layer, rank, tokens)
             except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
                 sweep.fail(f"layer rank {rank}, {tokens} tokens: {type(e).__name__}: {e}")
-    in_features, widths = layer["qkv"]
-    try:
-        sweep.bits(in_features, widths, ranks[0], 200 if args.size == "full" else 2)
-    except Exception as e:  # noqa: BLE001
-        sweep.fail(f"bits: {type(e).__name__}: {e}")
+    # Every shape and rank with the tiles it now runs; many replays for the first, a few for the others.
+    replays = 200 if args.size == "full" else 2
+    for rank in ranks:
+        for name, (in_features, widths) in layer.items():
+            if sweep.elapsed() > args.budget_s:
+                sweep.fail(f"bits stopped at {name} rank {rank}: past --budget-s")
+                break
+            try:
+                sweep.bits(name, in_features, widths, rank, replays)
+            except Exception as e:  # noqa: BLE001 - recorded; the other shapes still run
+                sweep.fail(f"bits {name} rank {rank}: {type(e).__name__}: {e}")
+            replays = max(2, replays // 10)
     sweep.save()
     print(f"done in {sweep.elapsed():.0f} s; {len(sweep.report['failures'])} failure(s); {args.out}", flush=True)
     sys.exit(1 if sweep.report["failures"] else 0)

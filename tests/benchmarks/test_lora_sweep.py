@@ -36,8 +36,9 @@ def test_tiny_cpu_sweep_tunes_every_projection_and_times_ours_beside_the_peers(g
     assert math.isfinite(row["ours_ms"]) and math.isfinite(row["ours before_ms"]) and row["floor_ms"] > 0
     for peer in ("vllm", "sglang") if peers else ():
         assert math.isfinite(row[f"{peer}_ms"]) and math.isfinite(row[f"ours_over_{peer}"])
-    [bits] = data["bits"]
-    assert bits["split = one program"] and bits["replays unlike one program"] == 0
-    assert all(v for k, v in bits.items() if k.startswith("alone = in"))
+    assert {b["projection"] for b in data["bits"]} == {"qkv", "o", "gate_up", "down"}
+    for bits in data["bits"]:
+        assert bits["split = one program"] and bits["replays unlike one program"] == 0
+        assert all(v for k, v in bits.items() if k.startswith("alone = in"))
     assert tables == {"nvidia-h200.json"}, "a CPU run must not write a tuned table"  # only the committed one
     assert not any(out.glob("nvidia-*.json")) and ("--peers" in data["command"]) == peers
