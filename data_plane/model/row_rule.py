@@ -2,13 +2,16 @@
 
 A CPU pod promises that a request's tokens do not depend on what shares its step. Each of its matmul
 paths therefore runs in calls whose shapes do not depend on the step: projections in tiles of a fixed
-number of rows (``cpu_linear``), the LoRA shrink and expand in tiles of a fixed number of rows
-(``kernels.cpu_lora``), attention's score and value products over a multiple of a fixed number of query
-rows (``tiled_attention``). That is enough only if, within such a call, a row's result depends neither on
-the other rows nor on its place among them, nor on how many tiles one call batches. Whether it does is
-the matmul library's choice, made per CPU: on a 2-core AMD EPYC 8-row LoRA tiles kept every row's bits;
-on a 2-core Xeon with AMX an 8-row tile summed a rank-2 shrink ([8, 64] @ [64, 2]) differently at each
-place of the tile, and 16-row tiles did not.
+number of rows, or in one call padded to a multiple of a few rows (``cpu_linear``), the LoRA shrink and
+expand in tiles of a fixed number of rows (``kernels.cpu_lora``), attention's score and value products
+over a multiple of a fixed number of query rows (``tiled_attention``). That is enough only if a row's
+result depends neither on the other rows nor on its place among them, nor on how many rows or tiles one
+call takes. Whether it does is the matmul library's choice, made per CPU: on a 2-core AMD EPYC 8-row
+LoRA tiles kept every row's bits, and attention needed its query rows padded to a multiple of 8; on a
+2-core Xeon with AMX an 8-row tile summed a rank-2 shrink ([8, 64] @ [64, 2]) differently at each place
+of the tile (the shrink now computes at least ``cpu_lora.SHRINK_COLUMNS`` columns, and 8-row tiles hold
+there), while attention needed no padding and a float32 projection held in one call of any multiple of
+4 rows.
 
 So the pod does not trust a rule measured elsewhere: ``probe`` runs each path's own code on this machine,
 in the model's shapes, over every candidate tile (the cheapest first), and keeps the first under which
