@@ -269,9 +269,11 @@ class Sweep:
             rows[tokens] = p.y[0].clone()
         same = {f"alone = in {n} tokens": bool(torch.equal(rows[1], rows[n])) for n in list(rows)[1:]}
         p = Problem(in_features, widths, rank, decode_counts[-1], adapters, self.dtype, self.clock.device, seed=7)
-        from kernels.lora_tuning import shrink_tiles
+        from kernels.lora_shrink import default_tiles
+        from kernels.lora_tuning import on_device
 
-        tiles = shrink_tiles(len(widths), in_features, rank, self.dtype, self.clock.device)
+        tiles = (on_device("shrink", len(widths), in_features, rank, self.dtype, self.clock.device)
+                 or default_tiles(self.dtype))
         p.shrink(tiles)
         split = p.buf.clone()
         serial = torch.full_like(split, float("nan"))

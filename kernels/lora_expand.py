@@ -180,7 +180,8 @@ def lora_expand(
             got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
         raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {y.device}, got {got}")
     lora_launch.check_meta(meta, num_tokens, y.device)
-    tiles = tiles or lora_tuning.expand_tiles(num_slices, out_features, max_rank, lora_b.dtype, y.device)
+    tiles = (tiles or lora_tuning.on_device("expand", num_slices, out_features, max_rank, lora_b.dtype, y.device)
+             or default_tiles(max_rank))
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or out_features == 0 or max_rank == 0 or num_segments == 0:
         return

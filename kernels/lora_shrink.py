@@ -166,7 +166,8 @@ def lora_shrink(
     lora_launch.check_ranks(ranks, num_slices, num_slots, x.device)
     lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, x.device)
     lora_launch.check_meta(meta, num_tokens, x.device)
-    tiles = tiles or lora_tuning.shrink_tiles(num_slices, in_features, max_rank, x.dtype, x.device)
+    tiles = (tiles or lora_tuning.on_device("shrink", num_slices, in_features, max_rank, x.dtype, x.device)
+             or default_tiles(x.dtype))
     num_segments = meta.seg_slots.shape[0]
     if num_tokens == 0 or max_rank == 0 or num_segments == 0:
         return

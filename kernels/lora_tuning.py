@@ -55,13 +55,8 @@ def tuned(kernel: str, slices: int, features: int, max_rank: int, dtype: torch.d
     return _table(device_name).get(entry_key(kernel, slices, features, max_rank, dtype))
 
 
-def shrink_tiles(slices: int, in_features: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    from kernels.lora_shrink import default_tiles
-
-    return tuned("shrink", slices, in_features, max_rank, dtype, _device_name(device)) or default_tiles(dtype)
-
-
-def expand_tiles(slices: int, out_features: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    from kernels.lora_expand import default_tiles
-
-    return tuned("expand", slices, out_features, max_rank, dtype, _device_name(device)) or default_tiles(max_rank)
+def on_device(kernel: str, slices: int, features: int, max_rank: int, dtype: torch.dtype,
+              device: torch.device) -> Tiles | None:
+    """The tuned tiles of a launch on ``device``, None off a GPU or where none were measured: the
+    launcher then takes its ``default_tiles``."""
+    return tuned(kernel, slices, features, max_rank, dtype, _device_name(device))
