@@ -107,6 +107,8 @@ def test_chunks_are_whole_k_steps_of_at_least_the_smallest_chunk():
         Tiles(m=16, n=16, k=128, chunk=192)
     with pytest.raises(ValueError, match="at least 64"):
         Tiles(m=16, n=16, k=32, chunk=32)
+    with pytest.raises(ValueError, match="at least one column tile"):
+        Tiles(m=16, n=64, k=16, col_tiles=0)
 
 
 def test_every_tuned_table_keeps_one_kind_of_tensor_core_instruction():
