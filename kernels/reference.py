@@ -11,12 +11,15 @@ Layouts shared with the kernels (S = packed output slices of the layer, e.g. 3 f
 Only the first ``ranks[s, slot]`` rank columns of a slot are read, so padding costs nothing.
 Tokens whose slot is -1 are never read or written.
 
-Paged attention reads the layout of ``kernels.attention_launch``.
+Paged attention reads the layout of ``kernels.attention_launch``. The fused layer ops (``add_rms_norm``,
+``rotary``, ``act_mul``) state in float32 what ``kernels.fused_norm``, ``kernels.fused_rotary`` and
+``kernels.fused_activation`` compute.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.lora_meta import LoraMeta
 
@@ -131,3 +134,43 @@ def paged_attention(
         weights = torch.softmax(scores.masked_fill(~attend, float("-inf")), dim=-1)
         weights = torch.nan_to_num(weights, nan=0.0)  # a query with no key (position < 0): zeros
         out[qs:qe] = torch.einsum("hqk,khd->qhd", weights, v).to(out.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [rows, hidden]
+    residual: torch.Tensor | None,  # [rows, hidden], updated in place; None: no residual add
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    offset: float = 0.0,
+) -> torch.Tensor:  # [rows, hidden] in x's dtype
+    """``residual += x`` (rounded to its dtype), then RMSNorm of the sum in float32: scaled by ``offset +
+    weight`` in float32 and rounded once where ``offset`` is set (Gemma), else rounded, then scaled by
+    ``weight`` and rounded again (Llama)."""
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (n * (weight.float() + offset)).to(x.dtype)
+    return (n.to(x.dtype).float() * weight.float()).to(x.dtype)
+
+
+def rotary(
+    qk: torch.Tensor,  # [tokens, heads, head_dim], rotated in place
+    cos: torch.Tensor,  # [tokens, 1, rotary_dim]
+    sin: torch.Tensor,  # [tokens, 1, rotary_dim], the first half negated
+) -> torch.Tensor:  # qk
+    """RoPE in the half-split layout on the first ``rotary_dim`` of every head, in float32, rounded once:
+    ``x * cos + x.roll(rotary_dim // 2) * sin``; the rest of each head untouched."""
+    rotary_dim = cos.shape[-1]
+    x = qk[..., :rotary_dim].float()
+    qk[..., :rotary_dim] = (x * cos.float() + x.roll(rotary_dim // 2, dims=-1) * sin.float()).to(qk.dtype)
+    return qk
+
+
+def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [tokens, width]
+    """``act(gate) * up`` of a packed ``[tokens, 2 * width]`` gate/up output, in float32: the activation
+    (``silu`` or ``gelu_pytorch_tanh``) rounded to the dtype, then the product."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return (act.to(gate_up.dtype).float() * up).to(gate_up.dtype)
