@@ -18,8 +18,9 @@ from lorafleet.v1 import generation_pb2
 from conventions.status import CallOutcome
 from router.access import Access
 from router.errors import InvalidRequest
-from router.forwarder import SERVICE, Forwarder, adapter_of
+from router.forwarder import SERVICE, Forwarder
 from router.metrics import RouterMetrics
+from router.request import RoutedRequest
 from router.tenants import Tenant
 
 log = logging.getLogger("lorafleet.router.usage")
@@ -42,19 +43,19 @@ class Door:
         if self._access.grpc_guarded:
             tenant = self._access.tenant(dict(context.invocation_metadata() or ()).get("authorization"))
         try:
-            adapter = adapter_of(request)
+            routed = RoutedRequest.parse(request)
         except InvalidRequest:
             self._metrics.requests.labels("unknown", InvalidRequest.status).inc()
             raise
-        async with contextlib.aclosing(self.stream(request, adapter, tenant, context.time_remaining(),
-                                                   "grpc")) as messages:
+        async with contextlib.aclosing(self.stream(routed, tenant, context.time_remaining(), "grpc")) as messages:
             async for message in messages:
                 yield message
 
-    async def stream(self, request: bytes, adapter: str, tenant: Tenant | None, timeout: float | None,
+    async def stream(self, request: RoutedRequest, tenant: Tenant | None, timeout: float | None,
                      door: str) -> AsyncIterator[bytes]:
         """Forwarder.stream for ``tenant`` (None: open doors) after the gate lets it in; records its usage
         however it ends. Raises PermissionDenied or RateLimited before anything is forwarded."""
+        adapter = request.adapter
         arrived = time.perf_counter()
         ttft = None
         prompt_tokens = completion_tokens = 0
@@ -63,10 +64,8 @@ class Door:
             with outcome:
                 await self._access.admit(tenant, adapter)
                 if tenant is not None and self._access.grpc_guarded:
-                    # A field appended to a serialized message overrides an earlier value of it: the pod's fair
-                    # share weighs the key's tenant, whatever the caller wrote there.
-                    request += generation_pb2.GenerateRequest(tenant=tenant.name).SerializeToString()
-                async with contextlib.aclosing(self._forwarder.stream(request, adapter, timeout)) as messages:
+                    request = request.for_tenant(tenant.name)  # the pod's fair share weighs the key's tenant
+                async with contextlib.aclosing(self._forwarder.stream(request, timeout)) as messages:
                     async for raw in messages:
                         if ttft is None:
                             ttft = time.perf_counter() - arrived

@@ -1,6 +1,6 @@
-"""``lorafleet.v1.Generation/Generate``, forwarded: the request is parsed only to read its adapter, then
-its bytes go to the best pod, and each response message's bytes come back as the pod sent them. The
-OpenAI front end (router/http_api.py) forwards through the same ``Forwarder.stream``."""
+"""``lorafleet.v1.Generation/Generate``, forwarded: a request (parsed once at its door, router/request.py)
+goes as its bytes to the best pod, and each response message's bytes come back as the pod sent them. Both
+doors (router/door.py: gRPC, and the OpenAI HTTP API through it) forward through ``Forwarder.stream``."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError
 from lorafleet.v1 import generation_pb2
 
 from conventions.errors import LorafleetError
-from conventions.prefix_chain import chain, input_bytes
 from conventions.status import CallOutcome, retry_after_s
 from router.channels import PodChannels
-from router.errors import InvalidRequest
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
+from router.request import RoutedRequest
 from router.scoring import Choice
 
 log = logging.getLogger("lorafleet.router")
@@ -45,23 +43,6 @@ def same_precision(ranked: list[Choice]) -> list[Choice]:
     return [c for c in ranked if c.pod.precision == ranked[0].pod.precision] if ranked else ranked
 
 
-def adapter_of(request: bytes) -> str:
-    """The adapter a serialized GenerateRequest names ("" = base model); InvalidRequest if it is not one."""
-    try:
-        return generation_pb2.GenerateRequest.FromString(request).adapter
-    except DecodeError as e:
-        raise InvalidRequest(f"the request is not a lorafleet.v1.GenerateRequest ({e}); "
-                             "send one built from protos/lorafleet/v1/generation.proto") from None
-
-
-def prefix_chain_of(request: bytes, adapter: str) -> tuple[int, ...]:
-    """The routing-prefix chain of a serialized GenerateRequest for ``adapter``, as the pod that serves it
-    computes it (conventions/prefix_chain.py); empty for bytes that are not one."""
-    try:
-        return chain(adapter, input_bytes(generation_pb2.GenerateRequest.FromString(request)))
-    except DecodeError:
-        return ()
-
 
 class Forwarder:
     """Serves Generate by forwarding it. Before a pod's first message, a refusal that leaves the request
@@ -77,47 +58,32 @@ class Forwarder:
     def __init__(self, picker: PodPicker, channels: PodChannels, metrics: RouterMetrics, retries: int) -> None:
         self._picker, self._channels, self._metrics, self._retries = picker, channels, metrics, retries
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler to add to a server: raw bytes in and out, no (de)serializers."""
-        return grpc.method_handlers_generic_handler(SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(
-            self.generate)})
-
-    async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        try:
-            adapter = adapter_of(request)
-        except InvalidRequest:
-            self._metrics.requests.labels("unknown", InvalidRequest.status).inc()
-            raise
-        async with contextlib.aclosing(self.stream(request, adapter, context.time_remaining())) as messages:
-            async for message in messages:
-                yield message
-
-    async def stream(self, request: bytes, adapter: str, timeout: float | None) -> AsyncIterator[bytes]:
-        """The serialized GenerateResponse messages of ``request`` (a serialized GenerateRequest for
-        ``adapter``, "" = base model) from the best pod that takes it, within ``timeout`` seconds (None:
-        no deadline). Raises AdapterNotRegistered, NoPodAvailable or PodError. Closing the generator
-        early cancels the pod's call, which frees the request there. Both front ends call this."""
+    async def stream(self, request: RoutedRequest, timeout: float | None) -> AsyncIterator[bytes]:
+        """The serialized GenerateResponse messages of ``request`` from the best pod that takes it, within
+        ``timeout`` seconds (None: no deadline). Raises AdapterNotRegistered, NoPodAvailable or PodError.
+        Closing the generator early cancels the pod's call, which frees the request there. Both doors call
+        this."""
         arrived = time.perf_counter()
-        adapter_class = "adapter" if adapter else "base"
+        adapter_class = "adapter" if request.adapter else "base"
         outcome = CallOutcome()
         try:
             with outcome:
                 # aclosing: when our caller stops early, the pod's call is cancelled now, not at garbage collection
-                async with contextlib.aclosing(self._forward(request, adapter, adapter_class, timeout,
-                                                             arrived)) as messages:
+                async with contextlib.aclosing(self._forward(request, adapter_class, timeout, arrived)) as messages:
                     async for message in messages:
                         yield message
         finally:
             self._metrics.requests.labels(adapter_class, outcome.name).inc()
 
-    async def _forward(self, request: bytes, adapter: str, adapter_class: str, timeout: float | None,
+    async def _forward(self, request: RoutedRequest, adapter_class: str, timeout: float | None,
                        arrived: float) -> AsyncIterator[bytes]:
-        hashes = prefix_chain_of(request, adapter) if self._picker.weighs_prefixes else ()
+        adapter = request.adapter
+        hashes = request.prefix_chain() if self._picker.weighs_prefixes else ()
         candidates = same_precision(self._picker.choose(adapter, hashes))[: self._retries + 1]
         refusals: list[grpc.aio.AioRpcError] = []
         for attempt, choice in enumerate(candidates):
             pod = choice.pod
-            call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request, timeout=timeout)
+            call = self._channels.get(pod.endpoint).unary_stream(GENERATE)(request.payload, timeout=timeout)
             self._picker.started(pod.id, adapter)
             self._metrics.decisions.labels(choice.decision.label).inc()
             if hashes:

@@ -25,6 +25,7 @@ from router.metrics import RouterMetrics
 from router.openai_errors import ApiError, from_domain, invalid, retry_after_header
 from router.openai_requests import ApiRequest, Endpoint, parse_chat, parse_completion
 from router.openai_responses import ResponseBuilder, models, sse
+from router.request import RoutedRequest
 from router.view import FleetView
 
 log = logging.getLogger("lorafleet.router.http")
@@ -148,10 +149,9 @@ class HttpApi:
     async def _generate(self, request: web.Request, api: ApiRequest, timeout: float) -> web.StreamResponse:
         adapter = self._adapter(api.model, request.get(TENANT))
         response_id = _ID_PREFIX[api.endpoint] + uuid.uuid4().hex
-        body = api.generate_request(adapter, response_id).SerializeToString()
+        routed = RoutedRequest.of(api.generate_request(adapter, response_id))
         builder = ResponseBuilder(api, response_id, int(time.time()))
-        async with contextlib.aclosing(self._door.stream(body, adapter, request.get(TENANT), timeout,
-                                                         "http")) as messages:
+        async with contextlib.aclosing(self._door.stream(routed, request.get(TENANT), timeout, "http")) as messages:
             if not api.stream:
                 async for raw in messages:
                     builder.add(g.GenerateResponse.FromString(raw))

@@ -15,7 +15,9 @@ from lorafleet.v1 import generation_pb2_grpc
 
 from benchmarks.processes import free_port
 from conventions.status import ErrorStatusInterceptor
+from router.access import Access
 from router.channels import PodChannels
+from router.door import Door
 from router.forwarder import GENERATE, Forwarder
 from router.metrics import RouterMetrics
 from router.picker import PodPicker
@@ -73,8 +75,8 @@ class Front:
 @contextlib.asynccontextmanager
 async def router(scripts: dict[str, str | None], adapters=("pirate",), residency=None, base_model="",
                  precisions=None):
-    """A forwarding server over scripted pods named by ``scripts`` (None: a pod whose port nothing
-    listens on), each computing in ``precisions[name]`` (default: float32); yields the Front."""
+    """The router's gRPC door, open (no tenants), over scripted pods named by ``scripts`` (None: a pod whose
+    port nothing listens on), each computing in ``precisions[name]`` (default: float32); yields the Front."""
     pods, servers, views = {}, [], []
     for name, script in scripts.items():
         port = free_port()
@@ -91,7 +93,7 @@ async def router(scripts: dict[str, str | None], adapters=("pirate",), residency
     metrics, channels, picker = RouterMetrics(), PodChannels(), PodPicker(lambda: view)
     forwarder = Forwarder(picker, channels, metrics, retries=2)
     front = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
-    front.add_generic_rpc_handlers((forwarder.handler(),))
+    front.add_generic_rpc_handlers((Door(forwarder, Access(None, None, grpc_guarded=False), metrics).handler(),))
     port = free_port()
     front.add_insecure_port(f"127.0.0.1:{port}")
     await front.start()

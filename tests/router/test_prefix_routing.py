@@ -4,12 +4,14 @@ prompt's beginning among pods about as loaded, never one much busier."""
 
 from __future__ import annotations
 
+import pytest
 from lorafleet.v1 import adapter_admin_pb2 as admin_pb
 from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
 from lorafleet.v1 import generation_pb2 as gen_pb
 
 from conventions.prefix_chain import CHUNK_BYTES, chain, input_bytes, routing_prefix
-from router.forwarder import prefix_chain_of
+from router.errors import InvalidRequest
+from router.request import RoutedRequest
 from router.scoring import Weights, rank
 from router.view import PodView, build_view
 
@@ -29,10 +31,13 @@ def test_the_router_computes_from_the_bytes_the_chain_the_pod_computes_from_the_
     for request in requests:
         pod_side = routing_prefix(request)
         assert pod_side.hashes and pod_side.input_bytes == len(input_bytes(request))
-        assert prefix_chain_of(request.SerializeToString(), request.adapter) == pod_side.hashes
+        routed = RoutedRequest.parse(request.SerializeToString())
+        assert routed.prefix_chain() == pod_side.hashes
         # a router with tenants appends the tenant to the bytes it forwards: the chain is unchanged
-        forwarded = request.SerializeToString() + gen_pb.GenerateRequest(tenant="acme").SerializeToString()
-        assert routing_prefix(gen_pb.GenerateRequest.FromString(forwarded)).hashes == pod_side.hashes
+        forwarded = routed.for_tenant("acme")
+        assert routing_prefix(gen_pb.GenerateRequest.FromString(forwarded.payload)).hashes == pod_side.hashes
+        assert forwarded.message == gen_pb.GenerateRequest.FromString(forwarded.payload)
+        assert forwarded.prefix_chain() == pod_side.hashes
 
 
 def test_different_adapters_never_share_a_hash_for_the_same_input():
@@ -57,7 +62,8 @@ def test_a_prompt_and_messages_of_the_same_text_do_not_match_and_a_short_input_h
     assert not set(routing_prefix(gen_pb.GenerateRequest(prompt=text)).hashes) & set(
         routing_prefix(chat("", ("user", text))).hashes)
     assert routing_prefix(gen_pb.GenerateRequest(prompt="short")).hashes == ()
-    assert prefix_chain_of(b"\xff\xff not a request", "") == ()
+    with pytest.raises(InvalidRequest, match="not a lorafleet.v1.GenerateRequest"):
+        RoutedRequest.parse(b"\xff\xff not a request")
 
 
 def pod(pod_id: str, held: tuple[int, ...] = (), running: int = 0, waiting: int = 0) -> PodView:

@@ -13,6 +13,7 @@ from conventions.errors import ConfigError
 from router.access import Access, KeysFile, needs_limiter
 from router.door import Door
 from router.errors import PermissionDenied, Unauthenticated
+from router.request import RoutedRequest
 from router.tenants import key_hash, parse_tenants
 from tests.router.test_forwarder import router
 
@@ -102,7 +103,7 @@ def test_the_pod_is_told_the_keys_tenant_over_whatever_the_caller_wrote(tmp_path
             access = Access(KeysFile(path, parse_tenants), None, grpc_guarded=grpc_guarded)
             door = Door(f.forwarder, access, f.metrics)
             claimed = g.GenerateRequest(adapter="pirate", prompt="hi", tenant="someone-else").SerializeToString()
-            async for _ in door.stream(claimed, "pirate", access.tenant(f"Bearer {KEY}"), 10, "grpc"):
+            async for _ in door.stream(RoutedRequest.parse(claimed), access.tenant(f"Bearer {KEY}"), 10, "grpc"):
                 pass
             return f.pods["a"].calls[0].tenant
 
