@@ -13,10 +13,10 @@ class Weights:
     more than its read: the adapter takes a slot and a CPU entry for as long as its requests run, the
     copy it makes duplicates one held elsewhere, and an eviction makes the evicted adapter's next request
     cold. The fleet simulator (benchmarks/fleet_sim.py, 100 pods x 10,000 adapters) showed it: with
-    free_slot/evict at 4/6 the router spread adapters too eagerly, and at 14/20 cold loads per 1,000
-    requests fell by about a third with queueing p99 no worse (benchmarks/RESULTS.md, "Fleet
-    simulation"). A waiting request costs more than a running one because it means the pod's batch is
-    full, and a nearly full KV cache means preemptions."""
+    free_slot/evict at 4/6 the router spread adapters too eagerly, and at 14/20 it made fewer cold loads
+    with queueing p99 no worse (benchmarks/RESULTS.md, "Fleet simulation"). A waiting request costs more
+    than a running one because it means the pod's batch is full, and a nearly full KV cache means
+    preemptions."""
 
     cpu_hit: float = 0.5
     free_slot: float = 14.0

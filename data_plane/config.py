@@ -75,8 +75,8 @@ class DataPlaneConfig:
     # an admitted request: past it, a client is better served by another pod or a retry after the hint,
     # and under overload the queue stays this short (benchmarks/overload.py). Under sustained overload
     # admitted first tokens come up to it, so it is also how much slower than an unloaded pod's they may
-    # be: with 2 s a CPU pod's p99 at twice its capacity was 3.56x its p99 at half (target 3x); with
-    # 1.5 s, 2.20-2.68x in four runs (benchmarks/RESULTS.md, "Overload at the defaults: a 1.5 s promise").
+    # be: 1.5 s keeps a CPU pod's p99 at twice its capacity within 3x its p99 at half, where 2 s did not
+    # (docs/scheduling.md; benchmarks/RESULTS.md, "Overload at the defaults: a 1.5 s promise").
     max_queue_delay_s: float = 1.5
     # The step time prefill work may fill a step up to, beside its decodes; 0 = relative, by itl_growth.
     target_itl_s: float = 0.0

@@ -28,7 +28,7 @@ class StepModel:
     measured in this repository): reading 16 GB of weights at 3.35 TB/s is ~4.8 ms a step, 10 ms with
     kernel launches and sampling, and each sequence adds attention over its KV cache. ``per_adapter`` is
     measured: on the CPU, 64 distinct rank-16 adapters at batch 64 took the inter-token latency from
-    70 ms (base only) to 98 ms (benchmarks/RESULTS.md, "Many adapters on CPU"), (98 / 70 - 1) / 64 =
+    70 ms (base only) to 98 ms (benchmarks/history/serving-cpu.md, "Many adapters on CPU"), (98 / 70 - 1) / 64 =
     0.63% of a step per distinct adapter."""
 
     base_s: float = 0.010

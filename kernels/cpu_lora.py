@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 # Rows per tile, the cheapest first. A segment pays its last tile whole, and most segments are an adapter's
 # few decode rows: on a 2-core EPYC (demo model, whole steps) 8-row tiles cost decode steps over 4 adapters
-# 11-12% less LoRA time than 16-row tiles, and a 128-token prompt 7% more (benchmarks/RESULTS.md, "Attention
-# and LoRA per step"). Which of them keeps a row's bits depends on the CPU: on a 2-core Xeon with AMX an
+# less LoRA time than 16-row tiles, and a long prompt a little more (benchmarks/RESULTS.md, "Attention and
+# LoRA per step"). Which of them keeps a row's bits depends on the CPU: on a 2-core Xeon with AMX an
 # 8-row tile summed a rank-2 shrink ([8, 64] @ [64, 2]) differently at each place of the tile, 16 rows did
 # not. A pod takes the first that holds on its CPU (``data_plane.model.row_rule``).
 ROW_TILES = (8, 16, 32)

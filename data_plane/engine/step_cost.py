@@ -30,11 +30,12 @@ MIN_PREFILL_TOKENS does not fit the target. The floor's step is then paid whatev
 tiled pod it fills the row tile its tokens end in: a CPU step of 31 decodes and 8 prompt tokens pays a
 second tile and carries 33; beside 8 base-model decodes a prompt of an adapter pays that adapter's
 segment and its sequence, which on the CPU pod leave almost nothing of 1.4x, and carries the 24 tokens
-left in the decodes' tile (in runs of the same burst, steps of the 8-token floor took 84-115 ms, steps
-of 24 tokens 82-98 ms). On a pod that replays CUDA graphs for decode-only steps the base is instead the
-shortest step that prefills beside the same decodes, the eager one: its decodes alone plus the eager
-step's and one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
-a batch-1 decode step took 34.7 ms eagerly against 9.64 ms replayed; benchmarks/RESULTS.md, "GPU
+left in the decodes' tile (in runs of the same burst, steps of the 8-token floor took no less time
+than steps of 24 tokens: benchmarks/history/overload.md, "each prompt pays its own adapter and
+sequence"). On a pod that replays CUDA graphs for decode-only steps the base is instead the shortest
+step that prefills beside the same decodes, the eager one: its decodes alone plus the eager step's and
+one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
+a batch-1 decode step took several times as long eagerly as replayed; benchmarks/RESULTS.md, "GPU
 evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
 step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
 starved. Measured against the shortest prefilling step, such a step carries prompt tokens worth 40% of
@@ -42,8 +43,9 @@ it; the gaps while prompts arrive are then that eager step's length, not 1.4x a 
 ``--target-itl`` gives an absolute target in seconds instead. The target is set by the decodes (their
 rows and adapters); the prefill pays from it for its tokens, each prefilling sequence, and each adapter
 its prompts bring that the decodes have not got (a LoRA segment of its own: on the CPU pod with the demo
-model, a prompt of 24 tokens of an adapter beside 8 base-model decodes took 82-97 ms against 56-58 ms
-for the decodes alone, where counting the decodes' adapters only had planned at most 1.4x).
+model, a prompt of an adapter beside base-model decodes took over the 1.4x that counting the
+decodes' adapters only had planned; benchmarks/history/overload.md, "each prompt pays its own adapter
+and sequence").
 
 A step is rushed while an admitted request would get its first token after its promised time at the
 pace prefill has without rushing (``Scheduler._rushed_budget``): it then carries the prompt tokens that
@@ -58,7 +60,8 @@ reaches ``KNEE_EFFICIENCY`` of the device's peak rate ``1 / per_token`` when the
 ``fixed / (1 - KNEE_EFFICIENCY)`` (with row tiles, a token's cost includes its share of a tile).
 Where the fixed part is most of a decode step (a small model, or a GPU reading its weights once per
 step), that is several times the decodes alone: more prompt tokens per second, longer gaps for
-running streams while prompts arrive (benchmarks/RESULTS.md, "Overload").
+running streams while prompts arrive (benchmarks/history/overload.md, "the step target at the device's
+throughput knee").
 
 A pod with nothing decoding prefills at its full ``--max-num-batched-tokens``.
 """

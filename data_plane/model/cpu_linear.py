@@ -18,8 +18,9 @@ less: a prefill chunk is one call, not one per tile, and a lone decode row pads 
 the two holds, and with how many rows, is measured on the pod's own CPU at start-up (``row_rule``).
 
 Speed. oneDNN takes a weight reordered ahead of time into its blocked layout ("prepacked"): for
-the few rows of a decode step it runs the demo model's projections 1.2–1.5× and its 49152-row
-output head 2× faster than a plain matmul, which re-lays the weight out on each call. Larger tiles
+the few rows of a decode step it runs the demo model's projections and its 49152-row output head
+faster than a plain matmul, which re-lays the weight out on each call (benchmarks/history/serving-cpu.md,
+"CPU fast paths"). Larger tiles
 cost little per row for prefill and more for small decode steps, whose padding rows are computed
 too; ``ROW_TILES`` holds the compromise measured per precision (benchmarks/RESULTS.md, "Batch
 invariance"). The reordered copy adds the memory of the weights it covers in their precision.

@@ -27,9 +27,8 @@ Every key/value head of every sequence in a group is one matrix of the same batc
 values are gathered head-major, each head's keys one contiguous matrix), so a group of short queries
 costs a few calls per layer whatever its heads (a long prompt's blocks, or heads whose scores would
 pass ``ATTENTION_BYTES``, take more); each matrix has one head's shape and layout in every call, and
-with them its sums (benchmarks/RESULTS.md, "Attention and LoRA per step": with the demo model's 3
-key/value heads, base-model CPU steps 4-11% shorter than with a call per head, a prompt's chunk
-beside decodes the most).
+with them its sums. Batching the heads makes CPU steps shorter than a call per head, a prompt's
+chunk beside decodes the most (benchmarks/RESULTS.md, "Attention and LoRA per step").
 Scores, probabilities and sums are float32 whatever the model's dtype (a bfloat16 matmul would
 switch kernels with the shape as the projections' do).
 """
