@@ -1,8 +1,9 @@
 """Nothing in a forward pass waits on the device: the model, its attention backends, the LoRA layers,
-the GPU LoRA backend, the step runners, the sampler and every Triton launcher call no ``.item()``, ``.tolist()``,
-``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not capture such a call, and
-eagerly each one stalls the host until the GPU drains.) tests/kernels/test_forward_on_gpu_path.py runs
-the same path under the Triton interpreter and fails on the syncing ops the dispatcher sees."""
+the GPU LoRA backend, the fused layer ops, the step runners, the sampler and every Triton launcher call no
+``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not
+capture such a call, and eagerly each one stalls the host until the GPU drains.)
+tests/kernels/test_forward_on_gpu_path.py runs the same path under the Triton interpreter and fails on the
+syncing ops the dispatcher sees."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ FORWARD_PATH = {
     "data_plane/model/rope.py": ["RotaryEmbedding.tables", "RotaryEmbedding.forward"],
     "data_plane/model/attention.py": ["*"],
     "data_plane/model/triton_attention.py": ["*"],
+    "data_plane/model/layer_ops.py": ["*"],
+    "data_plane/model/triton_layer_ops.py": ["*"],
     "data_plane/lora/layer.py": ["LoRAProjection.forward"],
     "kernels/lora_backend.py": ["TritonBackend.apply"],
     "kernels/lora_shrink.py": ["*"],
@@ -29,6 +32,7 @@ FORWARD_PATH = {
                                          "forward_batch"],
 }
 FORWARD_PATH |= {str(p.relative_to(ROOT)): ["*"] for p in ROOT.glob("kernels/*attention*.py")}
+FORWARD_PATH |= {str(p.relative_to(ROOT)): ["*"] for p in ROOT.glob("kernels/fused_*.py")}
 
 
 def _functions(tree: ast.Module):

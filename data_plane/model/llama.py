@@ -9,7 +9,6 @@ layers see them as one layer with several output slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from data_plane.model import cpu_linear
 from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCache, StepAttention, attention_backend
 from data_plane.model.config import ModelConfig
+from data_plane.model.layer_ops import LayerOps, layer_ops
 from data_plane.model.precision import Precision
 from data_plane.model.rope import RotaryEmbedding
 from data_plane.model.row_rule import RowRule
@@ -36,6 +36,7 @@ class ForwardBatch:
     # (cos, sin) at positions for each of the model's RoPEs (global, then Gemma 3's local); the model fills it
     rope: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     attention: StepAttention | None = None  # the backend's prepared step; the model fills it
+    ops: LayerOps | None = None  # the device's elementwise ops (norms, rotary, activation); the model fills it
 
 
 class Projection(nn.Module):
@@ -82,9 +83,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotaries: list[RotaryEmbedding]) -> None:
         super().__init__()
@@ -112,7 +110,7 @@ class Attention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = self.rotary(batch.rope[self.rope_index], qk)
+        qk = batch.ops.rotary(self.rotary, batch.rope[self.rope_index], qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = batch.kv_cache
@@ -124,22 +122,23 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.activation = config.hidden_act
         self.gate_up_proj = Projection(
             config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, config.mlp_bias
         )
         self.down_proj = Projection(config.intermediate_size, {"down": config.hidden_size}, config.mlp_bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up, batch)
+        return self.down_proj(batch.ops.act_mul(self.activation, self.gate_up_proj(x, batch)), batch)
 
 
 class DecoderLayer(nn.Module):
     """Norms named as the checkpoints name them: Llama's ``post_attention_layernorm`` is the MLP's input
     norm; Gemma's (``sandwich_norms``) normalises the attention's output, ``pre_feedforward_layernorm`` the
-    MLP's input and ``post_feedforward_layernorm`` its output."""
+    MLP's input and ``post_feedforward_layernorm`` its output.
+
+    A layer takes and returns the residual stream as ``(x, residual)`` (see ``layer_ops``): the residual add
+    happens in the norm after it, one fused kernel on CUDA."""
 
     def __init__(self, config: ModelConfig, layer: int, rotaries: list[RotaryEmbedding]) -> None:
         super().__init__()
@@ -155,12 +154,16 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        ops = batch.ops
+        h, residual = ops.add_norm(self.input_layernorm, x, residual)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch))
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+            h = ops.norm(self.post_attention_layernorm, self.self_attn(h, batch))
+            h, residual = ops.add_norm(self.pre_feedforward_layernorm, h, residual)
+            return ops.norm(self.post_feedforward_layernorm, self.mlp(h, batch)), residual
+        h, residual = ops.add_norm(self.post_attention_layernorm, self.self_attn(h, batch), residual)
+        return self.mlp(h, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,14 +187,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self._packed_head: cpu_linear.CpuWeight | None = None
         self.attention: AttentionBackend = attention_backend("cpu", self.windows)
+        self.ops: LayerOps = layer_ops("cpu")
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
         self.row_rule: RowRule | None = None  # the CPU row tiles in use, once probed (``use_row_rule``)
 
     def use_device(self, device: torch.device | str) -> None:
-        """Builds what depends on the device the weights now live on: rotary tables, attention backend."""
+        """Builds what depends on the device the weights now live on: rotary tables, attention backend, layer
+        ops."""
         for rotary in self.rotaries:
             rotary.build(device)
         self.attention = attention_backend(device, self.windows, self.row_rule and self.row_rule.attention_rows)
+        self.ops = layer_ops(device)
         scale = self.config.embed_scale  # rounded to the weights' dtype first, as Gemma does
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
 
@@ -209,10 +215,11 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = batch.rope or tuple(r.tables(batch.positions, x.dtype) for r in self.rotaries)
-        batch = replace(batch, rope=rope, attention=self.attention.prepare(batch.attn))
+        batch = replace(batch, rope=rope, attention=self.attention.prepare(batch.attn), ops=self.ops)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.ops.add_norm(self.norm, x, residual)[0]
 
     @property
     def head_weight(self) -> torch.Tensor:  # [vocab, hidden]

@@ -1,6 +1,7 @@
-"""The model on its GPU path (the Triton paged-attention backend and the Triton LoRA backend), run on
-CPU tensors under Triton's interpreter, computes what the CPU path computes, step after step (prefill,
-chunked prefill beside decodes, padded decode), and nothing in its forward syncs with the host."""
+"""The model on its GPU path (the Triton paged-attention backend, the Triton LoRA backend and the fused
+Triton layer ops), run on CPU tensors under Triton's interpreter, computes what the CPU path computes, step
+after step (prefill, chunked prefill beside decodes, padded decode), and nothing in its forward syncs with
+the host."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.lora.layer import LoRAProjection
+from data_plane.model.layer_ops import TorchOps
 from data_plane.model.torch_attention import TorchAttention
 from data_plane.model.triton_attention import TritonAttention
+from data_plane.model.triton_layer_ops import TritonOps
 from kernels.lora_backend import CpuBackend, TritonBackend
 from tests.data_plane.tiny_model import tiny_lora, tiny_model
 from tests.tolerances import logits_atol, longest_sum
@@ -51,6 +54,7 @@ def test_the_sync_check_catches_a_sync():
 
 def _use(model, lora, gpu_path: bool) -> None:
     model.attention = TritonAttention() if gpu_path else TorchAttention(model.windows)
+    model.ops = TritonOps() if gpu_path else TorchOps()
     for layer in lora.layers.values():
         layer: LoRAProjection
         layer.backend = (TritonBackend if gpu_path else CpuBackend)(layer.backend.slots)
