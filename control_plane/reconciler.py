@@ -33,7 +33,7 @@ class Reconciler:
     """Each pass: remove lost pods (silent past lease and grace; silent with a port that refuses a
     health check; or silent past --pod-lost-after and silent to a health check too), place pins,
     record unsatisfiable ones, send the commands that make the pods agree. Passes run every
-    ``reconcile_interval_s`` and at once after a registry change; they do nothing unless this
+    ``reconcile_interval`` and at once after a registry change; they do nothing unless this
     replica holds the leader lease. Every write a pass makes to Redis carries the lease's fencing
     token, and a write Redis refuses (NotLeader: another replica leads now) ends the pass and steps
     this replica down."""
@@ -70,13 +70,13 @@ class Reconciler:
             except StoreUnavailable as e:
                 log.warning("reconciliation paused: Redis unavailable", extra={"error": str(e)})
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._config.reconcile_interval_s)
+                    await asyncio.wait_for(stop.wait(), self._config.reconcile_interval)
 
     async def _wait_for_change(self, cursor: str) -> str:
         """Sleeps until the next pass is due, or a change event that may alter placement arrives,
         whichever is first; returns the cursor past the events read. A registration alone does not
         wake it: a new adapter is unpinned, and registering thousands would otherwise run a pass each."""
-        deadline = time.monotonic() + self._config.reconcile_interval_s
+        deadline = time.monotonic() + self._config.reconcile_interval
         while (left := deadline - time.monotonic()) > 0:
             events = await self._store.events(cursor, count=100, block_ms=max(1, int(left * 1000)))
             if not events:
@@ -173,13 +173,13 @@ class Reconciler:
         return sent is not None and sent[0] == sha256 and time.monotonic() < sent[1]
 
     async def _remove_lost(self, views: list[PodView], token: int) -> set[str]:
-        """Probes every pod silent for more than ``pod_probe_after_s`` and removes, with its placements,
+        """Probes every pod silent for more than ``pod_probe_after`` and removes, with its placements,
         each that is gone or lost: its port refuses the connection (its process exited), or it has been
-        silent for ``pod_lost_after_s`` and does not answer either (stopped, partitioned, its node lost).
+        silent for ``pod_lost_after`` and does not answer either (stopped, partitioned, its node lost).
         Its pins are placed elsewhere in this pass instead of after its lease and grace. A pod that
         answers keeps its lease: it runs, and only its heartbeats do not arrive. Returns the removed
         pods' ids."""
-        after, lost_after = self._config.pod_probe_after_s, self._config.pod_lost_after_s
+        after, lost_after = self._config.pod_probe_after, self._config.pod_lost_after
         now = self._store.now()
         silent = [v.pod for v in views if after and now - v.pod.last_heartbeat > after]
         if not silent:

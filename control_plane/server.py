@@ -60,11 +60,11 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     store = Store(config.redis_url, config.key_prefix, config.event_stream_maxlen)
-    fleet = Fleet(store, config.base_model, config.pod_lease_ttl_s, config.pod_grace_s, _POD_VIEW_CACHE_S)
+    fleet = Fleet(store, config.base_model, config.pod_lease_ttl, config.pod_grace, _POD_VIEW_CACHE_S)
     registry = Registry(store, fleet, config.base_model)
-    lease = LeaderLease(store, config.replica, config.leader_lease_ttl_s, metrics)
+    lease = LeaderLease(store, config.replica, config.leader_lease_ttl, metrics)
     tls = config.tls_files()
-    pods = PodClients(tokens[Role.POD], config.command_timeout_s, config.pod_probe_timeout_s, tls.dialer())
+    pods = PodClients(tokens[Role.POD], config.command_timeout_s, config.pod_probe_timeout, tls.dialer())
     reconciler = Reconciler(config, store, fleet, lease, pods, metrics)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor(metrics.observe_rpc),
@@ -100,7 +100,7 @@ async def serve(config: ControlPlaneConfig, stop: asyncio.Event | None = None) -
         # The loops notice ``stop`` within one interval; lease.run then releases the lease so
         # that another replica takes over at once. Cancelling is the fallback only, because a
         # cancellation inside a Redis call can surface as a connection error instead.
-        _, late = await asyncio.wait(tasks, timeout=config.reconcile_interval_s + _SHUTDOWN_GRACE_S)
+        _, late = await asyncio.wait(tasks, timeout=config.reconcile_interval + _SHUTDOWN_GRACE_S)
         for task in late:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
 import time
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -45,3 +48,8 @@ def configure(level: str, replica: str = "") -> None:
     # URL may be presigned (a signature in its query is a credential for as long as it lasts).
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """Every server's ``--log-level``: the level its JSON lines start at."""
+    parser.add_argument("--log-level", default="INFO", choices=LEVELS, help="least severe level logged")

@@ -71,8 +71,8 @@ class FleetConfig:
     slots: int = shipped(DataPlaneConfig, "max_loras")
     cpu_entries: int = 64
     max_num_seqs: int = shipped(DataPlaneConfig, "max_num_seqs")
-    view_interval_s: float = shipped(RouterConfig, "refresh_interval_s")
-    reconcile_interval_s: float = shipped(ControlPlaneConfig, "reconcile_interval_s")
+    view_interval_s: float = shipped(RouterConfig, "refresh_interval")
+    reconcile_interval_s: float = shipped(ControlPlaneConfig, "reconcile_interval")
     reserved_unpinned_slots: int = shipped(ControlPlaneConfig, "reserved_unpinned_slots")
     max_load_attempts: int = shipped(ControlPlaneConfig, "max_load_attempts")
     retry_backoff_s: float = shipped(ControlPlaneConfig, "retry_backoff_s")

@@ -61,7 +61,7 @@ class Policy(abc.ABC):
 def shipped_replication() -> ReplicaPolicy:
     """The replica thresholds the control plane ships with (its --replica-* defaults)."""
     return ReplicaPolicy(*(shipped(ControlPlaneConfig, f) for f in ("replica_high_rate", "replica_low_rate",
-                                                                      "replica_hold_s", "max_replicas")))
+                                                                      "replica_hold", "max_replicas")))
 
 
 class Ours(Policy):

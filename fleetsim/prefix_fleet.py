@@ -67,7 +67,7 @@ class PrefixFleet:
     base_s: float = 0.010
     per_seq_s: float = 0.00025
     per_prefill_token_s: float = 0.00007
-    view_interval_s: float = shipped(RouterConfig, "refresh_interval_s")
+    view_interval_s: float = shipped(RouterConfig, "refresh_interval")
     report_size: int = shipped(DataPlaneConfig, "prefix_report_size")
 
 

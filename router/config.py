@@ -9,8 +9,12 @@ from pathlib import Path
 from conventions import defaults
 from conventions.errors import ConfigError
 from conventions.flag_help import DefaultsShown
+from conventions.flags import add_options, from_args, option
+from conventions.logs import add_log_level
 from conventions.pod_cost import Weights
 from conventions.tls import Dialer, TlsFiles, read_certificates
+
+TLS, TOKENS, TENANTS = "TLS between components", "tokens", "tenants and keys"
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -31,37 +35,59 @@ def parse_api_keys(text: str, source: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything one router process needs; validated on construction."""
+    """Everything one router process needs; validated on construction. Each field with ``option`` is the flag
+    of its name (conventions/flags.py)."""
 
     # The token the router reads the registry and pods' state with: the readers' (least privilege), or the
     # admin token of a fleet with one token for everything. Exactly one of the two.
-    admin_token_file: Path | None = None
-    reader_token_file: Path | None = None
-    control_plane: str = defaults.CONTROL_PLANE_ENDPOINT
-    control_plane_ca: Path | None = None  # PEM CA of the control plane's TLS certificate; None = tls_ca_file's
+    admin_token_file: Path | None = option(
+        "file holding the control plane's one token, on a fleet that has no reader token (instead of"
+        " --reader-token-file)", None, group=TOKENS)
+    reader_token_file: Path | None = option(
+        "file holding the readers' token, to read the registry and pods' state with (it cannot load, pin or unload"
+        " anything)", None, group=TOKENS)
+    control_plane: str = option("control plane host:port to read the registry and pods from",
+                                defaults.CONTROL_PLANE_ENDPOINT)
+    control_plane_ca: Path | None = option(
+        "PEM CA to dial the control plane over TLS (default: --tls-ca when given, else plaintext)", None, group=TLS)
     # The router's certificate and key, shown to the control plane and the pods it dials over TLS. Its own doors
     # (gRPC and HTTP, the clients') are not served with them.
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_ca_file: Path | None = None  # CA of the fleet's certificates: pods and the control plane are dialed over TLS
-    host: str = defaults.HOST
-    port: int = defaults.ROUTER_PORT
-    metrics_port: int = defaults.ROUTER_METRICS_PORT  # 0 disables the /metrics endpoint
-    http_port: int = defaults.ROUTER_HTTP_PORT  # the OpenAI-compatible HTTP API; 0 disables it
-    api_key_file: Path | None = None  # bearer keys the HTTP API accepts, one a line; None = no keys asked
-    tenants_file: Path | None = None  # tenants, their hashed keys, adapters and limits (router/tenants.py)
-    limits_redis_url: str | None = None  # the Redis that counts tenants' limits for every replica
-    keys_reload_interval_s: float = 1.0  # how often the keys file is re-read: a revoked key's longest life
-    http_timeout_s: float = 600.0  # deadline of an HTTP request that names none
+    tls_cert: Path | None = option(
+        "this router's PEM certificate chain (with --tls-key), shown to the control plane and the pods it dials"
+        " over TLS; the clients' doors stay plaintext (default: none shown)", None, group=TLS)
+    tls_key: Path | None = option("PEM private key of --tls-cert (default: none)", None, group=TLS)
+    tls_ca: Path | None = option(
+        "PEM CA of the fleet's component certificates: dial the pods (and the control plane, unless"
+        " --control-plane-ca) over TLS and verify them against it (default: plaintext)", None, group=TLS)
+    host: str = option("address to serve gRPC, HTTP and metrics on", defaults.HOST)
+    port: int = option("gRPC port", defaults.ROUTER_PORT)
+    metrics_port: int = option("Prometheus /metrics port; 0 disables it", defaults.ROUTER_METRICS_PORT)
+    http_port: int = option("OpenAI-compatible HTTP API port; 0 disables it", defaults.ROUTER_HTTP_PORT)
+    api_key_file: Path | None = option(
+        "file of bearer keys the HTTP API accepts, one a line, each for every adapter; the gRPC door stays open"
+        " (default: no key asked; --tenants-file guards both doors)", None, group=TENANTS)
+    tenants_file: Path | None = option(
+        "JSON file of tenants: hashed keys, adapters each may use, limits; guards both the gRPC and the HTTP door,"
+        " re-read when it changes (default: no tenants, both doors open)", None, group=TENANTS)
+    limits_redis_url: str | None = option(
+        "Redis URL where tenants' limits are counted, shared by every router replica (default: none; then tenants"
+        " may have no limits)", None, group=TENANTS)
+    # seconds: a revoked key's longest life
+    keys_reload_interval: float = option("seconds between re-reads of --tenants-file / --api-key-file", 1.0,
+                                         group=TENANTS)
+    http_timeout: float = option(
+        "deadline in seconds of an HTTP request without an X-Request-Timeout header or timeout field", 600.0)
     # Largest HTTP request body: far above any prompt a pod's context holds, small enough to refuse a flood.
-    http_max_body_bytes: int = 4 * 1024 * 1024
-    # How often the registry and every pod's state are re-read: the staleness bound of routing.
-    refresh_interval_s: float = 0.5
-    state_timeout_s: float = 1.0  # per ListAdapters / ListPods / GetState call
-    retries: int = 2  # further pods tried when one refuses a request before its first message
+    http_max_body_bytes: int = option("largest HTTP request body; larger ones get 413", 4 * 1024 * 1024)
+    # Seconds between re-reads of the registry and every pod's state: the staleness bound of routing.
+    refresh_interval: float = option("seconds between re-reads of the registry and pod states", 0.5)
+    state_timeout: float = option("seconds each state call may take (ListAdapters, ListPods, GetState)", 1.0)
+    retries: int = option("other pods tried when one refuses a request before its first message", 2)
     # What a pod holding none of a request's prompt costs more than one holding all of it, in running
     # requests (conventions/pod_cost.py); 0 routes blind to the pods' prefix caches.
-    prefix_weight: float = Weights.prefix
+    prefix_weight: float = option(
+        "what a pod that holds none of a request's prompt in its prefix cache costs more than one that holds all"
+        " of it, in running requests; 0 routes blind to prefixes", Weights.prefix)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -83,7 +109,7 @@ class RouterConfig:
                            ("--api-key-file", self.api_key_file), ("--tenants-file", self.tenants_file)):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{flag} {path} is not a readable file; check the path")
-        if self.tls_cert_file is not None and self.tls_ca_file is None and self.control_plane_ca is None:
+        if self.tls_cert is not None and self.tls_ca is None and self.control_plane_ca is None:
             raise ConfigError("--tls-cert is shown only to peers dialed over TLS: give --tls-ca (the CA of the "
                               "control plane's and the pods' certificates)")
         self.pod_dialer()  # refuses a missing, unreadable or mismatched TLS file now
@@ -94,15 +120,15 @@ class RouterConfig:
                                                                                         "unix://")):
             raise ConfigError(f"--limits-redis-url {self.limits_redis_url!r} must be a redis://, rediss:// or"
                               " unix:// URL")
-        if not 0.1 <= self.keys_reload_interval_s <= 300:
+        if not 0.1 <= self.keys_reload_interval <= 300:
             raise ConfigError(f"--keys-reload-interval must be within [0.1, 300] seconds, got"
-                              f" {self.keys_reload_interval_s}")
-        if not 0 < self.http_timeout_s <= 24 * 3600:
-            raise ConfigError(f"--http-timeout must be within (0, 86400] seconds, got {self.http_timeout_s}")
-        if not 0 < self.refresh_interval_s <= 60:
-            raise ConfigError(f"--refresh-interval must be within (0, 60] seconds, got {self.refresh_interval_s}")
-        if not 0 < self.state_timeout_s <= 60:
-            raise ConfigError(f"--state-timeout must be within (0, 60] seconds, got {self.state_timeout_s}")
+                              f" {self.keys_reload_interval}")
+        if not 0 < self.http_timeout <= 24 * 3600:
+            raise ConfigError(f"--http-timeout must be within (0, 86400] seconds, got {self.http_timeout}")
+        if not 0 < self.refresh_interval <= 60:
+            raise ConfigError(f"--refresh-interval must be within (0, 60] seconds, got {self.refresh_interval}")
+        if not 0 < self.state_timeout <= 60:
+            raise ConfigError(f"--state-timeout must be within (0, 60] seconds, got {self.state_timeout}")
         if not 0 <= self.retries <= 10:
             raise ConfigError(f"--retries must be within 0-10, got {self.retries}")
         if not 0 <= self.prefix_weight <= 1000:  # NaN too
@@ -126,7 +152,7 @@ class RouterConfig:
 
     def tls_files(self) -> TlsFiles:
         """--tls-cert, --tls-key and --tls-ca, each read and checked."""
-        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def control_plane_dialer(self) -> Dialer:
         """How the router dials the control plane: over TLS verified against --control-plane-ca, else
@@ -144,70 +170,12 @@ class RouterConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = RouterConfig
     p = argparse.ArgumentParser(prog="lorafleet router", formatter_class=DefaultsShown,
                                 description="Route Generate requests to the pods where their adapters live.")
-    p.add_argument("--host", default=d.host, help=f"address to serve gRPC, HTTP and metrics on (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                   help=f"Prometheus /metrics port; 0 disables it (default {d.metrics_port})")
-    p.add_argument("--http-port", type=int, default=d.http_port,
-                   help=f"OpenAI-compatible HTTP API port; 0 disables it (default {d.http_port})")
-    p.add_argument("--api-key-file", type=Path,
-                   help="file of bearer keys the HTTP API accepts, one a line, each for every adapter; the gRPC door"
-                        " stays open (default: no key asked; --tenants-file guards both doors)")
-    p.add_argument("--tenants-file", type=Path,
-                   help="JSON file of tenants: hashed keys, adapters each may use, limits; guards both the gRPC and"
-                        " the HTTP door, re-read when it changes (default: no tenants, both doors open)")
-    p.add_argument("--limits-redis-url",
-                   help="Redis URL where tenants' limits are counted, shared by every router replica"
-                        " (default: none; then tenants may have no limits)")
-    p.add_argument("--keys-reload-interval", type=float, default=d.keys_reload_interval_s,
-                   help="seconds between re-reads of --tenants-file / --api-key-file"
-                        f" (default {d.keys_reload_interval_s})")
-    p.add_argument("--http-timeout", type=float, default=d.http_timeout_s,
-                   help="deadline in seconds of an HTTP request without an X-Request-Timeout header or timeout field")
-    p.add_argument("--http-max-body-bytes", type=int, default=d.http_max_body_bytes,
-                   help=f"largest HTTP request body; larger ones get 413 (default {d.http_max_body_bytes})")
-    p.add_argument("--control-plane", default=d.control_plane,
-                   help=f"control plane host:port to read the registry and pods from (default {d.control_plane})")
-    p.add_argument("--control-plane-ca", type=Path,
-                   help="PEM CA to dial the control plane over TLS (default: --tls-ca when given, else plaintext)")
-    p.add_argument("--tls-cert", type=Path,
-                   help="this router's PEM certificate chain (with --tls-key), shown to the control plane and the pods"
-                        " it dials over TLS; the clients' doors stay plaintext (default: none shown)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert (default: none)")
-    p.add_argument("--tls-ca", type=Path,
-                   help="PEM CA of the fleet's component certificates: dial the pods (and the control plane, unless"
-                        " --control-plane-ca) over TLS and verify them against it (default: plaintext)")
-    p.add_argument("--reader-token-file", type=Path,
-                   help="file holding the readers' token, to read the registry and pods' state with (it cannot load,"
-                        " pin or unload anything)")
-    p.add_argument("--admin-token-file", type=Path,
-                   help="file holding the control plane's one token, on a fleet that has no reader token"
-                        " (instead of --reader-token-file)")
-    p.add_argument("--refresh-interval", type=float, default=d.refresh_interval_s,
-                   help=f"seconds between re-reads of the registry and pod states (default {d.refresh_interval_s})")
-    p.add_argument("--state-timeout", type=float, default=d.state_timeout_s,
-                   help=f"seconds each state call may take (default {d.state_timeout_s})")
-    p.add_argument("--retries", type=int, default=d.retries,
-                   help=f"other pods tried when one refuses a request before its first message (default {d.retries})")
-    p.add_argument("--prefix-weight", type=float, default=d.prefix_weight,
-                   help="what a pod that holds none of a request's prompt in its prefix cache costs more than one "
-                        "that holds all of it, in running requests; 0 routes blind to prefixes "
-                        f"(default {d.prefix_weight})")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_options(p, RouterConfig)
+    add_log_level(p)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(
-        admin_token_file=args.admin_token_file, reader_token_file=args.reader_token_file,
-        control_plane=args.control_plane,
-        control_plane_ca=args.control_plane_ca, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-        tls_ca_file=args.tls_ca, host=args.host, port=args.port, metrics_port=args.metrics_port,
-        http_port=args.http_port, api_key_file=args.api_key_file, tenants_file=args.tenants_file,
-        limits_redis_url=args.limits_redis_url, keys_reload_interval_s=args.keys_reload_interval,
-        http_timeout_s=args.http_timeout, http_max_body_bytes=args.http_max_body_bytes,
-        refresh_interval_s=args.refresh_interval, state_timeout_s=args.state_timeout, retries=args.retries,
-        prefix_weight=args.prefix_weight)
+    return from_args(RouterConfig, args)

@@ -51,7 +51,7 @@ class StateRefresher:
             except Exception:  # noqa: BLE001 - a failed read must not stop every later one
                 log.exception("refreshing the fleet view failed; keeping the last view")
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, self._config.refresh_interval_s -
+                await asyncio.wait_for(stop.wait(), max(0.0, self._config.refresh_interval -
                                                         (time.monotonic() - started)))
 
     async def refresh(self) -> None:
@@ -72,7 +72,7 @@ class StateRefresher:
         self.first_read.set()
 
     async def _read_registry(self) -> None:
-        timeout = self._config.state_timeout_s
+        timeout = self._config.state_timeout
         try:
             adapters, token = [], ""
             while True:
@@ -101,7 +101,7 @@ class StateRefresher:
         """The pod's state, or None when it is unreachable or its Generation service is not SERVING
         (starting or draining)."""
         channel = self._channels.get(pod.endpoint)
-        timeout = self._config.state_timeout_s
+        timeout = self._config.state_timeout
         health, state = await asyncio.gather(
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=_GENERATION),
                                                       timeout=timeout),

@@ -49,7 +49,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     access = build_access(config, metrics)
     door = Door(forwarder, access, metrics)
     http_api = HttpApi(door, lambda: refresher.view, metrics, access, config.http_max_body_bytes,
-                       config.http_timeout_s)
+                       config.http_timeout)
 
     server = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
     server.add_generic_rpc_handlers((door.handler(),))
@@ -75,7 +75,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     refreshing = asyncio.create_task(refresher.run(stop))
-    reloading = asyncio.create_task(access.run(stop, config.keys_reload_interval_s))
+    reloading = asyncio.create_task(access.run(stop, config.keys_reload_interval))
     log.info("router listening", extra={"address": address, "http_port": config.http_port,
                                         "control_plane": config.control_plane, "tls": Mode.PLAINTEXT.value,
                                         "to_control_plane": config.control_plane_dialer().mode.value,

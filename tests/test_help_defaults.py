@@ -68,8 +68,8 @@ def test_a_flag_without_a_default_value_gets_no_default_shown():
 
 @pytest.mark.parametrize(("argv", "shown"), [
     (["data-plane", "--help"], "most sequences in one step (default: 32)"),
-    (["control-plane", "--help"], "(default 4.0)"),
-    (["router", "--help"], "(default 2)"),
+    (["control-plane", "--help"], "(default: 4.0)"),
+    (["router", "--help"], "(default: 2)"),
     (["up", "--help"], "(default: 30.0)"),
     (["pods", "--help"], "--json"),
 ])

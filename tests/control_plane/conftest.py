@@ -53,8 +53,8 @@ def token_file(tmp_path) -> Path:
 def config(redis_server, token_file) -> ControlPlaneConfig:
     return ControlPlaneConfig(redis_url=redis_server.url, admin_token_file=token_file, host="127.0.0.1",
                               port=free_port(), metrics_port=0, key_prefix="test", base_model="smollm2-135m",
-                              pod_lease_ttl_s=1.0, pod_grace_s=1.0, leader_lease_ttl_s=1.5,
-                              reconcile_interval_s=0.5, replica_id="in-process")
+                              pod_lease_ttl=1.0, pod_grace=1.0, leader_lease_ttl=1.5,
+                              reconcile_interval=0.5, replica_id="in-process")
 
 
 def auth(token: str = TOKEN) -> tuple[tuple[str, str], ...]:

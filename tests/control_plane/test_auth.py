@@ -128,7 +128,7 @@ def test_token_file_must_hold_one_token(tmp_path):
 
 def test_tls_serves_both_services_and_still_requires_the_token(config, tls_files):
     cert, key = tls_files
-    config = dataclasses.replace(config, tls_cert_file=cert, tls_key_file=key)
+    config = dataclasses.replace(config, tls_cert=cert, tls_key=key)
 
     async def go():
         from control_plane.server import serve

@@ -22,21 +22,21 @@ def valid(token_file) -> ControlPlaneConfig:
     ({"port": 70000}, "not a TCP port"),
     ({"key_prefix": "a:b"}, "--key-prefix"),
     ({"replica_id": "r|1"}, "--replica-id"),
-    ({"tls_key_file": "/nonexistent/key.pem"}, "--tls-key needs --tls-cert"),
+    ({"tls_key": "/nonexistent/key.pem"}, "--tls-key needs --tls-cert"),
     ({"admin_token_file": "/nonexistent/token"}, "is not a readable file"),
-    ({"pod_lease_ttl_s": 0}, "pod_lease_ttl_s must be positive"),
+    ({"pod_lease_ttl": 0}, "--pod-lease-ttl must be positive"),
     ({"max_load_attempts": 0}, "at least 1"),
-    ({"pod_probe_after_s": -1.0}, "pod_probe_after_s must be 0"),
-    ({"pod_probe_after_s": float("nan")}, "pod_probe_after_s must be 0"),
-    ({"pod_probe_timeout_s": 0.0}, "pod_probe_timeout_s must be positive"),
-    ({"pod_lost_after_s": -1.0}, "--pod-lost-after must be 0"),
-    ({"pod_lost_after_s": float("nan")}, "--pod-lost-after must be 0"),
-    ({"pod_lost_after_s": 2.0}, r"--pod-lost-after \(2.0\) must be at least --pod-probe-after \(3.0\)"),
+    ({"pod_probe_after": -1.0}, "--pod-probe-after must be 0"),
+    ({"pod_probe_after": float("nan")}, "--pod-probe-after must be 0"),
+    ({"pod_probe_timeout": 0.0}, "--pod-probe-timeout must be positive"),
+    ({"pod_lost_after": -1.0}, "--pod-lost-after must be 0"),
+    ({"pod_lost_after": float("nan")}, "--pod-lost-after must be 0"),
+    ({"pod_lost_after": 2.0}, r"--pod-lost-after \(2.0\) must be at least --pod-probe-after \(3.0\)"),
     ({"replica_high_rate": -1.0}, "--replica-high-rate must be >= 0"),
     ({"replica_high_rate": float("nan")}, "--replica-high-rate"),
     ({"replica_low_rate": 5.0}, "--replica-low-rate must be >= 0 and below the high rate"),
     ({"replica_low_rate": -0.5}, "--replica-low-rate"),
-    ({"replica_hold_s": -1.0}, "--replica-hold"),
+    ({"replica_hold": -1.0}, "--replica-hold"),
     ({"max_replicas": -2}, "--max-replicas"),
 ])
 def test_invalid_settings_are_refused_naming_what_to_fix(valid, change, message):
@@ -52,7 +52,7 @@ def test_flags_build_the_config(token_file):
     config = config_from_args(args)
     assert (config.redis_url, config.host, config.port, config.metrics_port, config.key_prefix, config.base_model) \
         == ("redis://r:1/2", "127.0.0.1", 5, 6, "fleet", "m")
-    assert (config.pod_probe_after_s, config.pod_probe_timeout_s, config.pod_lost_after_s) == (2.5, 0.5, 6.0)
+    assert (config.pod_probe_after, config.pod_probe_timeout, config.pod_lost_after) == (2.5, 0.5, 6.0)
     assert config.replica  # defaults to hostname-pid
     assert config.replica_policy() is not None  # replication is on by default
 

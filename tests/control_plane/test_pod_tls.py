@@ -40,7 +40,7 @@ async def tls_control_plane(config, cert, key):
     """Serves ``config`` with TLS in this event loop; yields an AdapterAdmin stub that trusts ``cert``."""
     from control_plane.server import serve
 
-    config = dataclasses.replace(config, tls_cert_file=cert, tls_key_file=key)
+    config = dataclasses.replace(config, tls_cert=cert, tls_key=key)
     stop = asyncio.Event()
     task = asyncio.create_task(serve(config, stop))
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
@@ -71,7 +71,7 @@ def test_a_pod_given_the_control_planes_certificate_heartbeats_over_tls(config, 
             return response.lease_ttl_seconds, await listed(admin)
 
     lease, pods = asyncio.run(go())
-    assert lease == config.pod_lease_ttl_s
+    assert lease == config.pod_lease_ttl
     assert pods == ["pod-tls"]
 
 

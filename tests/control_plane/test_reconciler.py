@@ -74,7 +74,7 @@ class Harness:
         self.config = dataclasses.replace(config, retry_backoff_s=0.01, max_load_attempts=2)
         self.clock = Clock()
         self.store = Store(redis_url, "rec", clock=self.clock)
-        self.fleet = Fleet(self.store, "", self.config.pod_lease_ttl_s, self.config.pod_grace_s)
+        self.fleet = Fleet(self.store, "", self.config.pod_lease_ttl, self.config.pod_grace)
         self.registry = Registry(self.store, self.fleet, "")
         self.lease = LeaderLease(self.store, "me", 30.0, ControlPlaneMetrics())
         self.pods = ScriptedPods()
@@ -245,7 +245,7 @@ def test_a_pod_lost_past_its_lease_and_grace_is_removed_and_its_pins_move(config
         await h.pod("p1")
         await h.lease.renew()
         assert await h.sent() == []
-        h.clock.t += h.config.pod_lease_ttl_s + h.config.pod_grace_s + 0.1
+        h.clock.t += h.config.pod_lease_ttl + h.config.pod_grace + 0.1
         await h.pod("p1")  # p1 keeps heartbeating, p0 has gone silent
         moved = await h.sent()
         return moved, [v.pod.id for v in await h.fleet.pods()]
@@ -260,8 +260,8 @@ def silent_pods_probed(config, redis_server, p0_probe: Probe, beat_while_probing
     """p0 pins "a" (one replica) and falls silent for ``silent_s``, past --pod-probe-after (3 s) but within its
     lease (10 s), while p1 keeps beating; one pass probes p0, which finds ``p0_probe``. Returns (the commands
     that pass sent, the pods then listed, the endpoints probed, the placement records' pods)."""
-    config = dataclasses.replace(config, **{"pod_lease_ttl_s": 10.0, "pod_grace_s": 20.0, "pod_probe_after_s": 3.0,
-                                            "pod_lost_after_s": 4.0, **change})
+    config = dataclasses.replace(config, **{"pod_lease_ttl": 10.0, "pod_grace": 20.0, "pod_probe_after": 3.0,
+                                            "pod_lost_after": 4.0, **change})
 
     async def body(h):
         await h.adapter("a", replicas=1)
@@ -316,7 +316,7 @@ def test_the_silence_of_a_pod_that_gives_no_answer_counts_to_the_end_of_its_prob
     (Probe.ANSWERED, 4.0, {}),  # it runs; only its heartbeats do not arrive: its lease decides
     (Probe.ANSWERED, 9.5, {}),
     (Probe.SILENT, 3.5, {}),  # not silent for --pod-lost-after yet: probed again next pass
-    (Probe.SILENT, 4.0, {"pod_lost_after_s": 0.0}),  # turned off: left to its lease and grace
+    (Probe.SILENT, 4.0, {"pod_lost_after": 0.0}),  # turned off: left to its lease and grace
 ])
 def test_a_silent_pod_that_answers_or_is_not_yet_lost_keeps_its_lease_and_pins(config, redis_server, outcome,
                                                                                 silent_s, change):
@@ -336,7 +336,7 @@ def test_a_pod_that_beats_while_it_is_probed_is_not_removed(config, redis_server
 
 
 def test_probes_can_be_turned_off(config, redis_server):
-    sent, pods, probed, _ = silent_pods_probed(config, redis_server, Probe.REFUSED, pod_probe_after_s=0.0)
+    sent, pods, probed, _ = silent_pods_probed(config, redis_server, Probe.REFUSED, pod_probe_after=0.0)
     assert (sent, pods, probed) == ([], ["p0", "p1"], [])
 
 
@@ -400,7 +400,7 @@ def test_a_pin_wakes_the_loop_for_a_pass_at_once_and_a_registration_does_not(con
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    slow = dataclasses.replace(config, reconcile_interval_s=4.0)
+    slow = dataclasses.replace(config, reconcile_interval=4.0)
     assert run(slow, redis_server, body) == (1, [("p0", Command.LOAD_AND_PIN, "a")])
 
 

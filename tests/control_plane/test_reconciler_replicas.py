@@ -19,7 +19,7 @@ LOAD, RELEASE, PIN = Command.LOAD, Command.RELEASE, Command.LOAD_AND_PIN
 def replicating(h, **policy) -> ControlPlaneMetrics:
     """Rebuilds the harness's reconciler with a replica policy (high 5/s, low 1/s, no hold unless told)."""
     h.config = dataclasses.replace(h.config, **({"replica_high_rate": 5.0, "replica_low_rate": 1.0,
-                                                 "replica_hold_s": 0.0} | policy))
+                                                 "replica_hold": 0.0} | policy))
     metrics = ControlPlaneMetrics()
     h.reconciler = Reconciler(h.config, h.store, h.fleet, h.lease, h.pods, metrics)
     return metrics

@@ -23,11 +23,11 @@ def test_flags_build_the_config(token_file, tmp_path):
                                       "--retries", "0"])
     config = config_from_args(args)
     assert (config.port, config.metrics_port, config.control_plane) == (6000, 0, "cp.local:7000")
-    assert (config.refresh_interval_s, config.retries, config.control_plane_dialer().root) == (0.25, 0, None)
+    assert (config.refresh_interval, config.retries, config.control_plane_dialer().root) == (0.25, 0, None)
 
 
 def test_routing_is_at_most_one_second_stale_by_default(token_file):
-    assert RouterConfig(admin_token_file=token_file).refresh_interval_s <= 1.0
+    assert RouterConfig(admin_token_file=token_file).refresh_interval <= 1.0
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -36,8 +36,8 @@ def test_routing_is_at_most_one_second_stale_by_default(token_file):
     ({"host": ""}, "--host must not be empty"),
     ({"control_plane": "no-port"}, "must be host:port"),
     ({"control_plane": "h:99999"}, "must be host:port"),
-    ({"refresh_interval_s": 0}, "--refresh-interval must be within"),
-    ({"state_timeout_s": -1}, "--state-timeout must be within"),
+    ({"refresh_interval": 0}, "--refresh-interval must be within"),
+    ({"state_timeout": -1}, "--state-timeout must be within"),
     ({"retries": -1}, "--retries must be within 0-10"),
     ({"retries": 11}, "--retries must be within 0-10"),
     ({"http_port": 65536}, "--http-port 65536 is not a TCP port"),
@@ -109,15 +109,15 @@ def test_tenant_and_credential_flags_are_checked(token_file, tmp_path):
                                       "--limits-redis-url", "redis://127.0.0.1:6379/0", "--keys-reload-interval",
                                       "0.5", "--http-timeout", "30"])
     config = config_from_args(args)
-    assert (config.token_file, config.tenants_file, config.keys_reload_interval_s, config.http_timeout_s) == (
+    assert (config.token_file, config.tenants_file, config.keys_reload_interval, config.http_timeout) == (
         token_file, tenants, 0.5, 30.0)
     bad = [({"admin_token_file": token_file, "reader_token_file": token_file}, "exactly one"),
            ({}, "exactly one"),
            ({"admin_token_file": token_file, "api_key_file": tenants, "tenants_file": tenants}, "not both"),
            ({"admin_token_file": token_file, "tenants_file": tmp_path / "absent"}, "--tenants-file .* not a readable"),
            ({"admin_token_file": token_file, "limits_redis_url": "127.0.0.1:6379"}, "--limits-redis-url"),
-           ({"admin_token_file": token_file, "keys_reload_interval_s": 0}, "--keys-reload-interval"),
-           ({"admin_token_file": token_file, "http_timeout_s": 0}, "--http-timeout")]
+           ({"admin_token_file": token_file, "keys_reload_interval": 0}, "--keys-reload-interval"),
+           ({"admin_token_file": token_file, "http_timeout": 0}, "--http-timeout")]
     for fields, words in bad:
         with pytest.raises(ConfigError, match=words):
             RouterConfig(**fields)

@@ -81,7 +81,7 @@ def test_the_view_holds_every_registered_adapter_and_only_ready_serving_pods(tmp
         cp_server, cp_at = await start([(adapter_admin_pb2_grpc.add_AdapterAdminServicer_to_server, cp)])
         channels = PodChannels()
         refresher = StateRefresher(RouterConfig(admin_token_file=token_file, control_plane=cp_at,
-                                                state_timeout_s=2.0), TOKEN, channels, RouterMetrics())
+                                                state_timeout=2.0), TOKEN, channels, RouterMetrics())
         try:
             assert refresher.view is None
             await refresher.refresh()
