@@ -1,7 +1,8 @@
 """The decode step's two memory-bound kernels against the time to read the bytes they touch:
 multi-adapter LoRA (shrink + expand, ``kernels.lora_shrink`` / ``kernels.lora_expand``) over one
-decoder layer's four LoRA projections, and paged decode attention (``kernels.paged_attention``) over
-one layer's KV cache. Every row is first checked against ``kernels.reference`` on the same inputs.
+decoder layer's four LoRA projections, and paged attention (``kernels.paged_attention``, one launch for
+decodes and prefill chunks) over one layer's KV cache. Every row is first checked against
+``kernels.reference`` on the same inputs.
 
 On CUDA each op is replayed from a CUDA graph, as the decode step runs it; on a CPU the Triton
 kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by gpu.py before they are
@@ -10,12 +11,14 @@ imported): the same calls at tiny sizes, whose times say nothing about speed.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from gpu_clock import Clock  # benchmarks/gpu_clock.py
 
 from kernels import reference
+from kernels.attention_unified import AttentionWorkspace, default_tiles
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import LoraMetaBuilder, partial_rows
 from kernels.lora_shrink import lora_shrink
@@ -115,36 +118,64 @@ def lora_rows(clock: Clock, config: dict, dtype: torch.dtype, ranks: list[int], 
     return rows
 
 
+def _attention_step(config: dict, dtype: torch.dtype, seqs: list[tuple[int, int]], block_size: int,
+                    dev: torch.device, rows: int) -> tuple[tuple, int]:
+    """One layer's inputs for a step of ``seqs`` (query count, length after the step), blocks scattered
+    over the cache, q with ``rows`` rows (those past the step's tokens: a graph bucket's padding):
+    ((q, k_cache, v_cache, block_tables, seq_lens, query_start), bytes the step must move: keys and
+    values read once, queries read and outputs written, block tables and lengths read)."""
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    per_seq = max(math.ceil(seq_len / block_size) for _, seq_len in seqs)
+    num_blocks = len(seqs) * per_seq + 1
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)  # [slots, kv, d]
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)
+    tables = torch.randperm(num_blocks, device=dev)[: len(seqs) * per_seq].view(len(seqs), per_seq).to(torch.int32)
+    seq_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32, device=dev)  # [seqs]
+    starts = torch.tensor([0, *itertools.accumulate(q for q, _ in seqs)], dtype=torch.int32, device=dev)  # [seqs + 1]
+    q = torch.randn(rows, heads, head_dim, device=dev).to(dtype)  # [rows, heads, head_dim]
+    e = q.element_size()
+    moved = sum(e * 2 * (n * kv_heads + qlen * heads) * head_dim for qlen, n in seqs) + 4 * (tables.numel() + len(seqs))
+    return (q, k_cache, v_cache, tables, seq_lens, starts), moved
+
+
 def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list[int], context: int,
                    block_size: int, gbs: float) -> list[dict]:
-    """One row per batch: decode attention of one layer (one query per sequence over ``context`` cached
-    tokens, blocks scattered over the cache), checked against ``kernels.reference.paged_attention``,
-    then timed against its bytes floor."""
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    dev, rows = clock.device, []
-    per_seq = math.ceil(context / block_size)
-    kwargs = dict(block_size=block_size, scale=head_dim**-0.5, window=None, max_query_len=1, max_seq_len=context)
-    for seqs in batches:
-        num_blocks = seqs * per_seq + 1
-        k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)  # [slots, kv, d]
-        v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, device=dev).to(dtype)
-        tables = torch.randperm(num_blocks, device=dev)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
-        seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=dev)  # [seqs]
-        query_start = torch.arange(seqs + 1, dtype=torch.int32, device=dev)  # [seqs + 1], one query each
-        q = torch.randn(seqs, heads, head_dim, device=dev).to(dtype)  # [seqs, heads, head_dim]
+    """The unified paged-attention kernel (``kernels.attention_unified``) on one layer, each step checked
+    against ``kernels.reference.paged_attention`` then timed against its bytes floor:
+
+    - ``decode``: one query per sequence over ``context`` cached tokens, at each batch (the grid a
+      decode-only graph launches: no prefill items);
+    - ``decode, mixed grid``: the same step launched as a mixed-step graph of its token count launches it
+      (``max_query_len`` = that count: the prefill items are there and exit), the cost of one graph for
+      every mix;
+    - ``mixed``: a prefill chunk of ``context // 4`` tokens ending at ``context`` beside the decodes of
+      each batch, in one launch (the chunk's dots make it compute-bound: no target on its bytes)."""
+    rows = []
+    chunk = context // 4
+    steps = [("decode", [(1, context)] * b, b) for b in batches]
+    steps += [("decode, mixed grid", [(1, context)] * b, b + chunk) for b in batches if b > 1]
+    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk) for b in batches]
+    for kind, seqs, grid_rows in steps:
+        args, moved = _attention_step(config, dtype, seqs, block_size, clock.device, grid_rows)
+        q, tokens = args[0], sum(n for n, _ in seqs)
+        kwargs = dict(block_size=block_size, scale=q.shape[-1] ** -0.5, window=None,
+                      max_query_len=max(n for n, _ in seqs) if grid_rows == tokens else grid_rows, max_seq_len=context)
+        # One workspace a step, as the pod's layers share it (no memset in the timed launch).
+        heads, kv_heads, head_dim = q.shape[1], args[1].shape[1], q.shape[2]
+        kwargs["workspace"] = AttentionWorkspace.allocate(len(seqs), heads, kv_heads, head_dim,
+                                                          default_tiles(head_dim, dtype).max_splits, clock.device)
         out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
         expected = torch.full_like(q, float("nan"))
-        args = (q, k_cache, v_cache, tables, seq_lens, query_start)
         paged_attention(*args, out, **kwargs)
-        reference.paged_attention(*args, expected, **kwargs)
-        atol = _attention_atol(q, k_cache, v_cache, kwargs["scale"], context)
-        err, ok = _within(out, expected, RTOL[dtype], atol)
-        ms, how = clock.replay_ms(lambda args=args, out=out: paged_attention(*args, out, **kwargs))
-        # keys and values read, queries read and outputs written, block tables and lengths read
-        moved = q.element_size() * 2 * seqs * (context * kv_heads + heads) * head_dim + 4 * (tables.numel() + seqs)
+        reference.paged_attention(*args, expected, **{k: v for k, v in kwargs.items() if k != "workspace"})
+        atol = _attention_atol(q, args[1], args[2], kwargs["scale"], context)
+        err, ok = _within(out[:tokens], expected[:tokens], RTOL[dtype], atol)
+        ms, how = clock.replay_ms(lambda args=args, out=out, kwargs=kwargs: paged_attention(*args, out, **kwargs))
         floor = moved / gbs / 1e6
-        rows.append({"batch": seqs, "context": context, "ms": ms, "floor_ms": floor, "ratio": ms / floor,
-                     "timed": how, "max_err": err, "atol": atol, "ok": ok})
+        decodes = sum(1 for n, _ in seqs if n == 1)
+        rows.append({"step": kind, "batch": decodes, "chunk": chunk if kind == "mixed" else 0, "context": context,
+                     "tokens": q.shape[0], "ms": ms, "floor_ms": floor, "ratio": ms / floor, "timed": how,
+                     "max_err": err, "atol": atol, "ok": ok})
     return rows
 
 

@@ -43,34 +43,46 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
-class DecodeTiles:
-    """Decode: each program reads ``split`` consecutive key positions of one sequence and kv head
-    in tiles of ``block_n``; ``split`` must be a multiple of ``block_n``."""
-
-    split: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        _check_tile("DecodeTiles.block_n", self.block_n)
-        if self.split < self.block_n or self.split % self.block_n:
-            raise ValueError(f"DecodeTiles.split={self.split} must be a positive multiple of block_n={self.block_n}")
-
-
-@dataclass(frozen=True)
-class PrefillTiles:
-    """Prefill: each program owns ``block_m`` rows (query tokens x the query heads of one kv head)
-    and walks the keys in tiles of ``block_n``."""
+class AttentionTiles:
+    """One launch's tiles (``kernels.attention_unified``). A prefill item owns ``block_m`` rows (query
+    tokens x the query heads of one kv head) and walks the keys in tiles of ``block_n``; a decode item
+    walks one split of its row in tiles of ``decode_block_n``, the split given by ``decode_splits``
+    (``min_split``, a multiple of ``decode_block_n``, and ``max_splits``, the grid's items per sequence)."""
 
     block_m: int
     block_n: int
+    decode_block_n: int
+    min_split: int = 128
+    max_splits: int = 16
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        _check_tile("PrefillTiles.block_m", self.block_m)
-        _check_tile("PrefillTiles.block_n", self.block_n)
+        _check_tile("AttentionTiles.block_m", self.block_m)
+        _check_tile("AttentionTiles.block_n", self.block_n)
+        _check_tile("AttentionTiles.decode_block_n", self.decode_block_n)
+        if self.min_split < self.decode_block_n or self.min_split % self.decode_block_n:
+            raise ValueError(f"AttentionTiles.min_split={self.min_split} must be a positive multiple of "
+                             f"decode_block_n={self.decode_block_n}")
+        if self.max_splits < 1:
+            raise ValueError(f"AttentionTiles.max_splits={self.max_splits} must be at least 1")
+
+
+def decode_splits(seq_len: int, window: int | None, tiles: AttentionTiles) -> tuple[int, int]:
+    """(split size, split count) of a sequence with one query and ``seq_len`` tokens: a rule on its
+    own length (and the model's window), never on the batch, so its sums are taken in one order
+    whatever shares its step. Its attended keys, from the first one (``seq_len - window``, or 0) rounded
+    down to a key tile, are cut into ``ceil(span / min_split)`` splits, at most ``max_splits``, of
+    equal size rounded up to a key tile; a row shorter than ``min_split`` runs in one split (no merge),
+    and so does a row of length 0 (padding), which writes zeros.
+    The kernel evaluates the same rule (``attention_unified.split_rule``)."""
+    lo = 0 if window is None else max(seq_len - window, 0)
+    span = seq_len - lo // tiles.decode_block_n * tiles.decode_block_n
+    count = min(max(-(-span // tiles.min_split), 1), tiles.max_splits)
+    tile = tiles.decode_block_n
+    per_split = -(-span // count)
+    size = max((per_split + tile - 1) // tile * tile, tile)
+    return size, max(-(-span // size), 1)
 
 
 def _check_tile(name: str, value: int) -> None:

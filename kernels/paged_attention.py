@@ -1,16 +1,15 @@
 """Paged attention on the GPU: the one entry the model's CUDA attention backend calls.
 
-A step whose sequences all have one query (decode) runs ``kernels.attention_decode``; any other
-step runs it for its one-query sequences and ``kernels.attention_prefill`` for the rest, so a
-sequence's output never depends on which kernel its neighbours need.
+Every step, decode-only or mixed with prefill chunks, is one launch of ``kernels.attention_unified``:
+a sequence with one query is split over its context by a rule on its own length, a sequence with
+more queries is walked in query blocks, so a sequence's output never depends on its neighbours.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention_decode import decode_attention
-from kernels.attention_prefill import prefill_attention
+from kernels.attention_unified import AttentionWorkspace, unified_attention
 
 
 def paged_attention(
@@ -28,6 +27,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     softcap: float | None = None,
+    workspace: AttentionWorkspace | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its paged context, in PyTorch terms::
 
@@ -53,15 +53,14 @@ def paged_attention(
     rows of ``q`` and ``out`` past ``query_start[num_seqs]`` are neither read nor written.
 
     ``max_query_len`` and ``max_seq_len`` are host ints at least every sequence's query count
-    and length (a CUDA graph passes the largest it allows): they size the grids and the decode
-    workspace, and a step with ``max_query_len == 1`` launches the decode kernels only. Nothing
-    depends on the tensors' values on the host and nothing waits on the device, so the call can
-    be captured in a CUDA graph. A sequence's output does not depend on the other sequences of the
-    step, nor on ``max_query_len`` and ``max_seq_len``, bit for bit.
+    and length (a CUDA graph passes the largest it allows); a step with ``max_query_len == 1``
+    launches no prefill programs, and the grid is otherwise sized by the number of tokens and
+    sequences only. ``workspace`` holds the decode splits' partials (``AttentionWorkspace``; one per
+    step serves every layer); it is allocated when not given. Nothing depends on the tensors' values
+    on the host and nothing waits on the device, so the call can be captured in a CUDA graph. A
+    sequence's output does not depend on the other sequences of the step, nor on ``max_query_len``
+    and ``max_seq_len``, bit for bit.
     """
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, out)
-    kwargs = dict(block_size=block_size, scale=scale, window=window, max_query_len=max_query_len,
-                  max_seq_len=max_seq_len, softcap=softcap)  # fmt: skip
-    decode_attention(*args, **kwargs)
-    if max_query_len > 1:
-        prefill_attention(*args, **kwargs)
+    unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, block_size=block_size,
+                      scale=scale, window=window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                      softcap=softcap, workspace=workspace)  # fmt: skip

@@ -43,6 +43,7 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
     for row in data["lora_kernels"] + data["attention"]:
         assert row["ok"] and _finite(row["ms"], row["floor_ms"], row["ratio"], row["max_err"]), row
     assert {r["rank"] for r in data["lora_kernels"]} == {8, 64}
+    assert {r["step"] for r in data["attention"]} == {"decode", "decode, mixed grid", "mixed"}
     runs = data["serving"]
     for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only", "64 adapters, peft's length",
                   "peft"):

@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import attention_decode, attention_launch, attention_prefill
+from kernels import attention_launch, attention_unified, fused_activation, fused_norm, fused_rotary
 from kernels import lora_expand as expand_module
 from kernels import lora_shrink as shrink_module
 
@@ -120,43 +120,62 @@ def _lora_kernels(arch: int) -> list[Compiled]:
     return rows
 
 
+def _fused_kernels(arch: int) -> list[Compiled]:
+    """The fused layer ops as the CUDA path launches them: residual add + RMSNorm (Llama-3-8B's hidden 4096,
+    Gemma 2 9B's 3584 with its ``1 + weight`` scaling, a plain norm), rotary on 32 + 8 heads of 128 (all of
+    it, and Phi-4-mini's 96 of 128; Gemma's heads of 256) and the gated activations."""
+    rows = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for hidden, residual, offset in ((4096, True, False), (3584, True, True), (4096, False, False)):
+            kernel = _compile_for(arch, fused_norm._add_rms_norm_kernel, {
+                n: f"*{dtype}" for n in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr")
+            } | {"eps": "fp32", "offset": "fp32"}, {
+                "HAS_RESIDUAL": residual, "OFFSET_SCALE": offset, "BLOCK": triton.next_power_of_2(hidden),
+            }, {"stride_x", "stride_r", "stride_o", "hidden"}, fused_norm.num_warps(hidden))  # fmt: skip
+            config = f"hidden {hidden}" + (", residual add" if residual else "") + (", 1 + weight" if offset else "")
+            rows.append(_record("add_rms_norm", arch, dtype, config, kernel))
+        for heads, head_dim, rotary_dim in ((40, 128, 128), (40, 128, 96), (12, 256, 256)):
+            block_h = fused_rotary.block_heads(heads, rotary_dim)
+            kernel = _compile_for(arch, fused_rotary._rotary_kernel, {
+                n: f"*{dtype}" for n in ("qk_ptr", "cos_ptr", "sin_ptr")
+            }, {
+                "HALF": rotary_dim // 2, "HALF_PAD": triton.next_power_of_2(rotary_dim // 2), "BLOCK_H": block_h,
+            }, {"stride_qt", "stride_qh", "stride_ct", "stride_st"}, 4)  # fmt: skip
+            rows.append(_record("rotary", arch, dtype, f"{heads} heads of {head_dim}, rotary_dim {rotary_dim}, "
+                                                       f"{block_h} heads a program", kernel))
+        for activation in fused_activation.ACTIVATIONS:
+            kernel = _compile_for(arch, fused_activation._act_mul_kernel, {
+                n: f"*{dtype}" for n in ("gate_up_ptr", "out_ptr")
+            }, {"ACT": activation, "BLOCK": fused_activation.BLOCK}, {"stride_g", "stride_o", "width"}, 4)
+            rows.append(_record("act_mul", arch, dtype, f"{activation}, {fused_activation.BLOCK} columns a program",
+                                kernel))
+    return rows
+
+
 def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool, softcap: bool = False) -> list[Compiled]:
-    """The decode (split and merge) and prefill kernels with the launchers' default tiles, for a
-    Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads) and KV block size 16; ``softcap``:
-    Gemma 2's soft-capped scores."""
+    """The unified attention kernel (decode splits, their merge and prefill blocks in one launch) with
+    the launcher's default tiles, for a Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads)
+    and KV block size 16; ``softcap``: Gemma 2's soft-capped scores."""
     data = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")}
+    ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "counters_ptr")}
     parts = {n: "*fp32" for n in ("part_max_ptr", "part_sum_ptr", "part_acc_ptr")}
     types = data | ints | parts | {"qk_scale": "fp32", "cap": "fp32"}
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
-    common = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP, "BLOCK_SIZE": 16, "WINDOWED": windowed,
-              "SOFTCAP": softcap, "UPCAST": False}
     shape = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
     shape += ", window" if windowed else ""
     shape += ", soft-capped" if softcap else ""
-
-    head_pad = triton.next_power_of_2(head_dim)
-    tiles = attention_decode.default_tiles(head_dim, TORCH_DTYPES[dtype])
-    config = f"{shape}; {tiles.block_n}-key tiles, {tiles.split}-key splits, {tiles.num_warps} warps"
-    split = _compile_for(arch, attention_decode._decode_split_kernel, types, common | {
-        "GROUP_ROWS": attention_launch.group_rows(GROUP), "HEAD_DIM": head_dim, "HEAD_PAD": head_pad,
-        "BLOCK_N": tiles.block_n, "SPLIT_SIZE": tiles.split,
+    tiles = attention_unified.default_tiles(head_dim, TORCH_DTYPES[dtype])
+    config = (f"{shape}; prefill {tiles.block_m} rows x {tiles.block_n} keys, decode {tiles.decode_block_n}-key "
+              f"tiles in {tiles.min_split}+-key splits (at most {tiles.max_splits}), {tiles.num_warps} warps")
+    unified = _compile_for(arch, attention_unified._unified_kernel, types, {
+        "SEQ_BLOCK": 64, "NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": GROUP,
+        "GROUP_ROWS": attention_launch.group_rows(GROUP), "HEAD_DIM": head_dim,
+        "HEAD_PAD": triton.next_power_of_2(head_dim), "BLOCK_SIZE": 16, "BLOCK_M": tiles.block_m,
+        "BLOCK_Q": tiles.block_m // GROUP, "BLOCK_N": tiles.block_n, "DECODE_BLOCK_N": tiles.decode_block_n,
+        "MIN_SPLIT": tiles.min_split, "MAX_SPLITS": tiles.max_splits, "WINDOWED": windowed, "SOFTCAP": softcap,
+        "UPCAST": False,
     }, aligned, tiles.num_warps, tiles.num_stages)  # fmt: skip
-    merge = _compile_for(arch, attention_decode._decode_merge_kernel, types, {
-        "HEAD_DIM": head_dim, "HEAD_PAD": head_pad, "SPLIT_SIZE": tiles.split, "CHUNK": attention_decode.MERGE_CHUNK,
-        "WINDOWED": windowed,
-    }, aligned, 4)  # fmt: skip
-    rows = [
-        _record("attention_decode split", arch, dtype, config, split),
-        _record("attention_decode merge", arch, dtype, f"{shape}; 4 warps", merge),
-    ]
-    tiles = attention_prefill.default_tiles(head_dim, TORCH_DTYPES[dtype])
-    config = f"{shape}; {tiles.block_m} rows x {tiles.block_n} keys, {tiles.num_warps} warps"
-    prefill = _compile_for(arch, attention_prefill._prefill_kernel, types, common | {
-        "SEQ_BLOCK": 64, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad, "BLOCK_M": tiles.block_m,
-        "BLOCK_Q": tiles.block_m // GROUP, "BLOCK_N": tiles.block_n,
-    }, aligned, tiles.num_warps, tiles.num_stages)  # fmt: skip
-    return [*rows, _record("attention_prefill", arch, dtype, config, prefill)]
+    return [_record("attention_unified", arch, dtype, config, unified)]
 
 
 def compiled_kernels() -> list[Compiled]:
@@ -165,6 +184,7 @@ def compiled_kernels() -> list[Compiled]:
     rows = []
     for arch in ARCHS:
         rows += _lora_kernels(arch)
+        rows += _fused_kernels(arch)
         for dtype, head_dim, windowed in itertools.product(("bf16", "fp16", "fp32"), (128, 64), (False, True)):
             rows += _attention_kernels(arch, dtype, head_dim, windowed)
         # Gemma 2 and 3: head_dim 256, sliding layers beside global ones, Gemma 2's scores soft-capped.
@@ -212,8 +232,9 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills_and_within_shared_memo
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [Compiled(**row) for row in json.loads(done.stdout)]
     kernels = {r.kernel for r in rows}
-    assert {"lora_shrink", "lora_expand", "attention_decode split", "attention_prefill"} <= kernels
+    assert {"lora_shrink", "lora_expand", "attention_unified"} <= kernels
     assert {r.arch for r in rows} == set(ARCHS)
+    assert {"add_rms_norm", "rotary", "act_mul"} <= kernels
     for r in rows:
         assert r.spills == 0, f"{r} spills registers"
         assert 0 < r.registers <= 255, r

@@ -1,5 +1,5 @@
-"""The Triton paged-attention kernels agree with ``kernels.reference.paged_attention`` and read and
-write nothing else.
+"""The unified Triton paged-attention kernel agrees with ``kernels.reference.paged_attention``, reads and
+writes nothing else, and gives a sequence the same bits whatever shares its step.
 
 Every run poisons what the kernels must leave alone. The KV cache starts as NaN and only the slots
 of positions some query attends get values: the rest of a sequence's last block, spare blocks,
@@ -12,7 +12,7 @@ blocks are handed out in shuffled order.
 
 On CPU the kernels run under Triton's interpreter (see conftest.py), whose cost grows with the
 number of programs: a few heads, short contexts, and a few cases with small tiles to reach several
-key tiles, query blocks and context splits.
+key tiles, query blocks and context splits (and the cap on a row's splits).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.attention_decode import SPLIT, decode_attention
-from kernels.attention_launch import DecodeTiles, PrefillTiles
-from kernels.attention_prefill import prefill_attention
+from kernels.attention_launch import AttentionTiles, decode_splits
+from kernels.attention_unified import AttentionWorkspace, default_tiles, unified_attention
 from kernels.paged_attention import paged_attention
 from tests.tolerances import RTOL, eps, magnitude, sum_atol
 
@@ -36,7 +35,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Q_PAD = 2  # rows of q and out past query_start[-1]
 SPARE_BLOCKS = 2  # cache blocks no sequence owns (NaN)
 PAD = (1, 0)  # a padding row of a CUDA-graph batch: one query, length 0
-PAD2 = (2, 0)  # the same with two queries (the prefill kernel's)
+PAD2 = (2, 0)  # the same with two queries (a prefill item's)
+SPLIT = default_tiles(64, torch.bfloat16).min_split  # a decode row longer than this is split
+# Splits of 32 keys, at most 4 a row; prefill blocks of 4 tokens x 4 heads; key tiles of 16.
+SMALL = AttentionTiles(block_m=16, block_n=16, decode_block_n=16, min_split=32, max_splits=4)
 
 
 @dataclass
@@ -127,15 +129,14 @@ def _args(b: Batch, out: torch.Tensor) -> tuple:
     return b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start, out
 
 
-def _run(b: Batch, decode_tiles: DecodeTiles | None = None, prefill_tiles: PrefillTiles | None = None, **limits):
-    """The kernels' output storage: through ``paged_attention``, or through both launchers with
-    the given tiles."""
+def _run(b: Batch, tiles: AttentionTiles | None = None, **limits):
+    """The kernel's output storage: through ``paged_attention``, or through the launcher with the
+    given tiles."""
     storage, out = b.poisoned_out()
-    if decode_tiles is None and prefill_tiles is None:
+    if tiles is None:
         paged_attention(*_args(b, out), **b.kwargs(**limits))
     else:
-        decode_attention(*_args(b, out), **b.kwargs(**limits), tiles=decode_tiles)
-        prefill_attention(*_args(b, out), **b.kwargs(**limits), tiles=prefill_tiles)
+        unified_attention(*_args(b, out), **b.kwargs(**limits), tiles=tiles)
     return storage
 
 
@@ -182,9 +183,12 @@ CASES = {
     "decode-gqa8-bs1-window": ([(1, 1), (1, 7), (1, 21)], (8, 1), 32, 1, BF16, 5),
     "decode-gqa1-bs12": ([(1, 11), (1, 12), (1, 13), (1, 37)], (2, 2), 16, 12, F32, None),
     "decode-padding-rows-hd128": ([(1, 11), PAD, (1, 4), PAD], (4, 1), 128, 8, BF16, None),
-    # Beyond one context split of the launcher's own size; the window skips the first split.
-    "decode-two-splits": ([(1, SPLIT + 189), (1, 2)], (2, 1), 16, 16, BF16, None),
-    "decode-two-splits-window": ([(1, SPLIT + 189), (1, 40)], (2, 1), 16, 16, F32, 150),
+    # Split contexts at the default tiles (7 and 2 splits); the window's splits start past position 0.
+    "decode-splits": ([(1, 5 * SPLIT + 189), (1, 2), (1, SPLIT + 1)], (2, 1), 16, 16, BF16, None),
+    "decode-splits-window": ([(1, 5 * SPLIT + 189), (1, 40)], (2, 1), 16, 16, F32, 150),
+    # Odd lengths: 1, 3, 7 and 133 tokens (past one split), as prompts, chunks and decodes.
+    "odd-lengths-gqa4": ([(1, 1), (1, 3), (3, 3), (7, 7), (1, 133), (7, 133), (3, 7)], (8, 2), 64, 16, BF16, None),
+    "odd-lengths-gqa2-window": ([(1, 133), (3, 133), (1, 7), (7, 7)], (4, 2), 32, 16, F16, 5),
     # Mixed: a fresh prompt, a chunk after a cached prefix, decodes, a one-token prompt.
     "mixed-gqa4-bs16": ([(7, 7), (5, 14), (1, 13), (1, 1), (1, 6)], (8, 2), 64, 16, BF16, None),
     "mixed-gqa8-bs8-window": ([(13, 13), (6, 26), (1, 8)], (8, 1), 32, 8, F16, 4),
@@ -207,7 +211,8 @@ def test_matches_reference_and_writes_only_query_rows(case):
 
 
 @pytest.mark.parametrize(("case", "softcap"), [("decode-gqa8-bs1-window", 1.5), ("mixed-gqa4-bs16", 2.0),
-                                               ("mixed-gqa1-bs5-window-padding", 0.7), ("decode-two-splits", 0.5)])
+                                               ("odd-lengths-gqa2-window", 1.0),
+                                               ("mixed-gqa1-bs5-window-padding", 0.7), ("decode-splits", 0.5)])
 def test_soft_capped_scores_match_reference(case, softcap):
     # Gemma 2's attention: scores c·tanh(s / c); caps near the scores' size, so that most are bent.
     seqs, heads, head_dim, block_size, dtype, window = CASES[case]
@@ -223,19 +228,20 @@ def test_soft_capped_scores_match_reference(case, softcap):
 
 @pytest.mark.parametrize(("dtype", "window"), [(BF16, None), (F32, 40), (F16, 3)])
 def test_small_tiles_walk_several_splits_query_blocks_and_key_tiles(dtype, window):
-    # Splits of 32 keys, prefill blocks of 4 tokens x 4 heads, key tiles of 16, block size 6.
-    seqs = [(1, 100), (30, 70), (1, 45), (20, 20), (1, 32), (2, 33), PAD]
+    # SMALL tiles, block size 6: rows of 1 to 4 splits, one (length 300) at the cap of 4 splits of 80 keys.
+    seqs = [(1, 100), (30, 70), (1, 45), (20, 20), (1, 32), (2, 33), (1, 300), PAD]
     b = _batch(seqs, heads=(4, 1), head_dim=32, block_size=6, dtype=dtype, window=window, seed=3)
-    storage = _run(b, DecodeTiles(split=32, block_n=16), PrefillTiles(block_m=16, block_n=16))
+    storage = _run(b, SMALL)
     _check(b, storage)
 
 
 def test_cuda_graph_sized_limits_give_the_same_bits():
-    # A graph passes the largest query count and length it allows: more programs, which must exit.
-    b = _batch([(4, 9), (1, 30), PAD], heads=(4, 2), head_dim=32, block_size=8, dtype=BF16, seed=5)
+    # A graph passes the largest query count and length it allows: the grid is the same (it does not
+    # depend on max_seq_len) or larger, and the extra programs must exit.
+    b = _batch([(4, 9), (1, 30), (1, SPLIT + 3), PAD], heads=(4, 2), head_dim=32, block_size=8, dtype=BF16, seed=5)
     exact = _run(b)
     _check(b, exact)
-    assert torch.equal(_bits(_run(b, max_query_len=64, max_seq_len=4 * SPLIT + 3)), _bits(exact))
+    assert torch.equal(_bits(_run(b, max_query_len=64, max_seq_len=32 * SPLIT + 3)), _bits(exact))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -254,33 +260,83 @@ def _out_rows(b: Batch, storage: torch.Tensor, seq: int) -> torch.Tensor:
     return _rows(b, storage, seq)[:, : b.q[0].numel()]
 
 
+def _row_output(seqs: list[tuple[int, int]], at: int, *, dtype: torch.dtype, window: int | None = None,
+                tiles: AttentionTiles | None = None, **limits) -> torch.Tensor:
+    """Sequence ``at``'s output in a step of ``seqs``, where it has the keys, values and queries it
+    has alone (the same seed), the other sequences their own."""
+    kw = dict(heads=(8, 2), head_dim=32, block_size=16, dtype=dtype, window=window, seed=11)
+    b, alone = _batch(seqs, **kw), _batch([seqs[at]], **kw)
+    slots = lambda batch, s: (batch.block_tables[s, :, None] * 16 + torch.arange(16, device=DEVICE)).flatten()
+    seq_len = seqs[at][1]
+    b.k_cache[slots(b, at)[:seq_len]] = alone.k_cache[slots(alone, 0)[:seq_len]]
+    b.v_cache[slots(b, at)[:seq_len]] = alone.v_cache[slots(alone, 0)[:seq_len]]
+    _rows(b, b.q, at)[:] = _rows(alone, alone.q, 0)
+    storage = _run(b, tiles, **limits)
+    _check(b, storage)
+    return _out_rows(b, storage, at)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_decode_output_is_bit_identical_alone_and_in_a_batch(dtype):
-    # The same sequence (same seed, so same cache contents and query) alone, then third of five
-    # next to shorter and longer ones, with graph-sized limits.
+    # The same sequence alone, then third of five next to shorter and longer ones (split in other
+    # counts and sizes), with graph-sized limits.
     mine = (1, SPLIT + 77)
-    others = [(1, 3), (1, 2 * SPLIT + 5), (1, 40), PAD]
-
-    def run(seqs: list[tuple[int, int]], at: int, **limits) -> torch.Tensor:
-        b = _batch(seqs, heads=(8, 2), head_dim=32, block_size=16, dtype=dtype, seed=11)
-        # Give the sequence the same keys, values and query in both batches.
-        b_alone = _batch([mine], heads=(8, 2), head_dim=32, block_size=16, dtype=dtype, seed=11)
-        slot = lambda batch, s: (batch.block_tables[s, :, None] * 16 + torch.arange(16, device=DEVICE)).flatten()
-        b.k_cache[slot(b, at)[: mine[1]]] = b_alone.k_cache[slot(b_alone, 0)[: mine[1]]]
-        b.v_cache[slot(b, at)[: mine[1]]] = b_alone.v_cache[slot(b_alone, 0)[: mine[1]]]
-        b.q[at] = b_alone.q[0]
-        return _out_rows(b, _run(b, **limits), at)
-
-    alone = run([mine], 0)
-    batched = run([others[0], others[1], mine, others[2], others[3]], 2, max_seq_len=8 * SPLIT)
+    alone = _row_output([mine], 0, dtype=dtype)
+    batched = _row_output([(1, 3), (1, 6 * SPLIT + 5), mine, (1, 40), PAD], 2, dtype=dtype, max_seq_len=8 * SPLIT)
     assert alone.isfinite().all()
     assert torch.equal(_bits(alone), _bits(batched))
 
 
+@pytest.mark.parametrize(("dtype", "window"), [(BF16, None), (F16, 40)])
+def test_split_rule_gives_a_row_the_same_bits_beside_longer_and_shorter_rows(dtype, window):
+    # SMALL tiles: the row's 100 keys in 4 splits of 32 (2 past a window of 40);
+    # beside it rows of one split, of 2 and of the capped 4 (300 keys in splits of 80), in a
+    # decode-only step and in a mixed one.
+    assert decode_splits(100, None, SMALL) == (32, 4) and decode_splits(300, None, SMALL) == (80, 4)
+    mine = (1, 100)
+    alone = _row_output([mine], 0, dtype=dtype, window=window, tiles=SMALL)
+    decode = _row_output([(1, 10), (1, 300), mine, (1, 33), (1, 64), PAD], 2, dtype=dtype, window=window,
+                         tiles=SMALL)  # fmt: skip
+    mixed = _row_output([(5, 37), mine, (12, 12), (1, 200), PAD2], 1, dtype=dtype, window=window, tiles=SMALL)
+    assert alone.isfinite().all()
+    assert torch.equal(_bits(alone), _bits(decode)) and torch.equal(_bits(alone), _bits(mixed))
+
+
+def test_split_rule_follows_the_row_length_only():
+    # Default tiles: splits of at least 128 keys, at most 16 a row, whatever the batch.
+    tiles = default_tiles(128, BF16)
+    assert decode_splits(0, None, tiles) == (64, 1)  # padding: one empty split that writes zeros
+    assert decode_splits(100, None, tiles) == (128, 1)
+    assert decode_splits(2048, None, tiles) == (128, 16)  # Llama-3-8B at batch 1: 128 programs
+    assert decode_splits(2049, None, tiles) == (192, 11)
+    assert decode_splits(1 << 20, None, tiles) == (1 << 16, 16)
+    assert decode_splits(5000, 1000, tiles) == (128, 9)  # the window from 4000: keys from 3968, a tile boundary
+    for seq_len in range(1, 5000, 7):
+        size, count = decode_splits(seq_len, None, tiles)
+        assert size % tiles.decode_block_n == 0 and 1 <= count <= tiles.max_splits
+        assert (count - 1) * size < seq_len <= count * size
+
+
+def test_one_workspace_serves_every_layer_of_a_step():
+    # Each launch leaves its arrival counters at zero, so the next layer (or a graph's replay) can
+    # reuse the workspace; rows of 7 splits and of one, a prefill chunk beside them.
+    b = _batch([(1, 6 * SPLIT + 50), (3, 9), (1, 5)], heads=(4, 2), head_dim=16, block_size=16, dtype=BF16, seed=23)
+    tiles = default_tiles(16, BF16)
+    workspace = AttentionWorkspace.allocate(3, 4, 2, 16, tiles.max_splits, DEVICE)
+    runs = []
+    for _ in range(2):
+        storage, out = b.poisoned_out()
+        paged_attention(*_args(b, out), **b.kwargs(), workspace=workspace)
+        assert not workspace.counters.any()
+        runs.append(storage)
+    _check(b, runs[0])
+    assert torch.equal(_bits(runs[0]), _bits(runs[1]))
+
+
 def test_a_sequence_gets_the_same_bits_in_a_decode_step_and_a_mixed_step():
-    # Decode tokens go to the decode kernel even in a step with prefill chunks (the first one is
-    # long enough for that kernel to split its context, so the two kernels would round it
-    # differently), and a chunk's result does not depend on the decodes beside it.
+    # Decode tokens run as decode items even in a step with prefill chunks (the first one is long
+    # enough to be split, so a prefill item would round it differently), and a chunk's result does
+    # not depend on the decodes beside it.
     seqs = [(1, SPLIT + 30), (6, 20), (1, 3)]
     b = _batch(seqs, heads=(8, 2), head_dim=32, block_size=8, dtype=BF16, seed=13)
     mixed = _run(b)
@@ -354,8 +410,11 @@ def test_launchers_reject_inputs_that_do_not_match():
         "window must be None or a positive int": lambda: paged_attention(*_args(b, out), **kw | {"window": 0}),
         "softcap must be None or a positive number": lambda: paged_attention(*_args(b, out), **kw | {"softcap": 0.0}),
         "max_seq_len must be a host int": lambda: paged_attention(*_args(b, out), **kw | {"max_seq_len": b.seq_lens}),
-        "split=48 must be a positive multiple": lambda: DecodeTiles(split=48, block_n=32),
-        "powers of two": lambda: PrefillTiles(block_m=48, block_n=16),
+        "min_split=48 must be a positive multiple": lambda: AttentionTiles(16, 16, 32, min_split=48),
+        "powers of two": lambda: AttentionTiles(block_m=48, block_n=16, decode_block_n=16),
+        "max_splits=0 must be at least 1": lambda: AttentionTiles(16, 16, 16, max_splits=0),
+        "workspace does not fit": lambda: paged_attention(*_args(b, out), **kw, workspace=AttentionWorkspace.allocate(
+            3, 4, 2, 16, default_tiles(16, F16).max_splits, DEVICE)),
     }
     for message, call in bad.items():
         with pytest.raises(ValueError, match=message):
