@@ -1,5 +1,5 @@
 """The walk from a program id to its block of rows of one segment, shared by the LoRA kernels
-(segments = runs of tokens on one adapter slot) and the attention prefill kernel (segments = the
+(segments = runs of tokens on one adapter slot) and the attention kernel's prefill items (segments = the
 queries of one sequence).
 
 Segment ``i`` holds rows ``starts[i]:starts[i + 1]`` and is cut into ``cdiv(len_i, BLOCK)``
