@@ -11,18 +11,19 @@ imported): the same calls at tiny sizes, whose times say nothing about speed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from functools import partial
 
 import torch
 from gpu_clock import Clock  # benchmarks/gpu_clock.py
 
 from kernels import reference
-from kernels.attention_unified import AttentionWorkspace, default_tiles
+from kernels.attention_unified import AttentionWorkspace, default_tiles, unified_attention
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import LoraMetaBuilder, partial_rows
 from kernels.lora_shrink import lora_shrink
-from kernels.paged_attention import paged_attention
 from tests.tolerances import RTOL, eps, magnitude, sum_atol, tolerances
 
 
@@ -149,28 +150,34 @@ def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list
       (``max_query_len`` = that count: the prefill items are there and exit), the cost of one graph for
       every mix;
     - ``mixed``: a prefill chunk of ``context // 4`` tokens ending at ``context`` beside the decodes of
-      each batch, in one launch (the chunk's dots make it compute-bound: no target on its bytes)."""
+      each batch, in one launch (the chunk's dots make it compute-bound: no target on its bytes);
+    - ``decode, 512-key splits``: batch 1 with the split rule the separate decode kernel had (fixed
+      512-key splits), what the rule of ``default_tiles`` buys at batch 1."""
     rows = []
     chunk = context // 4
-    steps = [("decode", [(1, context)] * b, b) for b in batches]
-    steps += [("decode, mixed grid", [(1, context)] * b, b + chunk) for b in batches if b > 1]
-    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk) for b in batches]
-    for kind, seqs, grid_rows in steps:
+    head_dim = config["head_dim"]
+    former = dataclasses.replace(default_tiles(head_dim, dtype), min_split=512, max_splits=max(16, context // 512))
+    steps = [("decode", [(1, context)] * b, b, None) for b in batches]
+    steps += [("decode, 512-key splits", [(1, context)], 1, former)]
+    steps += [("decode, mixed grid", [(1, context)] * b, b + chunk, None) for b in batches if b > 1]
+    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk, None) for b in batches]
+    for kind, seqs, grid_rows, tiles in steps:
         args, moved = _attention_step(config, dtype, seqs, block_size, clock.device, grid_rows)
         q, tokens = args[0], sum(n for n, _ in seqs)
         kwargs = dict(block_size=block_size, scale=q.shape[-1] ** -0.5, window=None,
                       max_query_len=max(n for n, _ in seqs) if grid_rows == tokens else grid_rows, max_seq_len=context)
+        tiles = tiles or default_tiles(head_dim, dtype)
         # One workspace a step, as the pod's layers share it (no memset in the timed launch).
-        heads, kv_heads, head_dim = q.shape[1], args[1].shape[1], q.shape[2]
-        kwargs["workspace"] = AttentionWorkspace.allocate(len(seqs), heads, kv_heads, head_dim,
-                                                          default_tiles(head_dim, dtype).max_splits, clock.device)
+        workspace = AttentionWorkspace.allocate(len(seqs), q.shape[1], args[1].shape[1], head_dim, tiles.max_splits,
+                                                clock.device)  # fmt: skip
         out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
         expected = torch.full_like(q, float("nan"))
-        paged_attention(*args, out, **kwargs)
-        reference.paged_attention(*args, expected, **{k: v for k, v in kwargs.items() if k != "workspace"})
+        launch = partial(unified_attention, *args, out, **kwargs, tiles=tiles, workspace=workspace)
+        launch()
+        reference.paged_attention(*args, expected, **kwargs)
         atol = _attention_atol(q, args[1], args[2], kwargs["scale"], context)
         err, ok = _within(out[:tokens], expected[:tokens], RTOL[dtype], atol)
-        ms, how = clock.replay_ms(lambda args=args, out=out, kwargs=kwargs: paged_attention(*args, out, **kwargs))
+        ms, how = clock.replay_ms(launch)
         floor = moved / gbs / 1e6
         decodes = sum(1 for n, _ in seqs if n == 1)
         rows.append({"step": kind, "batch": decodes, "chunk": chunk if kind == "mixed" else 0, "context": context,

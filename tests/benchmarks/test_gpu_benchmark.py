@@ -43,7 +43,10 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
     for row in data["lora_kernels"] + data["attention"]:
         assert row["ok"] and _finite(row["ms"], row["floor_ms"], row["ratio"], row["max_err"]), row
     assert {r["rank"] for r in data["lora_kernels"]} == {8, 64}
-    assert {r["step"] for r in data["attention"]} == {"decode", "decode, mixed grid", "mixed"}
+    for row in data["fused_ops"]:
+        assert row["ok"] and _finite(row["fused_ms"], row["torch_ms"], row["floor_ms"], row["max_err"]), row
+    assert len({r["op"] for r in data["fused_ops"]}) == 3 and {r["tokens"] for r in data["fused_ops"]} == {1, 4, 64}
+    assert {r["step"] for r in data["attention"]} == {"decode", "decode, 512-key splits", "decode, mixed grid", "mixed"}
     runs = data["serving"]
     for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only", "64 adapters, peft's length",
                   "peft"):
