@@ -7,7 +7,7 @@
    writes them; on a GPU machine they travel with the checkout);
 2. the device: its name, memory, and for CUDA a capability the kernels compile for (sm_80 or newer);
 3. the Triton kernels compiled and run once on small problems against ``kernels.reference``: the LoRA
-   shrink + expand (split and one program) and paged decode attention;
+   shrink + expand (split and one program), paged decode attention and the fused layer ops;
 4. where the tuned tiles go (``kernels/tuned``) is writable.
 
 One line per check; exits 1 at the end if any failed, so a run that cannot work stops before it starts.
@@ -138,6 +138,36 @@ def attention(dev: str) -> str:
     return f"paged decode attention matches the reference ({err:.2g})"
 
 
+def fused_ops(dev: str) -> str:
+    import torch
+
+    from kernels import reference
+    from kernels.fused_activation import act_mul
+    from kernels.fused_norm import add_rms_norm
+    from kernels.fused_rotary import rotary
+
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(2)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    x, residual, weight = randn(3, 96), randn(3, 96), randn(96)
+    angles = torch.randn(3, 1, 16, generator=gen)
+    cos, sin = (torch.cat([f, f], -1).to(dev, dtype) for f in (angles.cos(), angles.sin()))
+    sin[..., :16] *= -1
+    qk, gate_up = randn(3, 6, 48), randn(3, 160)
+    pairs = {f"norm (offset {o})": (add_rms_norm(x, residual.clone(), weight, 1e-6, o),
+                                    reference.add_rms_norm(x, residual.clone(), weight, 1e-6, o)) for o in (0.0, 1.0)}
+    pairs["rotary"] = rotary(qk.clone(), cos, sin), reference.rotary(qk.clone(), cos, sin)
+    for act in ("silu", "gelu_pytorch_tanh"):
+        pairs[act] = act_mul(gate_up, act), reference.act_mul(gate_up, act)
+    errs = {k: ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for k, (g, w) in pairs.items()}
+    if not max(errs.values()) <= 0.05:
+        raise RuntimeError(f"off the reference (relative to its largest value): {errs}")
+    return f"residual add + RMSNorm, rotary and the gated activations match the reference ({max(errs.values()):.2g})"
+
+
 def tuned_folder() -> str:
     from kernels.lora_tuning import TABLES
 
@@ -160,6 +190,7 @@ def main() -> None:
     if "device" not in checks.failed and "imports" not in checks.failed:
         checks.run("LoRA kernels", lambda: lora_kernels(args.device))
         checks.run("attention kernel", lambda: attention(args.device))
+        checks.run("fused layer ops", lambda: fused_ops(args.device))
     checks.run("tuned tiles folder", tuned_folder)
     if checks.failed:
         sys.exit(f"preflight failed: {', '.join(checks.failed)}")

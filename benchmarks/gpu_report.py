@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-ORDER = ("parity", "copy", "LoRA", "attention", "decode b1", "serving", "latency")  # the table's sections, in order
+# the table's sections, in order
+ORDER = ("parity", "copy", "LoRA", "attention", "fused ops", "decode b1", "serving", "latency")
 
 def device_name(device: str) -> str:
     """The GPU's name, or the CPU's model name from /proc/cpuinfo."""

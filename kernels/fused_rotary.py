@@ -46,8 +46,10 @@ def _rotary_kernel(
 
 
 def block_heads(num_heads: int, rotary_dim: int) -> int:
-    """Heads a program rotates: up to 4096 elements a program, by the head shape alone."""
-    return max(1, min(triton.next_power_of_2(num_heads), 4096 // triton.next_power_of_2(rotary_dim)))
+    """Heads a program rotates, by the head shape alone: the largest power of two that divides ``num_heads``
+    (no program masks off heads: 32 + 8 heads run 5 programs of 8, not 32 and 8 of 32), at most 4096
+    elements a program."""
+    return max(1, min(num_heads & -num_heads, 4096 // triton.next_power_of_2(rotary_dim)))
 
 
 def rotary(
