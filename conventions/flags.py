@@ -3,7 +3,8 @@
 A field declared with ``option(...)`` is the flag of the same name, dashed (``http_timeout`` is
 ``--http-timeout``); its default is the flag's default (``--help`` shows it, ``conventions/flag_help.py``),
 its annotation gives the flag's type (``int``, ``float``, ``str``, ``Path``, each optional; ``bool`` is a
-``--name``/``--no-name`` switch; ``tuple[T, ...]`` a repeated flag). Three functions serve every process:
+``--name``/``--no-name`` switch; ``tuple[T, ...]`` a repeated flag, named in the singular where the field is
+in the plural: ``adapter_roots`` is ``--adapter-root A --adapter-root B``). Three functions serve every process:
 
 - ``add_options(parser, Config)`` adds the flags;
 - ``from_args(Config, args)`` builds the config from what argparse parsed (the config validates itself);
@@ -57,11 +58,17 @@ class _Option:
 
     @property
     def flag(self) -> str:
-        return flag_name(self.field.name)
+        name = self.field.name
+        return flag_name(name[:-1] if self.repeated and name.endswith("s") else name)
 
     @property
     def required(self) -> bool:
         return self.field.default is dataclasses.MISSING and self.field.default_factory is dataclasses.MISSING
+
+    @property
+    def computed(self) -> bool:
+        """Whether the default is made by a factory, when the config is built (from the environment, say)."""
+        return self.field.default_factory is not dataclasses.MISSING and not self.repeated
 
     def default(self) -> Any:
         if self.field.default_factory is not dataclasses.MISSING:
@@ -121,6 +128,8 @@ def add_options(parser: argparse.ArgumentParser, config: type, *, skip: tuple[st
                 kwargs.update(action="append", default=None)  # argparse appends to a default list: None, then ()
             elif o.required:
                 kwargs.update(required=True)
+            elif o.computed:
+                kwargs.update(default=None)  # made when the config is (its help says what it will be)
             else:
                 kwargs.update(default=o.default())
         where.add_argument(o.flag, **kwargs)
@@ -133,6 +142,8 @@ def from_args(config: type, args: argparse.Namespace, **more: Any) -> Any:
         if not hasattr(args, o.field.name):
             continue
         value = getattr(args, o.field.name)
+        if o.computed and value is None:
+            continue
         values[o.field.name] = tuple(value or ()) if o.repeated else value
     return config(**values, **more)
 

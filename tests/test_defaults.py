@@ -106,7 +106,7 @@ def test_up_starts_the_servers_the_command_line_dials(tmp_path):
 def test_ups_one_pod_queues_a_burst_that_a_fleet_pod_would_refuse(capsys):
     # a fleet pod refuses what it cannot start within --max-queue-delay, for the router to retry elsewhere;
     # up's stack has no elsewhere, so its pod queues (a 2-core CPU pod refused one of a handful of questions)
-    assert up_config(cli_parser().parse_args(["up"])).max_queue_delay_s == 0
+    assert up_config(cli_parser().parse_args(["up"])).max_queue_delay == 0
     assert DataPlaneConfig(model=None).max_queue_delay_s > 0
     with pytest.raises(SystemExit):
         cli_main(["up", "--help"])

@@ -26,10 +26,13 @@ from lorafleet.v1 import adapter_admin_pb2 as pb
 from cli.admin_client import AdminClient, sha256_of
 from cli.up.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
 from cli.up.config import StackConfig, StackError
+from control_plane.config import ControlPlaneConfig
 from conventions import defaults
 from conventions.auth import read_token
+from conventions.flags import to_argv
 from conventions.home import default_token_file
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from router.config import RouterConfig
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root: children run from there
 POD_ID = "local-pod"
@@ -110,7 +113,7 @@ class Stack:
         for what, proc, _ in reversed(self.children):
             if proc.poll() is None:
                 self.say(f"stopping the {what} (pid {proc.pid})")
-            stop_process(proc, self.config.stop_timeout_s)
+            stop_process(proc, self.config.stop_timeout)
         self.children.clear()
 
     def start_redis(self) -> None:
@@ -124,11 +127,13 @@ class Stack:
 
     def start_control_plane(self) -> None:
         c = self.config
-        proc, log_tail = self.start_child("control plane", [
-            sys.executable, "-m", "control_plane.server", "--redis-url", f"redis://{c.host}:{c.redis_port}/0",
-            "--host", c.host, "--port", str(c.control_plane_port), "--metrics-port", str(c.control_plane_metrics_port),
-            "--admin-token-file", str(c.resolved_token_file), "--replica-id", "up", "--reconcile-interval", "1",
-            "--pod-lease-ttl", "5", "--pod-grace", "10"], "control-plane.log")
+        # One replica, one pod: quick passes and a short lease, so a restarted pod is seen at once.
+        config = ControlPlaneConfig(
+            redis_url=f"redis://{c.host}:{c.redis_port}/0", admin_token_file=c.resolved_token_file, host=c.host,
+            port=c.control_plane_port, metrics_port=c.control_plane_metrics_port, replica_id="up",
+            reconcile_interval=1.0, pod_lease_ttl=5.0, pod_grace=10.0)
+        proc, log_tail = self.start_child("control plane", [sys.executable, "-m", "control_plane.server",
+                                                            *to_argv(config)], "control-plane.log")
         with grpc.insecure_channel(c.control_plane) as channel:
             wait_serving(channel, proc, 60, what="control plane", log_tail=log_tail)
 
@@ -139,10 +144,10 @@ class Stack:
         roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, user_adapters, *c.adapter_roots)
         argv = [sys.executable, "-m", "data_plane.server", "--host", c.host, "--port", str(c.pod_port),
                 "--metrics-port", str(c.pod_metrics_port), "--device", c.device, "--dtype", c.dtype,
-                "--max-loras", str(c.max_loras), "--max-queue-delay", str(c.max_queue_delay_s),
+                "--max-loras", str(c.max_loras), "--max-queue-delay", str(c.max_queue_delay),
                 "--control-plane", c.control_plane,
                 "--admin-token-file", str(c.resolved_token_file), "--pod-id", POD_ID, "--heartbeat-interval", "1",
-                "--drain-grace", str(max(1.0, c.stop_timeout_s / 3))]
+                "--drain-grace", str(max(1.0, c.stop_timeout / 3))]
         for root in roots:
             argv += ["--adapter-root", str(root)]
         if c.model:
@@ -152,16 +157,16 @@ class Stack:
         self.say(f"starting the data-plane pod (pid {proc.pid}): loading the model on {c.device}{fetch} "
                  f"(log: {self.logs / 'pod.log'})")
         with grpc.insecure_channel(c.pod) as channel:
-            wait_serving(channel, proc, c.start_timeout_s, what="data-plane pod", log_tail=log_tail)
+            wait_serving(channel, proc, c.start_timeout, what="data-plane pod", log_tail=log_tail)
 
     def start_router(self) -> None:
         """The router, once the pod has joined the control plane, so that its first read of the fleet
         already holds the pod. It reads the fleet with the admin token."""
         c = self.config
-        proc, log_tail = self.start_child("router", [
-            sys.executable, "-m", "router.server", "--host", c.host, "--port", str(c.router_port),
-            "--metrics-port", str(c.router_metrics_port), "--http-port", str(c.router_http_port),
-            "--control-plane", c.control_plane, "--admin-token-file", str(c.resolved_token_file)], "router.log")
+        config = RouterConfig(admin_token_file=c.resolved_token_file, control_plane=c.control_plane, host=c.host,
+                              port=c.router_port, metrics_port=c.router_metrics_port, http_port=c.router_http_port)
+        proc, log_tail = self.start_child("router", [sys.executable, "-m", "router.server", *to_argv(config)],
+                                          "router.log")
         with grpc.insecure_channel(c.router) as channel:
             wait_serving(channel, proc, 60, what="router", log_tail=log_tail)
 
