@@ -20,6 +20,7 @@ import torch
 from gpu_clock import Clock  # benchmarks/gpu_clock.py
 
 from kernels import reference
+from kernels.attention_launch import AttentionTiles
 from kernels.attention_unified import AttentionWorkspace, default_tiles, unified_attention
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import LoraMetaBuilder, partial_rows
@@ -139,6 +140,16 @@ def _attention_step(config: dict, dtype: torch.dtype, seqs: list[tuple[int, int]
     return (q, k_cache, v_cache, tables, seq_lens, starts), moved
 
 
+def tile_options(head_dim: int, dtype: torch.dtype, context: int) -> dict[str, AttentionTiles]:
+    """The unified kernel's tiles a GPU run compares: ``default_tiles``; prefill items of 64 rows (fewer
+    registers for the whole kernel, so two programs share an SM where the default's 128 rows allow one:
+    more decode programs in flight, less reuse of each key tile in a chunk); and the fixed 512-key splits
+    the separate decode kernel had (what the split rule buys at small batches)."""
+    tiles = default_tiles(head_dim, dtype)
+    return {"default": tiles, "64-row prefill items": dataclasses.replace(tiles, block_m=min(64, tiles.block_m)),
+            "512-key splits": dataclasses.replace(tiles, min_split=512, max_splits=max(16, context // 512))}
+
+
 def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list[int], context: int,
                    block_size: int, gbs: float) -> list[dict]:
     """The unified paged-attention kernel (``kernels.attention_unified``) on one layer, each step checked
@@ -150,23 +161,24 @@ def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list
       (``max_query_len`` = that count: the prefill items are there and exit), the cost of one graph for
       every mix;
     - ``mixed``: a prefill chunk of ``context // 4`` tokens ending at ``context`` beside the decodes of
-      each batch, in one launch (the chunk's dots make it compute-bound: no target on its bytes);
-    - ``decode, 512-key splits``: batch 1 with the split rule the separate decode kernel had (fixed
-      512-key splits), what the rule of ``default_tiles`` buys at batch 1."""
+      each batch, in one launch (the chunk's dots make it compute-bound: no target on its bytes).
+
+    Decode and mixed steps also run with the alternatives a GPU run chooses between (``tile_options``),
+    each row naming its tiles: ``default`` is ``default_tiles``."""
     rows = []
     chunk = context // 4
     head_dim = config["head_dim"]
-    former = dataclasses.replace(default_tiles(head_dim, dtype), min_split=512, max_splits=max(16, context // 512))
-    steps = [("decode", [(1, context)] * b, b, None) for b in batches]
-    steps += [("decode, 512-key splits", [(1, context)], 1, former)]
-    steps += [("decode, mixed grid", [(1, context)] * b, b + chunk, None) for b in batches if b > 1]
-    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk, None) for b in batches]
-    for kind, seqs, grid_rows, tiles in steps:
+    options = tile_options(head_dim, dtype, context)
+    steps = [("decode", [(1, context)] * b, b, t) for b in batches for t in options]
+    steps += [("decode, mixed grid", [(1, context)] * b, b + chunk, "default") for b in batches if b > 1]
+    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk, t) for b in batches for t in options
+              if t != "512-key splits"]  # fmt: skip
+    for kind, seqs, grid_rows, label in steps:
+        tiles = options[label]
         args, moved = _attention_step(config, dtype, seqs, block_size, clock.device, grid_rows)
         q, tokens = args[0], sum(n for n, _ in seqs)
         kwargs = dict(block_size=block_size, scale=q.shape[-1] ** -0.5, window=None,
                       max_query_len=max(n for n, _ in seqs) if grid_rows == tokens else grid_rows, max_seq_len=context)
-        tiles = tiles or default_tiles(head_dim, dtype)
         # One workspace a step, as the pod's layers share it (no memset in the timed launch).
         workspace = AttentionWorkspace.allocate(len(seqs), q.shape[1], args[1].shape[1], head_dim, tiles.max_splits,
                                                 clock.device)  # fmt: skip
@@ -180,7 +192,8 @@ def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list
         ms, how = clock.replay_ms(launch)
         floor = moved / gbs / 1e6
         decodes = sum(1 for n, _ in seqs if n == 1)
-        rows.append({"step": kind, "batch": decodes, "chunk": chunk if kind == "mixed" else 0, "context": context,
+        rows.append({"step": kind, "tiles": label, "batch": decodes, "chunk": chunk if kind == "mixed" else 0,
+                     "context": context,
                      "tokens": q.shape[0], "ms": ms, "floor_ms": floor, "ratio": ms / floor, "timed": how,
                      "max_err": err, "atol": atol, "ok": ok})
     return rows

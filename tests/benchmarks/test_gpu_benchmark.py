@@ -46,7 +46,9 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
     for row in data["fused_ops"]:
         assert row["ok"] and _finite(row["fused_ms"], row["torch_ms"], row["floor_ms"], row["max_err"]), row
     assert len({r["op"] for r in data["fused_ops"]}) == 3 and {r["tokens"] for r in data["fused_ops"]} == {1, 4, 64}
-    assert {r["step"] for r in data["attention"]} == {"decode", "decode, 512-key splits", "decode, mixed grid", "mixed"}
+    assert {(r["step"], r["tiles"]) for r in data["attention"]} == {
+        ("decode", "default"), ("decode", "64-row prefill items"), ("decode", "512-key splits"),
+        ("decode, mixed grid", "default"), ("mixed", "default"), ("mixed", "64-row prefill items")}
     runs = data["serving"]
     for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only", "64 adapters, peft's length",
                   "peft"):
@@ -148,5 +150,5 @@ def test_benchmark_pods_keep_a_given_queue_delay_and_lift_the_default(tmp_path):
     from gpu_pods import pod_config
 
     lifted, _ = pod_config(tmp_path, "cpu", "float32")
-    kept, _ = pod_config(tmp_path, "cpu", "float32", max_queue_delay_s=0.5)
-    assert lifted.max_queue_delay_s == 3600.0 and kept.max_queue_delay_s == 0.5
+    kept, _ = pod_config(tmp_path, "cpu", "float32", max_queue_delay=0.5)
+    assert lifted.max_queue_delay == 3600.0 and kept.max_queue_delay == 0.5

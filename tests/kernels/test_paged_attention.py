@@ -244,6 +244,29 @@ def test_cuda_graph_sized_limits_give_the_same_bits():
     assert torch.equal(_bits(_run(b, max_query_len=64, max_seq_len=32 * SPLIT + 3)), _bits(exact))
 
 
+def test_one_launch_shape_serves_any_mix_of_its_token_count():
+    # A CUDA graph of 24 tokens over 6 sequence rows replays one grid for every mix it is given: all
+    # decodes, one chunk, chunks beside decodes, with rows of no query and tokens past the step's as
+    # padding. Each matches the reference, and the sequence they share gets the same bits in each.
+    shared = (1, SPLIT + 20)
+    mixes = [
+        [shared, (1, 7), (1, 300), (1, 1), (1, 40), (1, 2)],
+        [shared, (20, 20), (0, 0), (0, 0), (0, 0), (0, 0)],
+        [shared, (9, 30), (1, 5), (4, 4), (0, 0), (1, 60)],
+    ]
+    outputs, first = [], None
+    for seqs in mixes:
+        b = _batch(seqs, heads=(4, 2), head_dim=16, block_size=8, dtype=BF16, seed=29)
+        first = first or b
+        _copy_sequence(first, 0, b, 0)
+        pad = 24 + Q_PAD - b.q.shape[0]
+        b.q = torch.cat([b.q, torch.full((pad, *b.q.shape[1:]), float("nan"), dtype=BF16, device=DEVICE)])
+        storage = _run(b, max_query_len=24, max_seq_len=4 * SPLIT)
+        _check(b, storage)
+        outputs.append(_out_rows(b, storage, 0))
+    assert all(torch.equal(_bits(outputs[0]), _bits(o)) for o in outputs[1:])
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The elements' bit patterns (NaN poison compares equal to itself)."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
@@ -260,17 +283,23 @@ def _out_rows(b: Batch, storage: torch.Tensor, seq: int) -> torch.Tensor:
     return _rows(b, storage, seq)[:, : b.q[0].numel()]
 
 
+def _copy_sequence(src: Batch, i: int, dst: Batch, j: int) -> None:
+    """Gives sequence ``j`` of ``dst`` the queries, keys and values of sequence ``i`` of ``src``."""
+    block = src.block_size
+    slots = lambda b, s: (b.block_tables[s, :, None] * block + torch.arange(block, device=DEVICE)).flatten()
+    seq_len = src.seqs[i][1]
+    dst.k_cache[slots(dst, j)[:seq_len]] = src.k_cache[slots(src, i)[:seq_len]]
+    dst.v_cache[slots(dst, j)[:seq_len]] = src.v_cache[slots(src, i)[:seq_len]]
+    _rows(dst, dst.q, j)[:] = _rows(src, src.q, i)
+
+
 def _row_output(seqs: list[tuple[int, int]], at: int, *, dtype: torch.dtype, window: int | None = None,
                 tiles: AttentionTiles | None = None, **limits) -> torch.Tensor:
     """Sequence ``at``'s output in a step of ``seqs``, where it has the keys, values and queries it
     has alone (the same seed), the other sequences their own."""
     kw = dict(heads=(8, 2), head_dim=32, block_size=16, dtype=dtype, window=window, seed=11)
-    b, alone = _batch(seqs, **kw), _batch([seqs[at]], **kw)
-    slots = lambda batch, s: (batch.block_tables[s, :, None] * 16 + torch.arange(16, device=DEVICE)).flatten()
-    seq_len = seqs[at][1]
-    b.k_cache[slots(b, at)[:seq_len]] = alone.k_cache[slots(alone, 0)[:seq_len]]
-    b.v_cache[slots(b, at)[:seq_len]] = alone.v_cache[slots(alone, 0)[:seq_len]]
-    _rows(b, b.q, at)[:] = _rows(alone, alone.q, 0)
+    b = _batch(seqs, **kw)
+    _copy_sequence(_batch([seqs[at]], **kw), 0, b, at)
     storage = _run(b, tiles, **limits)
     _check(b, storage)
     return _out_rows(b, storage, at)
