@@ -77,9 +77,7 @@ def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> tuple[list[
             inside["model"] = inside["sample"] = 0.0
             started = time.perf_counter()
             batch = scheduler.schedule()
-            for item, tok in zip(batch, runner.run(batch), strict=True):
-                item.seq.num_computed += item.num_new
-                item.seq.output_ids.append(tok.id)
+            scheduler.postprocess(batch, [tok.id for tok in runner.run(batch)])
             if step >= 5:
                 host.append((time.perf_counter() - started - inside["model"] - inside["sample"]) * 1e3)
                 sampling.append(inside["sample"] * 1e3)

@@ -267,10 +267,10 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> AttentionTiles:
     tiles beside the decode items spill on sm_90 at head_dim 128, two stages on sm_80 with a window).
     One launch has one warp count, so decode items run with the prefill items' warps.
 
-    Splits: at least 128 keys each (a split's partials, (head_dim + 2) floats a head, written and read
-    once, stay near 3% of its keys' and values' bytes at head_dim 128) and at most 16 a row, so a
-    2048-token context at batch 1 gives 16 programs per kv head (128 on Llama-3-8B) where 512-key
-    splits gave 4."""
+    Splits: at least 128 keys each (with 4 query heads a kv head a split's partials are 2 KiB, written
+    then read once, against 64 KiB of keys and values at head_dim 128 in 16 bits) and at most 16 a
+    row, so a 2048-token context at batch 1 gives 16 programs per kv head (128 on Llama-3-8B) where
+    512-key splits gave 4."""
     padded = head_dim != triton.next_power_of_2(head_dim)
     head_dim = triton.next_power_of_2(head_dim)
     split = dict(min_split=128, max_splits=16)

@@ -112,6 +112,8 @@ class BlockManager:
         seq.block_table += new
 
     def free(self, seq: Sequence) -> None:
+        """Takes back every block and the table row ``seq`` holds. Its progress (``num_computed``) is left
+        as it is: the step's postprocess (``Scheduler.postprocess``) is its one writer."""
         for block in reversed(seq.block_table):
             self._refs[block] -= 1
             if self._refs[block]:
@@ -127,7 +129,6 @@ class BlockManager:
             self._free_rows.append(seq.kv_row)
         seq.block_table = []
         seq.kv_row = -1
-        seq.num_computed = 0
 
     def take_appended(self) -> list[tuple[int, int, int]]:
         """(row, column, block) of every table entry written since the last call, of sequences that still

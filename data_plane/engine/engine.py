@@ -28,7 +28,7 @@ from data_plane.engine.prefix_report import PrefixReport
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
 from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
-from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost
+from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost, StepShape
 from data_plane.engine.threads import model_thread
 from data_plane.engine.warm_up import warm_up
 from data_plane.errors import (
@@ -311,67 +311,88 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             self._last_progress = time.monotonic()
-            for seq, error in self.scheduler.refused():  # pins changed: these can never get a slot now
-                self.abort(seq.request_id, error)
-            self._end_expired(self._last_progress)
-            # an adapter evicted from the CPU tier while its requests waited is loaded again
-            self.adapters.reload_missing(seq.adapter for seq in self.scheduler.waiting if seq.adapter is not None)
+            self._end_what_cannot_run(self._last_progress)
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []
             if not batch:
-                self._wakeup.clear()
-                try:
-                    async with asyncio.timeout(0.5):
-                        await self._wakeup.wait()
-                except TimeoutError:
-                    pass
+                # a step that runs nothing may still have preempted: those may start at the next step, at once
+                if not self.scheduler.postprocess([], []):
+                    await self._idle()
                 continue
             start = time.monotonic()
             shape = step_shape(batch)
             self.delays.step_began(shape)
-            try:
-                async with self.model_lock:
-                    # Requests may have ended while the lock was awaited; what is left is read into the
-                    # step's inputs here, on the loop, so that an end during the forward frees nothing it reads.
-                    batch = [item for item in batch if not item.seq.is_finished]
-                    if not batch:
-                        continue
-                    step = self.runner.prepare(batch)
-                    tokens = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute,
-                                                                              step)
-            except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
-                log.exception("forward pass failed; ending the %d requests in the step", len(batch))
-                for item in batch:
-                    self.abort(item.seq.request_id, StepFailed(f"the forward pass failed ({type(e).__name__}: {e}); "
-                                                               "retry the request"))
-                continue
+            tokens = await self._run(batch)
             self._postprocess(batch, tokens)
-            took = time.monotonic() - start
-            self.metrics.step_duration.observe(took)
-            self.delays.observe_step(shape, took)
-            if log.isEnabledFor(logging.DEBUG):  # the step-time model against each step, for --log-level DEBUG
-                log.debug("step of %d decodes, %d prompt tokens in %d prompts, %d adapters: %.1f ms, model %.1f ms",
-                          shape.decode_rows, shape.prefill_tokens, shape.prefill_seqs, shape.adapters, took * 1e3,
-                          self.costs.predict(shape) * 1e3)
-            self.metrics.prefill_budget.set(self.costs.prefill_budget(shape.decode_rows, shape.adapters))
+            if tokens is not None:
+                self._record_step(shape, time.monotonic() - start)
 
-    def _end_expired(self, now: float) -> None:
+    def _end_what_cannot_run(self, now: float) -> None:
+        """Ends waiting requests that can no longer run (pins changed, deadline passed) and loads again
+        the adapters of waiting requests that were evicted from the CPU tier meanwhile."""
+        for seq, error in self.scheduler.refused():  # pins changed: these can never get a slot now
+            self.abort(seq.request_id, error)
         for seq in self.scheduler.expired(now):
             self.metrics.refusals.labels("expired").inc()
             self.abort(seq.request_id, DeadlineExceeded(
                 f"the request's deadline passed after {now - seq.arrival:.2f} s in the queue; nothing was "
                 "generated: retry with a longer deadline or on a less loaded pod"))
+        self.adapters.reload_missing(seq.adapter for seq in self.scheduler.waiting if seq.adapter is not None)
 
-    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None]) -> None:
+    async def _idle(self) -> None:
+        """Waits for a new request, an end or an adapter load, or half a second."""
+        self._wakeup.clear()
+        try:
+            async with asyncio.timeout(0.5):
+                await self._wakeup.wait()
+        except TimeoutError:
+            pass
+
+    async def _run(self, batch: list[ScheduledSeq]) -> list[TokenOut | None] | None:
+        """The step's forward and sampling on the model thread: per item of ``batch``, its next token or
+        None; None when no forward ran (every request in it ended while the lock was awaited, or the
+        forward failed, which ends them all)."""
+        try:
+            async with self.model_lock:
+                # Requests may have ended while the lock was awaited; what is left is read into the
+                # step's inputs here, on the loop, so that an end during the forward frees nothing it reads.
+                live = [k for k, item in enumerate(batch) if not item.seq.is_finished]
+                if not live:
+                    return None
+                step = self.runner.prepare([batch[k] for k in live])
+                out = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, step)
+        except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
+            log.exception("forward pass failed; ending the %d requests in the step", len(batch))
+            for item in batch:
+                self.abort(item.seq.request_id, StepFailed(f"the forward pass failed ({type(e).__name__}: {e}); "
+                                                           "retry the request"))
+            return None
+        tokens: list[TokenOut | None] = [None] * len(batch)
+        for k, tok in zip(live, out, strict=True):
+            tokens[k] = tok
+        return tokens
+
+    def _record_step(self, shape: StepShape, took: float) -> None:
+        self.metrics.step_duration.observe(took)
+        self.delays.observe_step(shape, took)
+        if log.isEnabledFor(logging.DEBUG):  # the step-time model against each step, for --log-level DEBUG
+            log.debug("step of %d decodes, %d prompt tokens in %d prompts, %d adapters: %.1f ms, model %.1f ms",
+                      shape.decode_rows, shape.prefill_tokens, shape.prefill_seqs, shape.adapters, took * 1e3,
+                      self.costs.predict(shape) * 1e3)
+        self.metrics.prefill_budget.set(self.costs.prefill_budget(shape.decode_rows, shape.adapters))
+
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None] | None) -> None:
+        """The step's results: progress first (``Scheduler.postprocess``, its one writer), then each new
+        token streamed, and a sequence at a stop, its grammar's end or its length finished. ``tokens``:
+        None where no forward ran (the step's requests have all ended)."""
+        if tokens is None:
+            self.scheduler.postprocess([], [])
+            return
+        self.scheduler.postprocess(batch, [None if tok is None else tok.id for tok in tokens])
         now = time.monotonic()
         for item, tok in zip(batch, tokens, strict=True):
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
+            if tok is None or seq.is_finished:  # nothing sampled, or aborted while the step ran
                 continue
-            seq.num_computed += item.num_cached + item.num_new
-            self.blocks.cache_full_blocks(seq)
-            if tok is None:
-                continue
-            seq.output_ids.append(tok.id)
             self._record_latency(seq, now)
             stream = self._streams[seq.request_id]
             text, stopped = stream.text.push(tok.id)

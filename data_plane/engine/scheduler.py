@@ -53,7 +53,8 @@ a flow with no standing queue goes ahead of those with one. FAIR policy only.
 Preemption: when blocks run out, the most recently admitted running sequence of the most-served
 tenant (under FCFS: the most recently admitted one) gives its blocks back (so fair admission is not
 undone by preempting the newcomer it let in); it is recomputed later from its prompt plus what it
-has generated, first of its tenant.
+has generated, first of its tenant, from the step after the one that preempted it (whose postprocess
+resets its progress).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._reserved: dict[str, str] = {}  # adapter waiting for a slot -> adapter it waits to take it from
         self.num_preemptions = 0
+        self._preempted: list[Sequence] = []  # preempted since the last postprocess, which resets their progress
         self.arrivals = Arrivals()
         # account -> when the pod last refused it room (Floods), the least recent first
         self._turned_away: OrderedDict[Account, float] = OrderedDict()
@@ -462,6 +464,27 @@ class Scheduler:
         self._preempt(seq)
         return False
 
+    def postprocess(self, batch: list[ScheduledSeq], token_ids: list[int | None]) -> int:
+        """Records what the step did to each sequence's progress, its one writer: a sequence preempted since
+        the last postprocess holds no KV any more (it is recomputed from its first token); each scheduled
+        chunk, and the cached tokens found for it at admission, is now in the cache (its full blocks are
+        offered to the prefix cache); a sampled token (``token_ids``, one per item; None where the chunk
+        samples nothing) joins its output. Sequences that ended while the step ran are left as they are.
+        Returns how many preempted sequences it reset (they may be admitted again from the next step)."""
+        preempted = len(self._preempted)
+        for seq in self._preempted:
+            seq.num_computed = 0
+        self._preempted.clear()
+        for item, token in zip(batch, token_ids, strict=True):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed += item.num_cached + item.num_new
+            self.blocks.cache_full_blocks(seq)
+            if token is not None:
+                seq.output_ids.append(token)
+        return preempted
+
     def finish(self, seq: Sequence) -> None:
         """Frees everything ``seq`` holds; safe to call in any state, once or more."""
         if seq in self.running:
@@ -477,7 +500,9 @@ class Scheduler:
     def _next_in_fair_order(self, passed: set[Tenant]) -> Sequence | None:
         """The oldest waiting request of the least-served tenant not yet passed over (ties: oldest first);
         under FCFS the oldest waiting request not passed over."""
-        heads = [queue[0] for tenant, queue in self._queues.items() if tenant not in passed]
+        # a request preempted by this step waits for the step's postprocess to reset its progress
+        heads = [queue[0] for tenant, queue in self._queues.items()
+                 if tenant not in passed and queue[0] not in self._preempted]
         if self.policy is Policy.FCFS:
             return min(heads, key=lambda seq: seq.arrival, default=None)
         return min(heads, key=lambda seq: (self.shares.served(seq.adapter), seq.arrival), default=None)
@@ -558,6 +583,7 @@ class Scheduler:
         seq.started_at_standing = None
         seq.status = SequenceStatus.WAITING
         self._queues.setdefault(seq.adapter, deque()).appendleft(seq)
+        self._preempted.append(seq)
         self.num_preemptions += 1
 
     def _preempt_one(self, keep: set[Sequence]) -> Sequence | None:

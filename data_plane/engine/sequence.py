@@ -87,7 +87,9 @@ class Sequence:
     tenant: str | None = None  # who the request is billed to (GenerateRequest.tenant); fair shares weigh it
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    # Tokens whose K/V are in the cache. One writer: the step's postprocess (Scheduler.postprocess), which
+    # adds a step's chunk (and the cached tokens found at admission) and sets 0 after a preemption.
+    num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     kv_row: int = -1  # its row of the block manager's table while it holds blocks
     cache_salt: str = ""  # what its cached blocks are keyed under besides their tokens (adapter content, precision)

@@ -44,14 +44,14 @@ def test_room_is_what_the_sequence_s_own_blocks_and_the_available_ones_still_hol
     assert blocks.can_allocate(seq, blocks.room(seq)) and not blocks.can_allocate(seq, blocks.room(seq) + 1)
 
 
-def test_free_returns_every_block_and_resets_the_sequence_to_recompute_from_the_start():
+def test_free_returns_every_block_and_row_and_leaves_the_progress_to_the_step_s_postprocess():
     blocks = BlockManager(num_blocks=4, block_size=4)
     seq = sequence(10)
     blocks.allocate(seq, 10)
     seq.num_computed = 10
     assert blocks.usage == 0.75
     blocks.free(seq)
-    assert (seq.block_table, seq.num_computed, blocks.usage) == ([], 0, 0.0)
+    assert (seq.block_table, seq.kv_row, seq.num_computed, blocks.usage) == ([], -1, 10, 0.0)
     assert blocks.can_allocate(sequence(16), 16)
 
 

@@ -46,13 +46,11 @@ def step(s: Scheduler) -> list[tuple[str, int]]:
     sequence whose known tokens are all computed gets a next token, and one at its length limit
     finishes. Returns (request, tokens computed) in batch order."""
     batch = s.schedule()
-    for item in batch:
-        samples = item.samples
-        item.seq.num_computed += item.num_new
-        if samples:
-            item.seq.output_ids.append(0)
-            if item.seq.num_tokens >= item.seq.max_total:
-                s.finish(item.seq)
+    samples = [item.samples for item in batch]
+    s.postprocess(batch, [0 if sampled else None for sampled in samples])
+    for item, sampled in zip(batch, samples, strict=True):
+        if sampled and item.seq.num_tokens >= item.seq.max_total:
+            s.finish(item.seq)
     return [(item.seq.request_id, item.num_new) for item in batch]
 
 
@@ -775,3 +773,15 @@ def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_n
     assert s.expired(now=9.0) == []
     assert s.expired(now=10.0) == [late]
     assert running not in s.expired(now=30.0) and len(s.expired(now=30.0)) == 2
+
+
+def test_a_preempted_request_s_progress_is_reset_by_the_step_s_postprocess_not_by_the_preemption():
+    s = scheduler(num_blocks=6, block_size=4)
+    request(s, "a", 8, max_tokens=2), request(s, "b", 8, max_tokens=2)
+    c = request(s, "c", 8)
+    step(s)
+    batch = s.schedule()  # a's and b's 9th tokens need a block each: c gives up its two
+    assert (c.status, c.block_table, c.num_computed) == (SequenceStatus.WAITING, [], 8)  # progress untouched
+    assert c not in {item.seq for item in batch}  # not taken again in the step that preempted it
+    s.postprocess(batch, [0] * len(batch))
+    assert c.num_computed == 0  # recomputed from its first token
