@@ -40,7 +40,7 @@ def pod_config(model_dir: Path, device: str, dtype: str, **fields) -> tuple[Data
     given = {name: value for name, value in fields.items() if name in known}
     # Closed batches measure throughput: all requests arrive at once, and a first-token promise would refuse
     # the batch's tail (benchmarks/overload.py measures admission at the defaults).
-    given.setdefault("max_queue_delay_s", 3600.0)
+    given.setdefault("max_queue_delay", 3600.0)
     # The named dtype is the precision used (float32 on CPU is float32 everywhere): parity is against it.
     return DataPlaneConfig(model=model_dir, device=device, dtype=dtype, **given), absent
 

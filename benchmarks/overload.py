@@ -55,7 +55,7 @@ from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 
 QUICK = {"seconds": 4.0, "capacity_requests": 8, "max_tokens": 8, "trickle_rate": 0.5, "streams": 2, "burst": 2}
 LOADS = (0.5, 1.0, 2.0)
-PROMISE_S = DataPlaneConfig.max_queue_delay_s  # what the pod promises at its defaults (the field's default)
+PROMISE_S = DataPlaneConfig.max_queue_delay  # what the pod promises at its defaults (the field's default)
 _WORDS = ("the river carried old maps past quiet towns where bakers sang about winter roads and distant "
           "lighthouses while children counted boats under a copper sky full of slow birds").split()
 ERROR = "lorafleet_ttft_estimate_error_seconds"

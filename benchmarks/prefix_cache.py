@@ -44,7 +44,7 @@ async def serve(prefix_caching: bool, prompts: list[list[int]], adapters: list[s
                 arrivals: list[float], max_tokens: int, model_dir) -> dict:
     config = DataPlaneConfig(model=model_dir, adapter_roots=(demo_adapter_dir(DEMO_ADAPTERS[0]).parent,),
                              dtype="float32", max_loras=len(DEMO_ADAPTERS), max_cpu_loras=len(DEMO_ADAPTERS),
-                             max_lora_rank=16, prefix_caching=prefix_caching, max_queue_delay_s=0)
+                             max_lora_rank=16, prefix_caching=prefix_caching, max_queue_delay=0)
     engine = build_engine(config, PodMetrics())
     engine.start()
     for name in DEMO_ADAPTERS:  # loaded before the clock starts: the figures are the prefill's, not loads'

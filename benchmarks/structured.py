@@ -92,7 +92,7 @@ async def run_mode(engine, prompt: list[int], constrained: int, batch: int, max_
 async def serve(args, model_dir) -> dict[int, dict]:
     config = DataPlaneConfig(model=model_dir, adapter_roots=(demo_adapter_dir(DEMO_ADAPTERS[0]).parent,),
                              dtype="float32", max_loras=len(DEMO_ADAPTERS), max_cpu_loras=len(DEMO_ADAPTERS),
-                             max_lora_rank=16, max_queue_delay_s=0)
+                             max_lora_rank=16, max_queue_delay=0)
     engine = build_engine(config, PodMetrics())
     engine.start()
     try:

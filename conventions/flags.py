@@ -89,25 +89,24 @@ def options(config: type) -> list[_Option]:
         spec = f.metadata.get(_KEY)
         if spec is None:
             continue
-        kind, repeated = _kind(hints[f.name], f.name)
+        kind, repeated = _kind(hints[f.name], f.name, spec.parse is not None)
         found.append(_Option(f, spec, kind, repeated))
     return found
 
 
-def _kind(annotation: Any, name: str) -> tuple[type, bool]:
-    """(the type a flag's text becomes, whether the flag repeats) for a field's annotation."""
+def _kind(annotation: Any, name: str, parsed: bool) -> tuple[Any, bool]:
+    """(the type a flag's text becomes, whether the flag repeats) for a field's annotation; any type where the
+    flag has its own ``parse``."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         if len(args) != 1:
             raise TypeError(f"{name}: a flag's field is one type or that type | None, not {annotation}")
-        return _kind(args[0], name)
-    if typing.get_origin(annotation) is tuple:
-        if len(args) != 2 or args[1] is not Ellipsis:
-            raise TypeError(f"{name}: a repeated flag's field is tuple[T, ...], not {annotation}")
-        return args[0], True
-    if annotation in (bool, int, float, str, Path):
+        return _kind(args[0], name, parsed)
+    if typing.get_origin(annotation) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _kind(args[0], name, parsed)[0], True
+    if annotation in (bool, int, float, str, Path) or parsed:
         return annotation, False
-    raise TypeError(f"{name}: no flag type for {annotation}")
+    raise TypeError(f"{name}: no flag type for {annotation} (give the option a parse function)")
 
 
 def add_options(parser: argparse.ArgumentParser, config: type, *, skip: tuple[str, ...] = ()) -> None:

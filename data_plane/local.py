@@ -24,7 +24,7 @@ async def local_engine(model: Path | None = None, adapter_roots: tuple[Path, ...
     request its caller sends (no --max-queue-delay): there is no other pod a refused one could go to."""
     config = DataPlaneConfig(model=model, device=device, dtype=dtype, max_loras=max_loras, max_cpu_loras=max_loras,
                              max_lora_rank=64, adapter_roots=adapter_roots, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=512, num_kv_blocks=0, max_queue_delay_s=0)
+                             max_num_batched_tokens=512, num_kv_blocks=0, max_queue_delay=0)
     engine = build_engine(config, PodMetrics())
     engine.start()
     try:

@@ -67,8 +67,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting=config.max_waiting, block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or kv_cache_blocks(model, lora, config),
-        max_model_len=model.config.max_position_embeddings, max_queue_delay_s=config.max_queue_delay_s,
-        target_itl_s=config.target_itl_s, itl_growth=config.itl_growth,
+        max_model_len=model.config.max_position_embeddings, max_queue_delay_s=config.max_queue_delay,
+        target_itl_s=config.target_itl, itl_growth=config.itl_growth,
     )
     engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
                     config.fair_share_weights, Policy(config.scheduling_policy),

@@ -47,7 +47,7 @@ async def serve(config: DataPlaneConfig) -> None:
             tokens[Role.READER] = read_token(config.reader_token_file)
         interceptors.insert(0, RoleAuthInterceptor(tokens, POD_GRANTS))
     server = grpc.aio.server(interceptors=interceptors)
-    pod_health = PodHealth(config.stall_timeout_s)
+    pod_health = PodHealth(config.stall_timeout)
     health_pb2_grpc.add_HealthServicer_to_server(pod_health.servicer, server)
     await pod_health.set_ready(False)  # live, not ready: the model loads
     reflection.enable_server_reflection(
@@ -59,7 +59,7 @@ async def serve(config: DataPlaneConfig) -> None:
     handle = EngineHandle()
     guard = FencingGuard()
     model_id = (config.model or demo_model_dir()).name  # the base-model id adapters are registered against
-    demand = DemandMeter(config.demand_window_s)
+    demand = DemandMeter(config.demand_window)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(handle, demand), server)
     data_plane_admin_pb2_grpc.add_DataPlaneAdminServicer_to_server(
         DataPlaneAdminServicer(handle, guard, config.resolved_pod_id, model_id), server)
@@ -76,7 +76,7 @@ async def serve(config: DataPlaneConfig) -> None:
     if config.control_plane:
         membership = MembershipClient(
             config.control_plane, token, config.resolved_pod_id, config.resolved_endpoint, model_id,
-            lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval_s, guard=guard,
+            lambda: pod_state(engine, config.resolved_pod_id, model_id), config.heartbeat_interval, guard=guard,
             is_ready=lambda: engine is not None and engine.accepting and not pod_health.stalled,
             dialer=control_plane_dialer, demand=demand,
             demand_report_top=config.demand_report_top)
@@ -103,9 +103,9 @@ async def serve(config: DataPlaneConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("draining", extra={"grace_s": config.drain_grace_s})
+    log.info("draining", extra={"grace_s": config.drain_grace})
     await pod_health.shutdown()
-    await engine.drain(config.drain_grace_s)
+    await engine.drain(config.drain_grace)
     for task in (watchdog, heartbeats):
         if task:
             task.cancel()

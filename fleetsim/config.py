@@ -76,7 +76,7 @@ class FleetConfig:
     reserved_unpinned_slots: int = shipped(ControlPlaneConfig, "reserved_unpinned_slots")
     max_load_attempts: int = shipped(ControlPlaneConfig, "max_load_attempts")
     retry_backoff_s: float = shipped(ControlPlaneConfig, "retry_backoff_s")
-    demand_window_s: float = shipped(DataPlaneConfig, "demand_window_s")
+    demand_window_s: float = shipped(DataPlaneConfig, "demand_window")
     demand_report_top: int = shipped(DataPlaneConfig, "demand_report_top")
     scan_limit: int = 256
     step: StepModel = field(default_factory=StepModel)

@@ -107,7 +107,7 @@ def test_ups_one_pod_queues_a_burst_that_a_fleet_pod_would_refuse(capsys):
     # a fleet pod refuses what it cannot start within --max-queue-delay, for the router to retry elsewhere;
     # up's stack has no elsewhere, so its pod queues (a 2-core CPU pod refused one of a handful of questions)
     assert up_config(cli_parser().parse_args(["up"])).max_queue_delay == 0
-    assert DataPlaneConfig(model=None).max_queue_delay_s > 0
+    assert DataPlaneConfig(model=None).max_queue_delay > 0
     with pytest.raises(SystemExit):
         cli_main(["up", "--help"])
     assert "--max-queue-delay (default 0.0: no limit." in " ".join(capsys.readouterr().out.split())
@@ -120,8 +120,9 @@ def test_engine_limits_have_no_defaults_of_their_own():
     for field in dataclasses.fields(EngineLimits):
         if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             continue
-        assert hasattr(pod, field.name), f"EngineLimits.{field.name} has a default the pod's config does not state"
-        assert field.default == getattr(pod, field.name), f"EngineLimits.{field.name} disagrees with DataPlaneConfig"
+        name = field.name if hasattr(pod, field.name) else field.name.removesuffix("_s")  # the flag: seconds unsaid
+        assert hasattr(pod, name), f"EngineLimits.{field.name} has a default the pod's config does not state"
+        assert field.default == getattr(pod, name), f"EngineLimits.{field.name} disagrees with DataPlaneConfig"
 
 
 @pytest.mark.parametrize(("dockerfile", "ports"), [

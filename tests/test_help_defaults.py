@@ -16,7 +16,8 @@ from conventions.flag_help import DefaultsShown, has_default, names_default
 from data_plane.config import build_parser as data_plane_parser
 from router.config import build_parser as router_parser
 
-_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)
+_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
+             argparse.BooleanOptionalAction)
 
 
 def every_parser() -> Iterator[argparse.ArgumentParser]:

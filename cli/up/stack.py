@@ -142,16 +142,16 @@ class Stack:
         user_adapters = c.data_dir / "adapters"
         user_adapters.mkdir(parents=True, exist_ok=True)
         roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, user_adapters, *c.adapter_roots)
-        argv = [sys.executable, "-m", "data_plane.server", "--host", c.host, "--port", str(c.pod_port),
-                "--metrics-port", str(c.pod_metrics_port), "--device", c.device, "--dtype", c.dtype,
-                "--max-loras", str(c.max_loras), "--max-queue-delay", str(c.max_queue_delay),
-                "--control-plane", c.control_plane,
-                "--admin-token-file", str(c.resolved_token_file), "--pod-id", POD_ID, "--heartbeat-interval", "1",
-                "--drain-grace", str(max(1.0, c.stop_timeout / 3))]
-        for root in roots:
-            argv += ["--adapter-root", str(root)]
-        if c.model:
-            argv += ["--model", str(c.model)]
+        # Imported here: the pod's config takes its defaults from the engine, which imports torch, and `up --help`
+        # and the admin commands must not.
+        from data_plane.config import DataPlaneConfig
+
+        config = DataPlaneConfig(
+            model=c.model, host=c.host, port=c.pod_port, metrics_port=c.pod_metrics_port, device=c.device,
+            dtype=c.dtype, max_loras=c.max_loras, max_queue_delay=c.max_queue_delay, control_plane=c.control_plane,
+            admin_token_file=c.resolved_token_file, pod_id=POD_ID, adapter_roots=roots, heartbeat_interval=1.0,
+            drain_grace=max(1.0, c.stop_timeout / 3))
+        argv = [sys.executable, "-m", "data_plane.server", *to_argv(config)]
         proc, log_tail = self.start_child("data-plane pod", argv, "pod.log")
         fetch = "" if c.model else "; a first start also fetches and converts the demo model"
         self.say(f"starting the data-plane pod (pid {proc.pid}): loading the model on {c.device}{fetch} "

@@ -15,6 +15,8 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.config import build_parser as control_plane_parser
 from conventions.flag_help import DefaultsShown
 from conventions.flags import add_options, flag_name, from_args, option, options, to_argv
+from data_plane.config import DataPlaneConfig
+from data_plane.config import build_parser as data_plane_parser
 from router.config import RouterConfig
 from router.config import build_parser as router_parser
 
@@ -71,6 +73,7 @@ def test_a_field_a_flag_cannot_carry_is_refused():
 
 
 PROCESSES = {"router": (RouterConfig, router_parser), "control plane": (ControlPlaneConfig, control_plane_parser),
+             "data plane": (DataPlaneConfig, data_plane_parser),
              "up": (StackConfig, lambda: _parser_of(up_arguments))}
 
 
@@ -83,9 +86,18 @@ def _parser_of(add) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("process", sorted(PROCESSES))
 def test_every_flag_of_a_process_is_a_config_field_of_the_same_name(process):
     config, parser = PROCESSES[process]
-    flags = {flag for action in parser()._actions for flag in action.option_strings} - {"-h", "--help",
-                                                                                       "--log-level"}
+    flags = {flag for action in parser()._actions for flag in action.option_strings
+             if action.help != argparse.SUPPRESS} - {"-h", "--help", "--log-level"}
     fields = {o.flag for o in options(config)}
     assert flags - {"--no-" + f[2:] for f in fields} == fields
     for o in options(config):
         assert o.flag in (flag_name(o.field.name), flag_name(o.field.name[:-1]))  # a repeated flag: its singular
+
+
+def test_a_pods_config_comes_back_from_its_flags(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    pod = DataPlaneConfig(model=tmp_path, control_plane="127.0.0.1:1", admin_token_file=token, max_queue_delay=0.0,
+                          adapter_roots=(tmp_path, tmp_path / "b"), adapter_weights=(("pirate", 2.5),),
+                          prefix_caching=False, heartbeat_interval=0.5)
+    assert from_args(DataPlaneConfig, data_plane_parser().parse_args(to_argv(pod))) == pod

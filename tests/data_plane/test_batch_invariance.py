@@ -49,7 +49,7 @@ def alone_and_together(model_dir, root, dtype: str) -> tuple[Precision, list, li
     # A 24-token step budget: prompts are cut into chunks, differently alone and together.
     config = DataPlaneConfig(model=model_dir, dtype=dtype, adapter_roots=(root,), max_loras=len(ADAPTERS),
                              max_cpu_loras=len(ADAPTERS), max_lora_rank=32, max_num_seqs=NUM_REQUESTS,
-                             max_num_batched_tokens=24, num_kv_blocks=128, max_queue_delay_s=0)
+                             max_num_batched_tokens=24, num_kv_blocks=128, max_queue_delay=0)
 
     async def run():
         engine = build_engine(config, PodMetrics())

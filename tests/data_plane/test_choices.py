@@ -19,7 +19,7 @@ PROMPT = [5 + i % 200 for i in range(40)]  # two full blocks of 16 and a partial
 def engine_for(tiny_pod_files):
     model_dir, root, _ = tiny_pod_files
     config = DataPlaneConfig(model=model_dir, dtype="float32", adapter_roots=(root,), max_loras=1, max_cpu_loras=1,
-                             max_lora_rank=32, num_kv_blocks=64, max_queue_delay_s=0)
+                             max_lora_rank=32, num_kv_blocks=64, max_queue_delay=0)
     engine = build_engine(config, PodMetrics())
     engine.start()
     return engine

@@ -76,16 +76,16 @@ def test_a_stall_timeout_that_could_never_or_always_fire_is_refused(value):
 
 
 def test_the_stall_timeout_is_taken_in_seconds():
-    assert config("--stall-timeout", "2.5").stall_timeout_s == 2.5
+    assert config("--stall-timeout", "2.5").stall_timeout == 2.5
 
 
 def test_admission_and_fair_share_flags_build_the_config():
     pod = config("--max-queue-delay", "2.5", "--scheduling-policy", "fcfs", "--adapter-weight", "pirate=3",
                  "--adapter-weight", "shouty=0.5", "--base-model-weight", "2")
-    assert (pod.max_queue_delay_s, pod.scheduling_policy) == (2.5, "fcfs")
+    assert (pod.max_queue_delay, pod.scheduling_policy) == (2.5, "fcfs")
     assert pod.fair_share_weights == {None: 2.0, "pirate": 3.0, "shouty": 0.5}
     assert config().fair_share_weights == {None: 1.0} and config().scheduling_policy == "fair"
-    assert config("--max-queue-delay", "0").max_queue_delay_s == 0.0  # no limit
+    assert config("--max-queue-delay", "0").max_queue_delay == 0.0  # no limit
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

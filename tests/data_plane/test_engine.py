@@ -143,7 +143,7 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
         demo_model_dir):
     async def go():
         engine = engine_for(demo_model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=1, num_kv_blocks=64,
-                            max_queue_delay_s=0.0)
+                            max_queue_delay=0.0)
         try:
             ids = engine.tokenizer.encode("Tell me a very long story about the sea.")
             params = SamplingParams(max_tokens=600, ignore_eos=True)
@@ -211,7 +211,7 @@ def test_a_cached_prefix_gives_the_tokens_and_logprobs_a_cold_prefill_gives(demo
 
 def test_a_prompt_longer_than_the_queue_delay_is_served_when_no_more_work_is_ahead_than_its_own(demo_model_dir):
     async def go():
-        engine = engine_for(demo_model_dir, max_queue_delay_s=0.001, num_kv_blocks=64)
+        engine = engine_for(demo_model_dir, max_queue_delay=0.001, num_kv_blocks=64)
         try:
             words = ("harbour", "lantern", "compass", "island", "anchor", "tide")
             prompts = [engine.tokenizer.encode(" ".join(words[(i + j) % 6] for j in range(160))) for i in range(4)]
