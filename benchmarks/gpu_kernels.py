@@ -143,10 +143,12 @@ def _attention_step(config: dict, dtype: torch.dtype, seqs: list[tuple[int, int]
 def tile_options(head_dim: int, dtype: torch.dtype, context: int) -> dict[str, AttentionTiles]:
     """The unified kernel's tiles a GPU run compares: ``default_tiles``; prefill items of 64 rows (fewer
     registers for the whole kernel, so two programs share an SM where the default's 128 rows allow one:
-    more decode programs in flight, less reuse of each key tile in a chunk); and the fixed 512-key splits
-    the separate decode kernel had (what the split rule buys at small batches)."""
+    more decode programs in flight, less reuse of each key tile in a chunk); splits of at least 256 keys
+    (fewer, longer decode programs); and the fixed 512-key splits the separate decode kernel had (what
+    the split rule buys at small batches)."""
     tiles = default_tiles(head_dim, dtype)
     return {"default": tiles, "64-row prefill items": dataclasses.replace(tiles, block_m=min(64, tiles.block_m)),
+            "256-key splits": dataclasses.replace(tiles, min_split=256),
             "512-key splits": dataclasses.replace(tiles, min_split=512, max_splits=max(16, context // 512))}
 
 
@@ -171,8 +173,8 @@ def attention_rows(clock: Clock, config: dict, dtype: torch.dtype, batches: list
     options = tile_options(head_dim, dtype, context)
     steps = [("decode", [(1, context)] * b, b, t) for b in batches for t in options]
     steps += [("decode, mixed grid", [(1, context)] * b, b + chunk, "default") for b in batches if b > 1]
-    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk, t) for b in batches for t in options
-              if t != "512-key splits"]  # fmt: skip
+    steps += [("mixed", [(chunk, context)] + [(1, context)] * b, b + chunk, t) for b in batches
+              for t in ("default", "64-row prefill items")]  # fmt: skip
     for kind, seqs, grid_rows, label in steps:
         tiles = options[label]
         args, moved = _attention_step(config, dtype, seqs, block_size, clock.device, grid_rows)

@@ -47,7 +47,8 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
         assert row["ok"] and _finite(row["fused_ms"], row["torch_ms"], row["floor_ms"], row["max_err"]), row
     assert len({r["op"] for r in data["fused_ops"]}) == 3 and {r["tokens"] for r in data["fused_ops"]} == {1, 4, 64}
     assert {(r["step"], r["tiles"]) for r in data["attention"]} == {
-        ("decode", "default"), ("decode", "64-row prefill items"), ("decode", "512-key splits"),
+        ("decode", "default"), ("decode", "64-row prefill items"), ("decode", "256-key splits"),
+        ("decode", "512-key splits"),
         ("decode, mixed grid", "default"), ("mixed", "default"), ("mixed", "64-row prefill items")}
     runs = data["serving"]
     for label in ("64 adapters", "8 adapters", "base only", "no-LoRA pod, base only", "64 adapters, peft's length",
