@@ -1,7 +1,7 @@
 """The unified Triton paged-attention kernel agrees with ``kernels.reference.paged_attention``, reads and
 writes nothing else, and gives a sequence the same bits whatever shares its step.
 
-Every run poisons what the kernels must leave alone. The KV cache starts as NaN and only the slots
+Every run poisons what the kernel must leave alone. The KV cache starts as NaN and only the slots
 of positions some query attends get values: the rest of a sequence's last block, spare blocks,
 block-table entries past a sequence's blocks, and positions wholly before a sliding window (whose
 blocks a pod may free) stay NaN, so reading any of them spreads NaN into the output. ``q`` is a view
@@ -10,7 +10,7 @@ into wider rows (as the q of a fused qkv projection) whose rows past ``query_sta
 past ``query_start[-1]``, differs from the reference. Block tables are views of wider rows and
 blocks are handed out in shuffled order.
 
-On CPU the kernels run under Triton's interpreter (see conftest.py), whose cost grows with the
+On CPU the kernel runs under Triton's interpreter (see conftest.py), whose cost grows with the
 number of programs: a few heads, short contexts, and a few cases with small tiles to reach several
 key tiles, query blocks and context splits (and the cap on a row's splits).
 """
@@ -410,7 +410,7 @@ def test_reference_follows_its_docstring(softcap):
     assert storage[t:].isnan().all() and storage[:t, out[0].numel() :].isnan().all()
 
 
-def test_launchers_reject_inputs_that_do_not_match():
+def test_launcher_rejects_inputs_that_do_not_match():
     b = _batch([(2, 5), (1, 3)], heads=(4, 2), head_dim=16, block_size=4, dtype=F16, seed=19)
     _, out = b.poisoned_out()
     kw = b.kwargs()
