@@ -21,6 +21,7 @@ from data_plane.lora.hub_source import HubSettings
 from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
 from data_plane.lora.source_policy import SourcePolicy, check_entry
 from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
+from data_plane.model.quantization import QUANTIZATION_CHOICES
 
 # A CPU pod's KV cache when --kv-cache-bytes is 0: ~17k tokens of the demo model in float32 (46 KB a token).
 DEFAULT_CPU_KV_CACHE_BYTES = 768 << 20
@@ -63,6 +64,14 @@ class DataPlaneConfig:
         " bfloat16-matmul (cpu: float32 but for the projection matmuls, whose operands and outputs are rounded to"
         " bfloat16); auto (default): bfloat16 on cuda, and on cpu bfloat16-matmul where it measures faster at"
         " start-up, else float32", AUTO, choices=DTYPE_CHOICES)
+    # FP8 base weights (data_plane/model/quantization.py): the pod's precision then reads e.g. bfloat16+fp8.
+    quantization: str = option(
+        "the base model's weights: auto runs a checkpoint as published, an FP8 one (compressed-tensors"
+        " float-quantized, or quant_method fp8/fbgemm_fp8, with per-tensor or per-channel weight_scale) in FP8; fp8"
+        " also quantizes an unquantized checkpoint's projection weights to FP8 per output channel at load. FP8"
+        " weights run W8A8 (per-token activation scales) on GPUs of compute capability 8.9+, weight-only on other"
+        " GPUs, and dequantized once to --dtype on cpu; adapters apply in --dtype as on the unquantized base", AUTO,
+        choices=QUANTIZATION_CHOICES)
     # torch threads the model thread computes on (every other thread of the pod computes on one); 0 = every
     # CPU the process may run on (engine/threads.py).
     compute_threads: int = option(

@@ -50,7 +50,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     """Loads the model, wraps it with LoRA slots, sizes the KV cache, warms up. Call inside the event loop."""
     model_dir = config.model or ensure_demo_model()
     device = torch.device(config.device)
-    model = load_model(model_dir, load_dtype(config.dtype, config.device), device)
+    model = load_model(model_dir, load_dtype(config.dtype, config.device), device, config.quantization)
     set_precision(model, config.dtype, config.max_num_seqs)
     tokenizer = Tokenizer(model_dir)
     roots = config.adapter_roots
@@ -73,7 +73,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     engine = Engine(model, tokenizer, lora, limits, resolver or local_resolver(roots), metrics,
                     config.fair_share_weights, Policy(config.scheduling_policy),
                     cuda_graphs=device.type == "cuda" and not config.enforce_eager,
-                    prefix_caching=config.prefix_caching, precision=model.precision.value,
+                    prefix_caching=config.prefix_caching, precision=model.precision_name,
                     prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads)
     engine.warm_up()
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
@@ -99,7 +99,7 @@ def set_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> P
     if precision is not model.precision:
         raise ValueError(f"--dtype {setting}: a model of {model.embed_tokens.weight.dtype} weights on "
                          f"{model.head_weight.device.type} cannot compute in {precision.value}")
-    log.info("precision", extra={"precision": model.precision.value, "reason": reason, **timings})
+    log.info("precision", extra={"precision": model.precision_name, "reason": reason, **timings})
     return model.precision
 
 

@@ -88,7 +88,7 @@ async def serve(config: DataPlaneConfig) -> None:
     gc.collect()  # start-up's garbage first: frozen, it would stay for good
     gc.freeze()
     metrics.watch(engine.snapshot)
-    metrics.set_precision(engine.model.precision.value)
+    metrics.set_precision(engine.precision)
     engine.start()
     handle.engine = engine
     heartbeats = asyncio.get_running_loop().create_task(membership.run()) if membership else None

@@ -34,7 +34,7 @@ class LoRAProjection(nn.Module):
         num_slices = len(self.slice_names)
         self.host_ranks = [[0] * max_loras for _ in range(num_slices)]
         if pool is None:
-            pool = SlotPool("", 1, base.slices, base.in_features, max_loras, max_rank, w.dtype, w.device), 0
+            pool = SlotPool("", 1, base.slices, base.in_features, max_loras, max_rank, base.dtype, w.device), 0
         self.pool = pool[0]
         lora_a, lora_b, ranks = self.pool.layer_buffers(pool[1], self)
         self.register_buffer("lora_a", lora_a)  # [S, max_loras, max_rank, in_features]
@@ -92,7 +92,9 @@ def wrap_with_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> di
     for kind, members in by_kind.items():
         first = members[0][2]
         w = first.weight
-        pool = SlotPool(kind, len(members), first.slices, first.in_features, max_loras, max_rank, w.dtype, w.device)
+        # in the activations' dtype: an FP8 base's adapters compute as on its unquantized base
+        pool = SlotPool(kind, len(members), first.slices, first.in_features, max_loras, max_rank, first.dtype,
+                        w.device)
         for layer, path, module in members:
             parent_path, _, attr = path.rpartition(".")
             lora = LoRAProjection(module, max_loras, max_rank, (pool, layer))

@@ -9,7 +9,7 @@ layers see them as one layer with several output slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from data_plane.model.layer_ops import LayerOps, layer_ops
 from data_plane.model.precision import Precision
 from data_plane.model.rope import RotaryEmbedding
 from data_plane.model.row_rule import RowRule
+
+if TYPE_CHECKING:
+    from data_plane.model.quantization import Fp8Matmul
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,14 @@ class Projection(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self.packed: cpu_linear.CpuWeight | None = None  # fixed-tile copy of weight on CPU (see cpu_linear)
+        # Where ``weight`` is FP8 (e4m3) on the device: its per-row scales and the matmul chosen at load
+        # (quantization.py). A CPU pod dequantizes FP8 weights at load and leaves this None.
+        self.quantized: Fp8Matmul | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the activations it takes and returns."""
+        return self.weight.dtype if self.quantized is None else self.quantized.dtype
 
     def slice_offsets(self) -> dict[str, tuple[int, int]]:
         """Name -> (row offset, row count) of each packed slice."""
@@ -60,6 +71,8 @@ class Projection(nn.Module):
         return offsets
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.weight, self.bias)
         return cpu_linear.linear(x, self.weight, self.bias, self.packed)
 
 
@@ -190,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops: LayerOps = layer_ops("cpu")
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
         self.row_rule: RowRule | None = None  # the CPU row tiles in use, once probed (``use_row_rule``)
+        self.quantization = ""  # "fp8" where the projections' weights are FP8 (set by the loader)
 
     def use_device(self, device: torch.device | str) -> None:
         """Builds what depends on the device the weights now live on: rotary tables, attention backend, layer
@@ -240,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         rule = self.row_rule
         rows, whole = (rule.projection.rows, rule.projection.whole) if rule else (None, False)
         for module in self.modules():
-            if isinstance(module, Projection):
+            if isinstance(module, Projection) and module.quantized is None:
                 module.packed = cpu_linear.pack(module.weight, matmul_dtype, rows, whole)
         rows, whole = (rule.head.rows, rule.head.whole) if rule else (None, False)
         self._packed_head = cpu_linear.pack(self.head_weight, None, rows, whole)
@@ -268,6 +282,12 @@ class LlamaForCausalLM(nn.Module):
         weights = self.embed_tokens.weight.dtype
         first = next(m for m in self.modules() if isinstance(m, Projection))
         return Precision.of(weights, first.packed.dtype if first.packed is not None else weights)
+
+    @property
+    def precision_name(self) -> str:
+        """The precision as the pod reports it (log, metric, GetState, heartbeat) and keys its prefix cache
+        under: ``precision``'s value, with "+fp8" where the projections' weights are FP8."""
+        return self.precision.value + (f"+{self.quantization}" if self.quantization else "")
 
     def matmul_weights(self) -> list[tuple[torch.Tensor, int]]:
         """One weight of each projection shape, each with how many weights of its shape a forward

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -12,6 +13,20 @@ from safetensors import SafetensorError, safe_open
 from data_plane.errors import ModelLoadError
 from data_plane.model.config import ModelConfig
 from data_plane.model.llama import LlamaForCausalLM, Projection
+from data_plane.model.quantization import (
+    FP8,
+    Fp8Compute,
+    Fp8Matmul,
+    Fp8Scheme,
+    choose_compute,
+    dequantize,
+    describe,
+    quantize,
+    scheme_of,
+    slice_scale,
+)
+
+log = logging.getLogger("lorafleet.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,6 +39,12 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|(model\.)?(vision_tower|multi_mo
 # Where a checkpoint keeps the text model: its own top level, or a vision-language model's language model
 # (`language_model.model.` as the Hub stores Gemma 3, `model.language_model.` as transformers 5 names it).
 _TEXT_PREFIX = re.compile(r"^(language_model\.model\.|model\.language_model\.|language_model\.|model\.)")
+# A projection's module and what an FP8 checkpoint stores of it besides its weight.
+_PROJECTION = re.compile(r"(layers\.\d+\.(?:self_attn|mlp)\.)(q|k|v|o|gate|up|down|qkv|gate_up)_proj\."
+                         r"(weight|weight_scale)")
+# Scales an FP8 checkpoint carries that a pod does not use: static input scales (activations are scaled per
+# token at run time) and KV-cache scales (the KV cache stays in the pod's dtype).
+_UNUSED_SCALES = re.compile(r".*\.(input_scale|k_scale|v_scale|q_scale|output_scale)$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -47,19 +68,32 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Builds the model from ``model_dir`` and loads its weights in ``dtype`` on ``device``.
+               device: str | torch.device = "cpu", quantization: str = "auto",
+               fp8_compute: Fp8Compute | None = None) -> LlamaForCausalLM:
+    """Builds the model from ``model_dir`` and loads its weights in ``dtype`` on ``device``. An FP8
+    checkpoint (detected from its config.json), or any checkpoint with ``quantization`` "fp8", gets FP8
+    projection weights computing as ``fp8_compute`` says (default: ``quantization.choose_compute`` for the
+    device), logged.
 
-    Raises ModelLoadError when a file is missing, the architecture is unsupported, or a tensor
-    is missing, unexpected, or shaped differently from what the config implies.
+    Raises ModelLoadError when a file is missing, the architecture or the quantization is unsupported,
+    or a tensor (an FP8 weight's scale included) is missing, unexpected, or shaped differently from what
+    the config implies.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    scheme = scheme_of(model_dir, quantization)
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch_dtype)
+    fp8 = None
+    if scheme is not None:
+        compute, reason = (fp8_compute, "named by the caller") if fp8_compute else choose_compute(device, torch_dtype)
+        fp8 = _Fp8Weights(model, scheme, compute, torch_dtype)
+        log.info("quantization", extra=describe(scheme, compute, reason))
     model = model.to_empty(device=device)
+    if fp8 is not None:
+        fp8.allocate_scales(device)
     params = dict(model.named_parameters())
     pending = {(name, None) for name in params}
     for name, module in model.named_modules():
@@ -72,11 +106,21 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    if _IGNORED.match(hf_name):
+                    if _IGNORED.match(hf_name) or (fp8 is not None and _UNUSED_SCALES.match(hf_name)):
                         continue
-                    pending -= _copy_tensor(model, params, hf_name, f.get_tensor(hf_name), path)
+                    tensor = f.get_tensor(hf_name)
+                    if fp8 is not None and fp8.takes(hf_name):
+                        pending -= fp8.add(hf_name, tensor, path)
+                        continue
+                    if tensor.dtype == FP8:
+                        raise ModelLoadError(f"{path.name}: tensor {hf_name} is FP8, but only the projections' weights "
+                                             "may be, in a checkpoint whose config.json says how it is quantized")
+                    pending -= _copy_tensor(model, params, hf_name, tensor, path)
         except SafetensorError as e:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
+    if fp8 is not None:
+        fp8.check_complete(model_dir)
+        model.quantization = "fp8"
     if pending:
         names = sorted(f"{n}[{s}]" if s else n for n, s in pending)
         raise ModelLoadError(f"{model_dir} lacks weights for {len(names)} tensors, e.g. {', '.join(names[:5])}")
@@ -117,3 +161,109 @@ def _copy_tensor(model, params, hf_name: str, tensor: torch.Tensor, path: Path) 
         )
     dest.copy_(tensor)
     return keys
+
+
+class _Fp8Weights:
+    """The projections' weights of an FP8 base, gathered per projection as the checkpoint's tensors arrive
+    (each slice's weight and, for an e4m3 weight, its ``weight_scale``) and written into the model once a
+    projection is complete: as e4m3 weights with one scale per output row where they compute in FP8
+    (W8A8, weight-only), else dequantized into the weights' dtype. A slice stored unquantized (a module the
+    checkpoint ignores) is quantized per channel into an FP8 projection, copied into a dequantized one
+    (quantized first under ``--quantization fp8``)."""
+
+    def __init__(self, model: LlamaForCausalLM, scheme: Fp8Scheme, compute: Fp8Compute, dtype: torch.dtype) -> None:
+        self.model, self.scheme, self.compute, self.dtype = model, scheme, compute, dtype
+        self.staged: dict[str, dict[str | None, dict[str, tuple[str, torch.Tensor]]]] = {}  # target -> part -> kind
+        self.resident: list[Projection] = []  # the projections whose weights stay e4m3 on the device
+        if compute is Fp8Compute.DEQUANTIZED:
+            return
+        for name, module in model.named_modules():
+            if isinstance(module, Projection) and not self._ignored(name, module):
+                module.weight = torch.nn.Parameter(torch.empty_like(module.weight, dtype=FP8), requires_grad=False)
+                self.resident.append(module)
+
+    def _ignored(self, target: str, module: Projection) -> bool:
+        if not self.scheme.prequantized:
+            return False
+        prefix, _, _ = target.rpartition(".")
+        return all(self.scheme.ignores(f"model.{prefix}.{part}_proj") for part in module.slices)
+
+    def allocate_scales(self, device: torch.device | str) -> None:
+        """Gives each e4m3 projection its scales and matmul (after the model's tensors are allocated)."""
+        for module in self.resident:
+            module.quantized = Fp8Matmul(torch.ones(module.out_features, device=device), self.dtype, self.compute)
+
+    def takes(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` is a projection's weight or weight scale."""
+        return _PROJECTION.fullmatch(_TEXT_PREFIX.sub("", hf_name)) is not None
+
+    def add(self, hf_name: str, tensor: torch.Tensor, path: Path) -> set:
+        """Gathers one tensor; returns the (parameter, slice) keys of the projection it completed, if any."""
+        prefix, part, kind = _PROJECTION.fullmatch(_TEXT_PREFIX.sub("", hf_name)).groups()
+        packed = _PACKED_TARGET.get(part)
+        target = prefix + (packed or f"{part}_proj")
+        module = self.model.get_submodule(target)
+        if not isinstance(module, Projection):
+            raise ModelLoadError(f"{path.name}: unexpected tensor {hf_name}; is this a "
+                                 f"{self.model.config.architecture}?")
+        key = part if packed else None
+        parts = self.staged.setdefault(target, {})
+        if kind in parts.setdefault(key, {}):
+            raise ModelLoadError(f"{path.name}: tensor {hf_name} appears twice in the checkpoint")
+        parts[key][kind] = (hf_name, tensor)
+        if not self._complete(module, parts):
+            return set()
+        self._write(module, parts, path)
+        del self.staged[target]
+        slices = module.slices if len(module.slices) > 1 else [None]
+        return {(f"{target}.weight", s) for s in slices}
+
+    @staticmethod
+    def _complete(module: Projection, parts: dict) -> bool:
+        keys = [None] if None in parts and "weight" in parts[None] else list(module.slices)
+        for key in keys:
+            got = parts.get(key, {})
+            if "weight" not in got or (got["weight"][1].dtype == FP8 and "weight_scale" not in got):
+                return False
+        return True
+
+    def _write(self, module: Projection, parts: dict, path: Path) -> None:
+        offsets = module.slice_offsets()
+        spans = [(None, 0, module.out_features)] if None in parts else [(p, *offsets[p]) for p in module.slices]
+        for key, start, size in spans:
+            hf_name, weight = parts[key]["weight"]
+            if tuple(weight.shape) != (size, module.in_features):
+                raise ModelLoadError(f"{path.name}: tensor {hf_name} has shape {tuple(weight.shape)} but config.json "
+                                     f"implies {(size, module.in_features)}; the weights do not match the config")
+            scale_name, scale = parts[key].get("weight_scale", (None, None))
+            if weight.dtype == FP8:
+                w8, per_row = weight, slice_scale(scale, size, scale_name)
+            elif scale is not None:
+                raise ModelLoadError(f"{path.name}: {scale_name} scales {hf_name}, which is stored in {weight.dtype}, "
+                                     "not FP8: the checkpoint's weights and scales do not belong together")
+            elif module.quantized is not None or not self.scheme.prequantized:
+                w8, per_row = quantize(weight)
+            else:  # a module the checkpoint keeps unquantized, computing unquantized
+                module.weight[start : start + size].copy_(weight)
+                continue
+            if module.quantized is not None:
+                module.weight[start : start + size].copy_(w8)
+                module.quantized.scale[start : start + size].copy_(per_row)
+            else:
+                module.weight[start : start + size].copy_(dequantize(w8, per_row, module.weight.dtype))
+
+    def check_complete(self, model_dir: Path) -> None:
+        """Raises ModelLoadError, naming the tensor, for an FP8 weight whose scale the checkpoint lacks, or a
+        scale whose weight is not an FP8 weight of it."""
+        for parts in self.staged.values():
+            for got in parts.values():
+                if "weight" not in got and "weight_scale" in got:
+                    name = got["weight_scale"][0]
+                    raise ModelLoadError(f"{model_dir}: {name} scales no FP8 weight (the weight it scales is missing "
+                                         "or stored unquantized): the checkpoint's weights and scales do not belong "
+                                         "together")
+                if "weight" in got and got["weight"][1].dtype == FP8 and "weight_scale" not in got:
+                    name = got["weight"][0]
+                    raise ModelLoadError(f"{model_dir} lacks {name.removesuffix('.weight')}.weight_scale, the scale of "
+                                         f"the FP8 weight {name}: the checkpoint is incomplete; download or export it "
+                                         "again")
