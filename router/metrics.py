@@ -50,6 +50,9 @@ class RouterMetrics:
                                            "Requests let through unlimited because the limits store failed",
                                            registry=r)
         self.pods_routable = Gauge("lorafleet_router_pods_routable", "Pods ready, serving and read", registry=r)
+        self.disk_copies = Gauge("lorafleet_router_disk_tier_copies",
+                                 "Copies of registered remote adapters on the routable pods' disk tiers, as last read",
+                                 registry=r)
         self.adapters_registered = Gauge("lorafleet_router_adapters_registered", "Adapters in the registry",
                                          registry=r)
 

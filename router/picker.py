@@ -63,7 +63,7 @@ class PodPicker:
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
         # only the pods whose count moved since the view was read (most do not, in a large fleet)
         extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
-        ranked = rank(adapter, pods, self._weights, extra, just_sent, chain)
+        ranked = rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter))
         if not any(until > now for until in self._full_until.values()):
             return ranked
         # pods that said they are full go last, in rank order, for as long as they said

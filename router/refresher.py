@@ -68,6 +68,8 @@ class StateRefresher:
                                known)
         self._channels.keep_only({p.endpoint for p in pods})
         self._metrics.pods_routable.set(len(self.view.pods))
+        remote = set(self.view.remote.values())
+        self._metrics.disk_copies.set(sum(len(p.disk & remote) for p in self.view.pods))
         self._metrics.adapters_registered.set(len(self.view.adapters))
         self.first_read.set()
 

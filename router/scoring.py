@@ -2,7 +2,9 @@
 
 A pod's cost is what the request would wait for there, in units of "one request already running":
 the residency of its adapter (a device slot costs nothing, the CPU cache a copy into a slot, a free
-slot a read of the weights, a full pod that read plus another adapter's eviction) plus the pod's load
+slot a read of the weights, a full pod that read plus another adapter's eviction; an adapter with a remote
+source that the pod's disk tier lacks adds its download, that cold cost again times what a download takes
+on that pod against a read from its disk, as the pod measured both) plus the pod's load
 (running and waiting requests, KV-cache pressure), plus the prefill of the part of the prompt the pod does
 not hold in its prefix cache (by the routing-prefix chain, conventions/prefix_chain.py). So a device hit
 wins until its pod is busier than a cold load is slow, and then the next pod takes the overflow; a pod
@@ -42,6 +44,7 @@ class Choice:
     decision: Decision
     cost: float
     matched: int = 0  # routing-prefix chunks of the request the pod holds from the start
+    download: bool = False  # a cold load there downloads the adapter first (its disk tier lacks it)
 
 
 def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
@@ -59,11 +62,12 @@ def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
 
 def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
          extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = (),
-         chain: Sequence[int] = ()) -> list[Choice]:
+         chain: Sequence[int] = (), remote_key: int | None = None) -> list[Choice]:
     """``pods`` best first for a request naming ``adapter`` ("" = the base model), cheapest cost first,
     ties by pod id. ``extra_running`` adds requests the router started on a pod since its state was read
     (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago;
-    ``chain`` is the request's routing prefix (empty: a prompt shorter than one chunk)."""
+    ``chain`` is the request's routing prefix (empty: a prompt shorter than one chunk); ``remote_key`` is the
+    disk key of the adapter's registered weights when its source is remote (None: a local source)."""
     extra_running = extra_running or {}
     residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
                       Decision.FREE_SLOT: weights.cold(True), Decision.EVICT: weights.cold(False)}
@@ -73,5 +77,7 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         running = max(0, pod.running + extra_running.get(pod.id, 0))
         load = weights.load(running, pod.waiting, pod.kv_usage)
         matched = pod.matched(chain) if weights.prefix else 0
-        choices.append(Choice(pod, d, residency_cost[d] + load + weights.prefill(matched, len(chain)), matched))
+        download = d in (Decision.FREE_SLOT, Decision.EVICT) and pod.must_download(remote_key)
+        residency = residency_cost[d] * (1 + pod.load_times.download_factor() if download else 1)
+        choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))

@@ -1,5 +1,6 @@
 """What the router knows of the fleet at one moment: the registered adapters and every routable pod
-with its residency and load. Built from the control plane's registry and the pods' own GetState."""
+with its residency, its disk tier, its measured load times and its load. Built from the control plane's
+registry and the pods' own GetState."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from enum import IntEnum
 
 from lorafleet.v1 import adapter_admin_pb2 as admin_pb
 from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
+
+from conventions.disk_key import disk_key
+
+_REMOTE = ("http://", "https://", "s3://", "hf://")  # sources a pod downloads into its disk tier
 
 
 class Tier(IntEnum):
@@ -20,6 +25,23 @@ class Tier(IntEnum):
 
 
 _TIER = {pod_pb.CPU: Tier.CPU, pod_pb.GPU: Tier.DEVICE}
+
+
+@dataclass(frozen=True)
+class LoadTimes:
+    """Seconds a pod measured for each move between its tiers (PodState.load_times); 0: not measured yet."""
+
+    host_to_slot_s: float = 0.0
+    disk_to_host_s: float = 0.0
+    remote_to_disk_s: float = 0.0
+
+    def download_factor(self) -> float:
+        """How many times a read from disk a download into the disk tier takes on this pod: what a cold load
+        that must download costs beyond one that reads its disk's copy. 1 until both were measured (a
+        download is at least a second read: its copy is then read from disk)."""
+        if self.disk_to_host_s > 0 and self.remote_to_disk_s > 0:
+            return self.remote_to_disk_s / self.disk_to_host_s
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,8 @@ class PodView:
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     precision: str = ""  # what it computes in (PodState.precision); pods of one precision answer alike
     prefixes: frozenset[int] = frozenset()  # routing-prefix hashes whose KV blocks it holds (PodState.prefix_hashes)
+    disk: frozenset[int] = frozenset()  # the disk tier's copies, by disk_key of their sha256 (PodState.disk_digests)
+    load_times: LoadTimes = LoadTimes()
 
     def tier(self, adapter: str) -> Tier:
         return self.residency.get(adapter, Tier.NONE)
@@ -53,6 +77,11 @@ class PodView:
     def has_free_slot(self) -> bool:
         return self.slots_used < self.slots_total
 
+    def must_download(self, key: int | None) -> bool:
+        """Whether a load of the adapter whose remote copy has disk key ``key`` (None: a local source) must
+        download it first: it is not on this pod's disk tier."""
+        return key is not None and key not in self.disk
+
 
 @dataclass(frozen=True)
 class FleetView:
@@ -63,6 +92,9 @@ class FleetView:
     pods: tuple[PodView, ...]
     read_at: float
     base_model: str = ""
+    # Adapters with a remote source (http, s3, hf): the disk key of their registered sha256. A pod loads one
+    # from its disk tier when it holds that copy, else downloads it first.
+    remote: Mapping[str, int] = field(default_factory=dict)
 
 
 def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod],
@@ -85,10 +117,15 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
         residency = {a.name: _TIER[a.tier] for a in state.adapters if a.tier in _TIER}
         for name in pinned_on.get(pod.id, ()):
             residency[name] = Tier.DEVICE
+        times = state.load_times
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
                              slots_used=state.slots.used, residency=residency, running=state.running_requests,
                              waiting=state.waiting_requests, kv_usage=state.kv_cache_usage,
-                             precision=state.precision, prefixes=frozenset(state.prefix_hashes)))
+                             precision=state.precision, prefixes=frozenset(state.prefix_hashes),
+                             disk=frozenset(state.disk_digests),
+                             load_times=LoadTimes(times.host_to_slot_seconds, times.disk_to_host_seconds,
+                                                  times.remote_to_disk_seconds)))
     base_model = next((s.base_model for s in states.values() if s.base_model), base_model)
+    remote = {a.name: disk_key(a.sha256) for a in adapters if a.source.startswith(_REMOTE) and len(a.sha256) == 64}
     return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
-                     base_model)
+                     base_model, remote)

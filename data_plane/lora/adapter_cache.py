@@ -12,6 +12,7 @@ never race with a forward pass.
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import torch
 
 from data_plane.errors import AdapterBusy, AdapterNotFound, CapacityExceeded
 from data_plane.lora.layer import LoRAProjection, slot_pools
+from data_plane.lora.load_times import LoadTimes
 from data_plane.lora.lora_adapter import LoraAdapter, SliceDelta
 
 
@@ -54,7 +56,7 @@ class CacheStats:
 
 class AdapterCache:
     def __init__(self, layers: dict[str, LoRAProjection], max_loras: int, max_cpu_loras: int,
-                 pin_host_memory: bool = False) -> None:
+                 pin_host_memory: bool = False, load_times: LoadTimes | None = None) -> None:
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
         self._layers = layers
@@ -69,6 +71,7 @@ class AdapterCache:
         self._pinned: set[str] = set()
         self._in_use: Counter[str] = Counter()
         self.stats = CacheStats()
+        self._load_times = load_times or LoadTimes()  # each slot copy's time is recorded there
 
     # ---- queries -------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -212,11 +215,13 @@ class AdapterCache:
             self._free_slot(victim)
             self.stats.evictions[Tier.GPU] += 1
         slot = self._free_slots.pop(0)
+        start = time.perf_counter()
         by_kind: dict[str, list] = {kind: [] for kind in self._pools}
         for group in adapter.on(self._device).groups:
             by_kind[group.kind].append(group)
         for kind, pool in self._pools.items():
             pool.write(slot, by_kind[kind])
+        self._load_times.host_to_slot(time.perf_counter() - start)  # the host's part of an asynchronous copy
         self._slots[name] = slot
         self.stats.loads[(Tier.GPU, "ok")] += 1
         return slot

@@ -66,7 +66,7 @@ class DiskTier:
             if path.name.startswith(_STAGING) or (_OLD_LAYOUT.match(path.name) and path.is_dir()):
                 shutil.rmtree(path, ignore_errors=True)
             elif _DIGEST.match(path.name) and (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
-                found.append((path.stat().st_mtime, path.name, _size(path)))
+                found.append((path.stat().st_mtime, path.name, dir_size(path)))
         for _, digest, size in sorted(found):
             self._entries[digest] = size
         with self._guard:
@@ -116,7 +116,7 @@ class DiskTier:
             else:
                 shutil.rmtree(final, ignore_errors=True)  # a copy the scan found incomplete
                 os.rename(staging, final)
-                self._entries[digest] = _size(final)
+                self._entries[digest] = dir_size(final)
             self._entries.move_to_end(digest)
             self._held[digest] += 1
         return final
@@ -126,6 +126,11 @@ class DiskTier:
             self.downloads[(scheme, "ok" if ok else "error")] += 1
             if ok:
                 self.download_seconds[scheme] += seconds
+
+    def digests(self, limit: int) -> list[str]:
+        """The sha256 of the copies the tier holds, the most recently used ``limit`` of them, least recent first."""
+        with self._guard:
+            return list(self._entries)[-limit:] if limit > 0 else []
 
     def usage(self) -> DiskUsage:
         with self._guard:
@@ -145,5 +150,6 @@ class DiskTier:
             self.evictions += 1
 
 
-def _size(path: Path) -> int:
+def dir_size(path: Path) -> int:
+    """Bytes of the files directly in ``path``."""
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_plane.errors import DigestMismatch, InvalidAdapter
-from data_plane.lora.disk_tier import WEIGHTS_FILE, DiskTier
+from data_plane.lora.disk_tier import WEIGHTS_FILE, DiskTier, dir_size
 from data_plane.lora.http_source import HttpSource, redact
 from data_plane.lora.hub_source import HubSettings, HubSource
+from data_plane.lora.load_times import LoadTimes
 from data_plane.lora.s3_source import S3Settings, S3Source
 from data_plane.lora.source_policy import SourcePolicy, source_scheme
 
@@ -59,6 +60,7 @@ class AdapterFetcher:
         self.settings = settings
         self.policy = settings.policy
         self.tier = DiskTier(settings.cache_dir, settings.disk_cache_bytes)
+        self.times = LoadTimes()  # downloads' times here; the pod's other load times beside them (LoraRuntime)
         http = HttpSource(settings.policy, settings.max_bytes, settings.timeout_s)
         self._sources = {"http": http, "https": http,
                          "s3": S3Source(settings.s3, settings.max_bytes, settings.timeout_s),
@@ -135,7 +137,9 @@ class AdapterFetcher:
                     "was registered; the source holds other weights than the registered adapter (register it "
                     "again with the new sha256 if the change is intended)")
             ok = True
-            return resolved, digest, time.monotonic() - start
+            seconds = time.monotonic() - start
+            self.times.remote_to_disk(seconds, dir_size(staging))
+            return resolved, digest, seconds
         finally:
             self.tier.record_download(scheme, ok, time.monotonic() - start)
 

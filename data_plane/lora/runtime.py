@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from data_plane.errors import InvalidAdapter
 from data_plane.lora.adapter_cache import AdapterCache
 from data_plane.lora.fetcher import AdapterFetcher, is_remote
 from data_plane.lora.layer import projection_shapes, wrap_with_lora
+from data_plane.lora.load_times import LoadTimes
 from data_plane.lora.peft_adapter import AdapterLimits, LoraAdapter, load_peft_adapter
 from data_plane.model.llama import LlamaForCausalLM
 from kernels.lora_meta import LoraMeta, LoraMetaBuilder, partial_rows
@@ -25,10 +27,13 @@ class LoraRuntime:
             raise ValueError("AdapterLimits.max_rank must equal max_rank")
         # Remote sources are downloaded through its disk tier; without one the pod refuses them.
         self.downloads = fetcher
+        # What each move between tiers takes here, as measured (the downloads' part kept by the fetcher).
+        self.load_times = fetcher.times if fetcher is not None else LoadTimes()
         self.layers = wrap_with_lora(model, max_loras, max_rank)
         self._shapes = projection_shapes(self.layers)
         self._pin = device.type == "cuda"  # adapters are read into page-locked memory for asynchronous slot copies
-        self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=self._pin)
+        self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=self._pin,
+                                  load_times=self.load_times)
         # Built on first use: the engine's steps take their LoRA metadata from the step builder
         # (data_plane.engine.step_inputs); this one serves steps built by hand (tests, benchmarks).
         self._meta: LoraMetaBuilder | None = None
@@ -44,15 +49,19 @@ class LoraRuntime:
         if not is_remote(source):
             if self.downloads is not None:
                 self.downloads.policy.check(name, source, source)
-            return load_peft_adapter(name, source, self.roots, sha256, self._shapes, self.limits, self.dtype,
-                                     self._pin)
+            return self._read_local(name, source, self.roots, sha256)
         if self.downloads is None:
             raise InvalidAdapter(f"adapter {name!r}: this pod has no download cache (--adapter-cache-dir), "
                                  "so it cannot load remote (http, s3, hf) sources")
         with self.downloads.fetched(name, source, sha256) as adapter_dir:
             # The cached copy is its own root: the same checks as any local directory.
-            return load_peft_adapter(name, str(adapter_dir), (adapter_dir,), sha256, self._shapes, self.limits,
-                                     self.dtype, self._pin)
+            return self._read_local(name, str(adapter_dir), (adapter_dir,), sha256)
+
+    def _read_local(self, name: str, source: str, roots: tuple[Path, ...], sha256: str) -> LoraAdapter:
+        start = time.perf_counter()
+        adapter = load_peft_adapter(name, source, roots, sha256, self._shapes, self.limits, self.dtype, self._pin)
+        self.load_times.disk_to_host(time.perf_counter() - start)
+        return adapter
 
     def prefetch(self, name: str, source: str, sha256: str) -> bool:
         """Downloads a remote source into the disk tier without loading it; False for a local source

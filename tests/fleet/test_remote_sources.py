@@ -65,6 +65,34 @@ def _secretless(s3, *texts):
         assert s3.reader.secret_access_key not in text and s3.reader.access_key_id not in text
 
 
+def test_a_request_goes_to_the_pod_that_holds_its_adapter_on_disk_not_to_one_that_would_download_it(stack):
+    """Runs first: the Hub adapter it prefetches is its own, and the test below counts only S3 downloads."""
+    fleet, router, s3, hub, root, workdir = stack
+    hub.publish("acme/shouty", {f: (root / "shouty" / f).read_bytes() for f in FILES})
+    _register(fleet, "shouty-hf", "hf://acme/shouty", root / "shouty")
+    # The pod the tie-break by id would not pick holds it on disk: only its disk tier can draw the request there.
+    lacks, holds = sorted(fleet.pods)
+    token = wait_until(lambda: int(fleet.cp.metric("lorafleet_control_plane_fencing_token")), READY_WITHIN_S,
+                       "a leader")  # the pod takes commands of the current leader's token only
+    prefetch = dpa.PrefetchAdapterRequest(name="shouty-hf", source="hf://acme/shouty",
+                                          sha256=sha256_of(root / "shouty"), fencing_token=token)
+    assert fleet.pods[holds].admin().PrefetchAdapter(prefetch, metadata=fleet.pods[holds].auth(), timeout=60).downloaded
+    state = fleet.pods[holds].state()
+    assert int(sha256_of(root / "shouty")[:16], 16) in state.disk_digests and state.disk.entries >= 1
+    assert state.load_times.remote_to_disk_seconds > 0
+    downloads = {name: pod.metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="hf")
+                 for name, pod in fleet.pods.items()}
+    wait_until(lambda: router.metric("lorafleet_router_pods_routable") == 2 and
+               router.metric("lorafleet_router_disk_tier_copies") >= 1, READY_WITHIN_S,
+               "the router reads the disk tier")
+    assert collect(router, request("Why is the sky blue?", "shouty-hf", max_tokens=4))[2].usage.completion_tokens
+    assert "shouty-hf" in {a.name for a in fleet.pods[holds].state().adapters}
+    assert "shouty-hf" not in {a.name for a in fleet.pods[lacks].state().adapters}
+    assert {name: pod.metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="hf")
+            for name, pod in fleet.pods.items()} == downloads  # read from the disk tier: nothing downloaded
+    assert fleet.pods[holds].state().load_times.disk_to_host_seconds > 0
+
+
 def test_s3_and_hub_adapters_serve_through_the_router_move_when_their_pod_dies_and_load_from_disk_again(
         stack, demo_model_dir):
     fleet, router, s3, hub, root, workdir = stack

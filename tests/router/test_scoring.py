@@ -7,7 +7,7 @@ from lorafleet.v1 import adapter_admin_pb2 as admin_pb
 from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
 
 from router.scoring import Decision, Weights, rank
-from router.view import PodView, Tier, build_view
+from router.view import LoadTimes, PodView, Tier, build_view
 
 
 def pod(pod_id: str, resident: dict[str, Tier] | None = None, used: int = 0, total: int = 4, running: int = 0,
@@ -71,3 +71,44 @@ def test_a_ready_pinned_placement_is_a_device_slot_even_before_the_pod_state_sho
     assert [p.id for p in view.pods] == ["p1"]  # p2's state was not read, p3 is not ready
     assert view.pods[0].residency == {"a": Tier.DEVICE, "c": Tier.CPU}
     assert view.pods[0].has_free_slot
+
+
+KEY = 0x1234
+
+
+def test_a_pod_holding_a_remote_adapter_on_its_disk_tier_wins_over_one_that_would_download_it():
+    held, lacks = PodView("b", "b:1", slots_total=4, disk=frozenset({KEY})), PodView("a", "a:1", slots_total=4)
+    ranked = rank("x", [lacks, held], remote_key=KEY)
+    assert [(c.pod.id, c.download) for c in ranked] == [("b", False), ("a", True)]
+    assert ranked[1].cost == 2 * ranked[0].cost  # unmeasured: a download costs at least a second read
+    # a local source is read from disk anywhere: ties go by pod id, as before
+    assert [c.pod.id for c in rank("x", [lacks, held])] == ["a", "b"]
+    # resident adapters pay no download, whatever the disk tier holds
+    warm = PodView("a", "a:1", slots_total=4, residency={"x": Tier.CPU})
+    assert [(c.pod.id, c.decision, c.download) for c in rank("x", [warm, held], remote_key=KEY)][0] == \
+        ("a", Decision.CPU_HIT, False)
+
+
+def test_the_download_weighs_what_the_pod_measured_against_its_disk_reads():
+    slow_net = PodView("a", "a:1", slots_total=4, load_times=LoadTimes(disk_to_host_s=0.4, remote_to_disk_s=4.0))
+    fast_net = PodView("b", "b:1", slots_total=4, load_times=LoadTimes(disk_to_host_s=0.4, remote_to_disk_s=0.4))
+    cold = Weights().cold(True)
+    costs = {c.pod.id: c.cost for c in rank("x", [slow_net, fast_net], remote_key=KEY)}
+    assert costs == pytest.approx({"a": cold * 11, "b": cold * 2})
+    # ... so a busier pod with a fast download beats an idle one whose download is slow
+    busy_fast = PodView("b", "b:1", slots_total=4, running=5, load_times=fast_net.load_times)
+    assert rank("x", [slow_net, busy_fast], remote_key=KEY)[0].pod.id == "b"
+
+
+def test_the_view_reads_each_pods_disk_tier_and_load_times_and_which_adapters_are_remote():
+    sha = "ab" * 32
+    adapters = [admin_pb.Adapter(name="s3", source="s3://b/k", sha256=sha),
+                admin_pb.Adapter(name="local", source="file:///a", sha256="cd" * 32)]
+    state = pod_pb.PodState(slots=pod_pb.TierUsage(capacity=2), disk_digests=[int(sha[:16], 16)],
+                            load_times=pod_pb.LoadTimes(host_to_slot_seconds=0.02, disk_to_host_seconds=0.3,
+                                                        remote_to_disk_seconds=1.5))
+    view = build_view(adapters, [admin_pb.Pod(id="p", endpoint="p:1", ready=True)], {"p": state}, 0.0)
+    assert view.remote == {"s3": int(sha[:16], 16)}
+    (p,) = view.pods
+    assert not p.must_download(view.remote["s3"]) and p.must_download(0x99) and not p.must_download(None)
+    assert p.load_times == LoadTimes(0.02, 0.3, 1.5) and p.load_times.download_factor() == pytest.approx(5.0)
