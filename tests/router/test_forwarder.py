@@ -153,12 +153,14 @@ def test_a_pod_refusing_before_the_first_message_sends_the_request_to_the_next(r
     assert ranked == (["b", "a"] if refusal == "exhausted" else ["b"])
 
 
-def test_a_refused_request_is_retried_only_on_a_pod_of_the_first_pods_precision():
+@pytest.mark.parametrize(("first", "other"), [("bfloat16-matmul", "float32"), ("bfloat16+fp8", "bfloat16")])
+def test_a_refused_request_is_retried_only_on_a_pod_of_the_first_pods_precision(first, other):
     async def go():
         # b ranks second (a holds the adapter, b and c are cold alike; ties go by id) but computes in
-        # another precision, whose tokens would differ from a's: the retry goes to c
+        # another precision (an unquantized base beside an FP8 one too), whose tokens would differ from a's:
+        # the retry goes to c
         residency = {"a": {"pirate": Tier.DEVICE}}
-        precisions = {"a": "bfloat16-matmul", "b": "float32", "c": "bfloat16-matmul"}
+        precisions = {"a": first, "b": other, "c": first}
         async with router({"a": "unavailable", "b": "ok", "c": "ok"}, residency=residency,
                           precisions=precisions) as f:
             assert [c.pod.id for c in f.picker.choose("pirate")] == ["a", "b", "c"]
