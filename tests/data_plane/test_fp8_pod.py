@@ -16,7 +16,7 @@ from data_plane.metrics import PodMetrics
 from data_plane.model.precision import Precision
 from data_plane.pod import build_engine
 from tests.data_plane.conftest import ADAPTERS, SEED
-from tests.data_plane.test_batch_invariance import NUM_REQUESTS, _assert_matches_peft, alone_and_together, requests
+from tests.data_plane.test_batch_invariance import NUM_REQUESTS, _assert_matches_peft, alone_and_together
 from tests.fp8_checkpoints import compressed_tensors_config, write_dequantized, write_fp8
 
 
