@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.errors import ConfigError
+from control_plane.prefetch import Prefetch
 from control_plane.replication import Policy
 from conventions import defaults
 from conventions.auth import Role, read_token
@@ -18,8 +19,8 @@ from conventions.flags import add_options, flag_name, from_args, option
 from conventions.logs import add_log_level
 from conventions.tls import TlsFiles
 
-TLS, TOKENS, PODS, REPLICAS = ("TLS between components", "tokens", "pods' leases and probes",
-                               "replicas that follow popularity")
+TLS, TOKENS, PODS, REPLICAS, PREFETCH = ("TLS between components", "tokens", "pods' leases and probes",
+                                         "replicas that follow popularity", "prefetch by popularity")
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # safe inside Redis keys and the lease value
 
 
@@ -91,6 +92,13 @@ class ControlPlaneConfig:
         " below the high rate", 1.0, group=REPLICAS)
     replica_hold: float = option("seconds below the low rate before each replica goes", 120.0, group=REPLICAS)
     max_replicas: int = option("most pods one adapter is replicated to; 0 = every ready pod", 0, group=REPLICAS)
+    # Prefetch by popularity (control_plane/prefetch.py): disk copies of remote adapters whose demand rises.
+    prefetch_rate: float = option(
+        "fleet-wide requests/s per disk copy: a remote (http, s3, hf) adapter at this rate or more is prefetched to"
+        " the disk tiers of ceil(rate / this) pods before its requests reach them; 0 turns it off", 1.0,
+        group=PREFETCH)
+    prefetch_per_pass: int = option("most prefetches by popularity one reconciliation pass asks of the fleet", 4,
+                                    group=PREFETCH)
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -136,12 +144,17 @@ class ControlPlaneConfig:
             raise ConfigError(f"--replica-high-rate must be >= 0 (0 turns replication off), "
                               f"got {self.replica_high_rate}")
         self.replica_policy()  # refuses a policy without a working hysteresis band now
+        self.prefetch_policy()
 
     def replica_policy(self) -> Policy | None:
         """The replica decision's thresholds, or None when replication is off (--replica-high-rate 0)."""
         if self.replica_high_rate == 0:
             return None
         return Policy(self.replica_high_rate, self.replica_low_rate, self.replica_hold, self.max_replicas)
+
+    def prefetch_policy(self) -> Prefetch:
+        """When remote adapters are prefetched to pods' disks by their demand (--prefetch-rate 0: never)."""
+        return Prefetch(self.prefetch_rate, self.prefetch_per_pass)
 
     def role_tokens(self) -> dict[Role, str]:
         """Each role's token, read from its file now."""

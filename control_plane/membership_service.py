@@ -36,4 +36,6 @@ def pod_record(request: pb.HeartbeatRequest) -> PodRecord:
                      cpu_cache_used=s.cpu_cache.used, cpu_cache_pinned=s.cpu_cache.pinned,
                      running_requests=s.running_requests, waiting_requests=s.waiting_requests, residents=residents,
                      kv_usage=s.kv_cache_usage, precision=s.precision,
-                     demand=tuple((r.adapter, r.requests_per_second) for r in request.demand.rates))
+                     demand=tuple((r.adapter, r.requests_per_second) for r in request.demand.rates),
+                     disk_capacity_bytes=s.disk.capacity_bytes, disk_used_bytes=s.disk.used_bytes,
+                     disk_entries=s.disk.entries)

@@ -17,6 +17,7 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Pin, PodSlots, pinned_capacity, place
 from control_plane.plan import Action, Command, plan_actions, prefetch_actions
 from control_plane.pod_client import PodClients, Probe
+from control_plane.prefetch import demand_rates, popular_prefetches
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
 from control_plane.replicator import Replicator
 from control_plane.store import Store
@@ -56,6 +57,7 @@ class Reconciler:
         self._indexed_token = 0  # the lease under which the pinned index was last rebuilt
         policy = config.replica_policy()
         self._replicator = Replicator(policy, config.reserved_unpinned_slots) if policy else None
+        self._prefetch = config.prefetch_policy()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconciles until ``stop`` is set (within one interval)."""
@@ -138,6 +140,8 @@ class Reconciler:
                                cfg.max_load_attempts, cfg.retry_backoff_s)
         actions += self._replica_actions(adapters, ready, assignment.pods, placements)
         actions += prefetch_actions(pinned, ready, assignment.pods, self._prefetch_done)  # last on each pod
+        actions += popular_prefetches(adapters, ready, demand_rates(adapters, ready), self._prefetch,
+                                      self._prefetch_done)
         by_pod: dict[str, list[Action]] = defaultdict(list)
         for a in actions:
             if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:

@@ -77,6 +77,10 @@ class PodRecord:
     # (adapter, requests per second) of its busiest adapters, as decayed by the pod, highest first
     demand: tuple[tuple[str, float], ...] = ()
     precision: str = ""  # what the pod computes in (its --dtype, auto resolved); "" before it says
+    # its disk tier (PodState.disk): 0 capacity when it has none
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_entries: int = 0
 
     def is_live(self, now: float, lease_ttl_s: float) -> bool:
         """Whether the lease from its last heartbeat still runs."""

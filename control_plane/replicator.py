@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from control_plane.placement import pinned_capacity
 from control_plane.plan import Action, Command, retry_due
+from control_plane.prefetch import demand_rates
 from control_plane.records import AdapterRecord, PlacementRecord, PlacementState, PodRecord
 from control_plane.replication import PodLoad, Policy, ReplicaPlan, ReplicaState, plan_replicas
 
@@ -36,12 +37,9 @@ class Replicator:
         after this pass's pin placement; ``now``: the registry's clock, for placement records' times."""
         registered = {a.name: a for a in adapters}
         by_pod = {p.id: p for p in ready}
-        rates: dict[str, float] = defaultdict(float)
+        rates = demand_rates(adapters, ready)
         holders: dict[str, set[str]] = defaultdict(set)
         for pod in ready:
-            for name, rate in pod.demand:
-                if name in registered:
-                    rates[name] += rate
             for res in pod.residents:
                 rec = registered.get(res.name)
                 if rec is not None and res.sha256 in ("", rec.sha256):

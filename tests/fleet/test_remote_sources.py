@@ -42,7 +42,9 @@ def stack(demo_model_dir, tmp_path_factory):
         env = {**s3.reader.env(s3.endpoint), "LORAFLEET_HOME": str(workdir / "home")}
         # what the pods inherit: the key, the endpoint, their disk tiers' home, and the Hub online
         with mock.patch.dict(os.environ, env), hub_online():
-            fleet = Fleet(workdir, root, "--model", str(demo_model_dir), "--hf-endpoint", hub.endpoint, *ALLOW).start()
+            # Demand decays over 5 s and 0.5 requests/s earns a disk copy: a handful of requests make a rising adapter.
+            fleet = Fleet(workdir, root, "--model", str(demo_model_dir), "--hf-endpoint", hub.endpoint,
+                          "--demand-window", "5", *ALLOW, control_plane_args=("--prefetch-rate", "0.5")).start()
             router = RouterProcess(workdir, fleet.cp.target, fleet.token_file, "--refresh-interval", "0.3").start()
             yield fleet, router, s3, hub, root, workdir
     finally:
@@ -91,6 +93,16 @@ def test_a_request_goes_to_the_pod_that_holds_its_adapter_on_disk_not_to_one_tha
     assert {name: pod.metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="hf")
             for name, pod in fleet.pods.items()} == downloads  # read from the disk tier: nothing downloaded
     assert fleet.pods[holds].state().load_times.disk_to_host_seconds > 0
+
+    # Its demand rises on the pod serving it: the leader has the other pod prefetch it before any request goes there.
+    for i in range(8):
+        assert collect(router, request(f"Question {i}?", "shouty-hf", max_tokens=1))[2].usage.completion_tokens
+    wait_until(lambda: fleet.pods[lacks].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="hf")
+               == downloads[lacks] + 1, READY_WITHIN_S, "the rising adapter prefetched to the other pod's disk")
+    state = fleet.pods[lacks].state()
+    assert int(sha256_of(root / "shouty")[:16], 16) in state.disk_digests
+    assert "shouty-hf" not in {a.name for a in state.adapters}  # on disk only: no slot, no host memory taken
+    assert fleet.cp.metric("lorafleet_control_plane_pod_commands_total", command="prefetch", outcome="ok") >= 1
 
 
 def test_s3_and_hub_adapters_serve_through_the_router_move_when_their_pod_dies_and_load_from_disk_again(
