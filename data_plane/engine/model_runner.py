@@ -8,6 +8,7 @@ import torch
 
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.grammar import TokenMasks
+from data_plane.engine.persistent_batch import PersistentBatch
 from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import TokenOut
@@ -32,6 +33,7 @@ class ModelRunner:
                     lora_partial_rows=lora.partial_rows) if lora is not None else {}
         self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
         self.masks = TokenMasks(max_seqs, model.config.vocab_size, self.device)
+        self.rows = PersistentBatch(blocks.table.shape[0])  # each running sequence's fixed state, by its row
         # A graph's attention covers the longest context a sequence can have: the model's, the cache's, or
         # what a block-table row holds.
         max_context = min(model.config.max_position_embeddings,
@@ -59,20 +61,26 @@ class ModelRunner:
         underneath (the engine's event loop): ``execute`` then needs nothing a request's end frees."""
         # Sequences of one adapter run side by side: each adapter's tokens are then one contiguous
         # run, which the CPU LoRA path slices instead of gathering. Outputs return in batch order.
-        order = sorted(range(len(batch)), key=lambda k: batch[k].seq.slot)
-        steps, token_ids, sampled_seqs, sampled_positions = [], [], [], []
-        for k in order:  # the one walk over the step's sequences; everything per token is tensor ops
-            seq, num_new = batch[k].seq, batch[k].num_new
-            start = seq.num_computed + batch[k].num_cached
-            samples = start + num_new == seq.num_tokens
-            steps.append(SeqStep(seq.kv_row, start, num_new, seq.slot, samples))
+        slots = [item.seq.slot for item in batch]
+        order = sorted(range(len(batch)), key=slots.__getitem__)
+        hold = self.rows.hold
+        steps, token_ids, sampled_rows, counters, sampled_positions = [], [], [], [], []
+        for k in order:  # the one walk over the step's sequences: a few integers each, what moves
+            item = batch[k]
+            seq, num_new = item.seq, item.num_new
+            start = seq.num_computed + item.num_cached
+            num_tokens = seq.num_tokens
+            samples = start + num_new == num_tokens
+            row = hold(seq)
+            steps.append(SeqStep(row, start, num_new, seq.slot, samples))
             token_ids += seq.token_slice(start, start + num_new)
             if samples:
-                sampled_seqs.append(seq)
+                sampled_rows.append(row)
+                counters.append(num_tokens)
                 sampled_positions.append(k)
         decode_only = len(token_ids) == len(steps)
         inputs = self.inputs.build(steps, token_ids, self.step_runner.padded_size(len(steps), decode_only))
-        sampling = SamplingBatch.build(sampled_seqs, self.device) if sampled_seqs else None
+        sampling = self.rows.sampling(sampled_rows, counters, self.device) if sampled_rows else None
         return PreparedStep(inputs, order, sampling, sampled_positions)
 
     @torch.inference_mode()

@@ -37,12 +37,15 @@ uniforms and the hash standing in for independent draws.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from data_plane.engine.grammar import GrammarState
 from data_plane.engine.sequence import Sequence, TokenOut
+from data_plane.engine.step_inputs import host_ints
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, chosen for avalanche (each input bit flips each output bit with
@@ -60,6 +63,11 @@ _MASS_BITS = 40  # top-p counts mass in units of 2**-40: a vocabulary's sum stay
 # follow in three rows of their own length: logits row, token id, bias.
 _ROW, _TOP_K, _SEED, _COUNTER, _TOP_P_ROW, _TEMPERATURE, _TOP_P = range(7)
 _DRAW_FIELDS, _BIAS_FIELDS = 7, 3
+# A sequence's fixed sampling fields as a persistent batch keeps them (``row_fields``), int64 each; the
+# floats as float64 bit patterns.
+_F_GREEDY, _F_TOP_K, _F_SEED, _F_TEMPERATURE, _F_TOP_P, _F_USES_TOP_P, _F_LOGPROBS = range(7)
+ROW_FIELDS = 7
+_ONE_BITS = struct.unpack("<q", struct.pack("<d", 1.0))[0]  # 1.0 as float64 bits: a row without top-p
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,6 @@ class SamplingBatch:
     def build(cls, seqs: list[Sequence], device: torch.device | str) -> SamplingBatch:
         """The batch for ``seqs``, one per logits row in that order, each about to sample the token
         at position ``seq.num_tokens``."""
-        device = torch.device(device)
         draws = [(i, s) for i, s in enumerate(seqs) if not s.params.greedy]
         top_p = [(j, s.params.top_p) for j, (_, s) in enumerate(draws) if 0.0 < s.params.top_p < 1.0]
         pad = [(0, 1.0)] * (len(draws) - len(top_p))
@@ -107,15 +114,59 @@ class SamplingBatch:
                 for (i, s), (j, _) in zip(draws, top_p + pad, strict=True)]
         floats = [[max(s.params.temperature, _MIN_TEMPERATURE), p]
                   for (_, s), (_, p) in zip(draws, top_p + pad, strict=True)]
-        biases = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias]
-        d, nb = len(draws), len(biases)
-        if draws or biases:  # one copy, then views; pinned on CUDA so the copy need not wait for the host
+
+        def fill(draw_host: torch.Tensor) -> None:
+            draw_host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
+            draw_host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
+
+        return cls._pack(
+            fill, len(draws), [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias], device,
+            num_rows=len(seqs), num_logprobs=tuple(s.params.logprobs for s in seqs),
+            top_ks=tuple(s.params.top_k for _, s in draws), num_top_p=len(top_p),
+            grammar_rows=tuple((s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None))
+
+    @classmethod
+    def gather(cls, fields: torch.Tensor, rows: list[int], counters: list[int],
+               biases: list[tuple[int, int, float]], grammar_rows: tuple[tuple[GrammarState, int], ...],
+               device: torch.device | str) -> SamplingBatch:
+        """What ``build`` gives for the sequences whose ``row_fields`` are at ``rows`` of ``fields``
+        [rows, ROW_FIELDS] (a persistent batch's, on the host), one per logits row in that order, each
+        sampling the token at position ``counters[i]``, with ``biases`` (logits row, token id, bias) and
+        ``grammar_rows`` (matcher, logits row) in logits-row order: tensor gathers on the host and the same
+        one host->device copy, instead of a walk over each sequence's parameters."""
+        per_row = fields[host_ints(rows)]  # [rows, ROW_FIELDS]
+        draw_rows = (per_row[:, _F_GREEDY] == 0).nonzero()[:, 0]  # [draws]: host tensors, no device wait
+        draws = per_row[draw_rows]  # [draws, ROW_FIELDS]
+        top_p_rows = draws[:, _F_USES_TOP_P].nonzero()[:, 0]  # [num_top_p]
+        num_top_p = top_p_rows.shape[0]
+
+        def fill(draw_host: torch.Tensor) -> None:
+            draw_host[_ROW] = draw_rows
+            draw_host[_TOP_K] = draws[:, _F_TOP_K]
+            draw_host[_SEED] = draws[:, _F_SEED]
+            draw_host[_COUNTER] = host_ints(counters)[draw_rows]
+            draw_host[_TOP_P_ROW].zero_()[:num_top_p] = top_p_rows
+            draw_host[_TEMPERATURE] = draws[:, _F_TEMPERATURE]
+            draw_host[_TOP_P].fill_(_ONE_BITS)[:num_top_p] = draws[top_p_rows, _F_TOP_P]
+
+        return cls._pack(fill, draws.shape[0], biases, device, num_rows=len(rows),
+                         num_logprobs=tuple(per_row[:, _F_LOGPROBS].tolist()),
+                         top_ks=tuple(draws[:, _F_TOP_K].tolist()), num_top_p=num_top_p, grammar_rows=grammar_rows)
+
+    @classmethod
+    def _pack(cls, fill: Callable[[torch.Tensor], None], num_draws: int, biases: list[tuple[int, int, float]],
+              device: torch.device | str, **host_facts) -> SamplingBatch:
+        """The batch whose drawing rows ``fill`` writes into a [_DRAW_FIELDS, num_draws] int64 host view and
+        whose ``biases`` are (logits row, token id, bias), sent to ``device`` in one copy (none when nothing
+        draws or is biased), the device fields views of it; ``host_facts``: the fields kept on the host."""
+        device = torch.device(device)
+        d, nb = num_draws, len(biases)
+        if d or nb:  # one copy, then views; pinned on CUDA so the copy need not wait for the host
             host = torch.empty(_DRAW_FIELDS * d + _BIAS_FIELDS * nb, dtype=torch.int64,
                                pin_memory=device.type == "cuda")
             draw_host, bias_host = host[: _DRAW_FIELDS * d].view(_DRAW_FIELDS, d), host[_DRAW_FIELDS * d:].view(3, nb)
-            if draws:
-                draw_host[:_TEMPERATURE] = torch.tensor(ints, dtype=torch.int64).T
-                draw_host[_TEMPERATURE:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64).T)
+            if d:
+                fill(draw_host)
             if biases:
                 bias_host[:2] = torch.tensor([b[:2] for b in biases], dtype=torch.int64).T
                 bias_host[2].view(torch.float64).copy_(torch.tensor([b[2] for b in biases], dtype=torch.float64))
@@ -125,23 +176,33 @@ class SamplingBatch:
         packed = flat[: _DRAW_FIELDS * d].view(_DRAW_FIELDS, d)
         bias = flat[_DRAW_FIELDS * d:].view(_BIAS_FIELDS, nb)
         floats_dev = packed[_TEMPERATURE:].view(torch.float64)  # [2, draws]
+        num_top_p = host_facts["num_top_p"]
         return cls(
-            num_rows=len(seqs),
-            num_logprobs=tuple(s.params.logprobs for s in seqs),
-            top_ks=tuple(s.params.top_k for _, s in draws),
-            num_top_p=len(top_p),
             draw_rows=packed[_ROW],
             temperature=floats_dev[0].float(),
             top_k=packed[_TOP_K],
-            top_p_rows=packed[_TOP_P_ROW, : len(top_p)],
-            top_p=floats_dev[1, : len(top_p)],
+            top_p_rows=packed[_TOP_P_ROW, :num_top_p],
+            top_p=floats_dev[1, :num_top_p],
             seed=packed[_SEED],
             counter=packed[_COUNTER],
             bias_rows=bias[0],
             bias_ids=bias[1],
             bias_values=bias[2].view(torch.float64).float(),
-            grammar_rows=tuple((s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None),
+            **host_facts,
         )
+
+
+def row_fields(seq: Sequence) -> list[int]:
+    """``seq``'s sampling parameters as a persistent batch's row keeps them ([ROW_FIELDS] int64, the floats
+    as float64 bit patterns): fixed while it runs, so written once."""
+    p = seq.params
+    uses_top_p = 0.0 < p.top_p < 1.0
+    return [int(p.greedy), p.top_k, _signed64(seq.sampling_seed), _float_bits(max(p.temperature, _MIN_TEMPERATURE)),
+            _float_bits(p.top_p) if uses_top_p else _ONE_BITS, int(uses_top_p), p.logprobs]
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 @dataclass(frozen=True)
@@ -157,6 +218,9 @@ class Sampled:
     def to_host(self) -> list[TokenOut]:
         """The tokens, one per row, after one device->host copy (float64 holds the ids exactly)."""
         n = self.top_ids.shape[1]
+        if n == 0:  # no row asked for alternatives
+            chosen = torch.stack([self.ids.double(), self.logprobs.double()], dim=1).tolist()  # [rows, 2]
+            return [TokenOut(int(token), logprob, ()) for token, logprob in chosen]
         packed = torch.cat([self.ids[:, None].double(), self.logprobs[:, None].double(),
                             self.top_ids.double(), self.top_logprobs.double()], dim=1)  # [rows, 2 + 2n]
         out = []

@@ -270,19 +270,30 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         seated = self._free_a_seat_for_a_tenant_without_one() if self.policy is Policy.FAIR else _NOBODY
+        room = self.blocks.block_size  # tokens a block holds
+        # Running prompts (or recomputations) still being computed, read in the same walk: progress changes
+        # only in the step's postprocess, so none becomes a decode, nor a decode one of them, before it.
+        started: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed != 1:
+            if seq.status != SequenceStatus.RUNNING:
                 continue
-            if budget <= 0:
-                break
-            if self._make_room(seq, 1, batch):
+            uncomputed = seq.num_uncomputed
+            if uncomputed > 1:
+                started.append(seq)
+            if uncomputed != 1 or budget <= 0:  # a spent budget takes no more decodes
+                continue
+            if seq.num_computed < len(seq.block_table) * room:  # its token fits its last block: nothing to allocate
+                batch.append(ScheduledSeq(seq, 1))
+                self.shares.charge(seq.adapter, 1, seq.tenant)
+                budget -= 1
+            elif self._make_room(seq, 1, batch):
                 budget -= self._take(batch, seq, 1)
         decodes = len(batch)
         decode_adapters = {item.seq.adapter for item in batch if item.seq.adapter is not None}
         now = time.monotonic()
-        rushed = self._rushed_budget(now, decodes, decode_adapters)
+        rushed = self._rushed_budget(now, decodes, decode_adapters, started)
         flooding = self.flooding(now)
-        decode_accounts = {account_of(item.seq.adapter, item.seq.tenant) for item in batch}
+        decode_accounts = {account_of(item.seq.adapter, item.seq.tenant) for item in batch} if flooding else set()
         prefill: list[Sequence] = []  # given prompt tokens this step
         used = 0  # their tokens
 
@@ -306,7 +317,8 @@ class Scheduler:
         admitting = True
         while True:
             taken = {item.seq for item in batch}
-            ongoing = min((seq for seq in self._prefilling() if seq not in taken), key=self._order, default=None)
+            ongoing = min((seq for seq in started if seq.status == SequenceStatus.RUNNING and seq not in taken),
+                          key=self._order, default=None)
             waiting = None
             if admitting and len(self.running) < self.limits.max_num_seqs:
                 waiting = self._queues[seated][0] if seated in self._queues else self._next_in_fair_order(passed)
@@ -339,7 +351,7 @@ class Scheduler:
             prefill.append(waiting)
         return batch
 
-    def _rushed_budget(self, now: float, decodes: int, decode_adapters: set[str]) -> int:
+    def _rushed_budget(self, now: float, decodes: int, decode_adapters: set[str], started: list[Sequence]) -> int:
         """The prompt tokens this step must carry so that every request admitted with a first-token promise,
         prefilling or able to start now (a seat free, its adapter ready and in a slot), gets its first token
         by when it is due; 0 while the unrushed budget keeps them all. A request's work is the prompt
@@ -349,11 +361,13 @@ class Scheduler:
         asks for just the tokens a step that keeps it needs (at most the device's throughput knee,
         ``StepCost``), so a wait the admission estimate got wrong is made up with the smallest longer
         gaps for running streams, instead of a broken promise. A request that could not run this step
-        asks for nothing."""
+        asks for nothing. ``started``: the running sequences whose prompts were being computed as the step
+        began."""
         seated = len(self.running) < self.limits.max_num_seqs
         # everything that could take prompt tokens this step, in the order it gets them
-        queued = sorted(((self._order(seq), seq) for seq in (*self._prefilling(), *(
-            seq for seq in self.waiting if seated and self._can_run_now(seq.adapter)))), key=lambda item: item[0])
+        prefilling = [seq for seq in started if seq.status == SequenceStatus.RUNNING]  # not preempted since
+        startable = [seq for seq in self.waiting if seated and self._can_run_now(seq.adapter)]
+        queued = sorted(((self._order(seq), seq) for seq in (*prefilling, *startable)), key=lambda item: item[0])
         adapters, needed, work = len(decode_adapters), 0, 0
         pace: dict[int, tuple[int, float]] = {}  # adapters new to the step (0 or 1) -> unrushed tokens, step time
         for _, seq in queued:
@@ -510,7 +524,7 @@ class Scheduler:
     def _free_a_seat_for_a_tenant_without_one(self) -> Tenant | object:
         """Preempts one request for the least-served backlogged tenant with no seat, when every seat is
         taken; returns that tenant (whose head then takes the seat first), or _NOBODY."""
-        if len(self.running) < self.limits.max_num_seqs:
+        if len(self.running) < self.limits.max_num_seqs or not self._queues:
             return _NOBODY
         seats = self._seats()
         seatless = [t for t, queue in self._queues.items()

@@ -14,8 +14,10 @@ write their keys and values to the cache's pad slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -35,6 +37,16 @@ class SeqStep(NamedTuple):
     num_new: int
     slot: int  # adapter slot, -1 = base model
     samples: bool  # whether a next token is sampled after its last new token
+
+
+def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host tensor of ``values`` (int64 or int32), through an array: torch.tensor converts a list of
+    Python ints element by element, several times slower at a step's few hundred."""
+    buffer = array("q" if dtype == torch.int64 else "i", values)
+    return torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+
+
+_PAD = SeqStep(0, 0, 1, -1, False)  # a padding sequence: one token, no context, no adapter, samples nothing
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class StepInputBuilder:
         self.device_table = blocks.table if on_host else blocks.table.to(device, copy=True)  # [rows, max_blocks]
         self._block_tables = torch.zeros(max_seqs, blocks.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # index_copy_ takes int64
+        self._arange = torch.arange(max_tokens)  # [max_tokens] on the host: 0, 1, ...
 
     def build(self, seqs: Sequence[SeqStep], token_ids: Sequence[int], pad_to: int | None = None) -> StepInputs:
         """The inputs of a step over ``seqs``, whose tokens (``token_ids``: each sequence's new tokens, one
@@ -98,20 +111,24 @@ class StepInputBuilder:
         padded = max(pad_to or num_seqs, num_seqs)
         if padded > self.max_seqs:
             raise ValueError(f"step has {padded} sequences; the buffers hold {self.max_seqs}")
-        per_seq = torch.tensor(seqs, dtype=torch.int64).reshape(num_seqs, 5)  # [num_seqs, 5]
-        pad = torch.tensor([(0, 0, 1, -1, 0)], dtype=torch.int64).expand(padded - num_seqs, 5)
-        rows, starts, qlens, slots, samples = torch.cat([per_seq, pad]).unbind(1)  # [padded] each
-        seq_lens = torch.where(torch.arange(padded) < num_seqs, starts + qlens, 0)  # padding: no context
+        per_seq = host_ints(chain.from_iterable((*seqs, *[_PAD] * (padded - num_seqs)))).view(padded, 5)
+        rows, starts, qlens, slots, samples = per_seq.unbind(1)  # [padded] each
+        seq_lens = starts + qlens
+        seq_lens[num_seqs:] = 0  # padding: no context
         query_start = torch.zeros(padded + 1, dtype=torch.int64)
         torch.cumsum(qlens, 0, out=query_start[1:])
         num_tokens = int(query_start[-1])
         if num_tokens > self.max_tokens:
             raise ValueError(f"step has {num_tokens} tokens; the buffers hold {self.max_tokens}")
         real_tokens = int(query_start[num_seqs])
-        seq_of_token = torch.repeat_interleave(torch.arange(padded), qlens, output_size=num_tokens)  # [num_tokens]
-        positions = starts[seq_of_token] + torch.arange(num_tokens) - query_start[seq_of_token]
+        if num_tokens == padded:  # one token a sequence (decodes): token t is sequence t's
+            positions = starts.clone()
+        else:
+            seq_of_token = torch.repeat_interleave(self._arange[:padded], qlens, output_size=num_tokens)  # [num_tokens]
+            positions = starts[seq_of_token] + self._arange[:num_tokens] - query_start[seq_of_token]
         bs = self.block_size
-        slot_mapping = self.blocks.table[rows[seq_of_token], positions // bs].long() * bs + positions % bs
+        token_rows = rows if num_tokens == padded else rows[seq_of_token]  # [num_tokens]
+        slot_mapping = self.blocks.table[token_rows, positions // bs].long() * bs + positions % bs
         slot_mapping[real_tokens:] = self.kv_cache.pad_slot
         positions[real_tokens:] = 0
 
@@ -120,7 +137,7 @@ class StepInputBuilder:
         if len(token_ids) != real_tokens:
             raise ValueError(f"the step's sequences have {real_tokens} new tokens but {len(token_ids)} token ids")
         host("input_ids")[:num_tokens] = 0
-        host("input_ids")[:real_tokens] = torch.tensor(token_ids, dtype=torch.int32)
+        host("input_ids")[:real_tokens] = host_ints(token_ids, torch.int32)
         host("positions")[:num_tokens] = positions
         host("slot_mapping")[:num_tokens] = slot_mapping
         host("seq_lens")[:padded] = seq_lens
@@ -130,7 +147,8 @@ class StepInputBuilder:
         host("sample_rows")[: sample_rows.shape[0]] = sample_rows
         num_appends = self._stage_appends()
         # A step without adapter tokens builds no LoRA metadata: its forward runs (and replays) without LoRA.
-        lora = self.lora.build(slots[seq_of_token]) if self.lora is not None and bool((slots >= 0).any()) else None
+        lora = (self.lora.build(slots if num_tokens == padded else slots[seq_of_token])
+                if self.lora is not None and bool((slots >= 0).any()) else None)
         self.buffer.upload()
 
         dev = self.buffer.device_view
