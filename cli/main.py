@@ -69,10 +69,12 @@ def _generate_remote(args: argparse.Namespace) -> int:
         request.messages.messages.append(g.ChatMessage(role="user", content=args.prompt))
     else:
         request.prompt = args.prompt
+    key = args.api_key or os.environ.get("LORAFLEET_API_KEY", "")
+    metadata = (("authorization", f"Bearer {key.strip()}"),) if key.strip() else None
     with grpc.insecure_channel(args.endpoint) as channel:
         streamed = False
         try:
-            for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
+            for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, metadata=metadata):
                 streamed = streamed or bool(response.text)
                 print(response.text, end="", flush=True)
         finally:
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--endpoint", default=os.environ.get("LORAFLEET_ENDPOINT", defaults.ROUTER_ENDPOINT),
                      help="router or data-plane pod host:port (env LORAFLEET_ENDPOINT; "
                           "default: the router of lorafleet up, %(default)s)")
+    gen.add_argument("--api-key", help="your tenant's key, sent as 'authorization: Bearer KEY' to a router with "
+                                       "tenants; the environment variable LORAFLEET_API_KEY keeps it out of the "
+                                       "process list (default: LORAFLEET_API_KEY, else none)")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")
@@ -180,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         details = " ".join((e.details() or "").split())
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             details += " (is the server running? `lorafleet up` starts one)"
+        elif e.code() == grpc.StatusCode.UNAUTHENTICATED and getattr(args, "func", None) is _cmd_generate:
+            details += " (give your tenant's key: LORAFLEET_API_KEY=... or --api-key)"
         print(f"lorafleet: {e.code().name}: {details}", file=sys.stderr)
         return 1
     except (LorafleetError, AdminClientError, StackError, ChildExited, TimeoutError) as e:

@@ -299,8 +299,11 @@ def test_up_prints_its_endpoints_and_each_demo_adapter_becoming_ready(up):
     assert f"router         127.0.0.1:{up.router_port}" in out
     assert f"OpenAI API     http://127.0.0.1:{up.router_http_port}/v1" in out
     assert f"curl -s http://127.0.0.1:{up.router_http_port}/v1/chat/completions" in out
-    token_file = up.home / "up" / "admin-token"
-    assert f"admin token    {token_file}" in out and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token_file, readers, pod = (up.home / "up" / name for name in ("admin-token", "reader-token", "pod-token"))
+    assert f"tokens         admin {token_file} (the lorafleet commands), readers {readers} (the router), pod {pod}" \
+        in out
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in (token_file, readers, pod))
+    assert len({f.read_text() for f in (token_file, readers, pod)}) == 3  # a token per role
     for name in PRESENT_DEMO_ADAPTERS:
         assert f"{name} on local-pod: READY (pinned)" in out
     assert (up.home / "up" / "up.pid").read_text().strip() == str(up.proc.pid)

@@ -58,6 +58,9 @@ class StackConfig:
     # None: data_dir/admin-token, generated when missing
     token_file: Path | None = option(
         "admin token file to use (default: DATA_DIR/admin-token, generated when missing)", None, parse=_resolved)
+    tenants_file: Path | None = option(
+        "the router's tenants file (lorafleet router --tenants-file): both doors then ask for a tenant's key"
+        " (default: none, both doors open)", None, parse=_resolved)
     redis_server: str | None = option("redis-server binary (default: the one beside Python, then PATH)", None)
     start_timeout: float = option("seconds the pod may take to serve (the first start fetches the demo model)",
                                   600.0)
@@ -77,6 +80,8 @@ class StackConfig:
             raise StackError("--start-timeout and --stop-timeout must be positive")
         if self.token_file is not None and not self.token_file.is_file():
             raise StackError(f"--token-file {self.token_file} is not a file")
+        if self.tenants_file is not None and not self.tenants_file.is_file():
+            raise StackError(f"--tenants-file {self.tenants_file} is not a file")
 
     def ports(self) -> dict[str, int]:
         """Each port by its flag."""
@@ -85,6 +90,16 @@ class StackConfig:
     @property
     def resolved_token_file(self) -> Path:
         return self.token_file or self.data_dir / TOKEN_FILE_NAME
+
+    @property
+    def reader_token_file(self) -> Path:
+        """The readers' token (the router reads the registry and the pod's state with it), generated when missing."""
+        return self.data_dir / "reader-token"
+
+    @property
+    def pod_token_file(self) -> Path:
+        """The token between the control plane and the pod, both ways, generated when missing."""
+        return self.data_dir / "pod-token"
 
     @property
     def control_plane(self) -> str:

@@ -125,19 +125,27 @@ class Stack:
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"], "redis.log")
         wait_listening(c.host, c.redis_port, proc, 30, what="redis-server", log_tail=log_tail)
 
-    def start_control_plane(self) -> None:
+    def control_plane_config(self) -> ControlPlaneConfig:
+        """The control plane's config: a token per role, quick passes and a short lease (one replica, one pod:
+        a restarted pod is seen at once)."""
         c = self.config
-        # One replica, one pod: quick passes and a short lease, so a restarted pod is seen at once.
-        config = ControlPlaneConfig(
-            redis_url=f"redis://{c.host}:{c.redis_port}/0", admin_token_file=c.resolved_token_file, host=c.host,
+        return ControlPlaneConfig(
+            redis_url=f"redis://{c.host}:{c.redis_port}/0", admin_token_file=c.resolved_token_file,
+            reader_token_file=c.reader_token_file, pod_token_file=c.pod_token_file, host=c.host,
             port=c.control_plane_port, metrics_port=c.control_plane_metrics_port, replica_id="up",
             reconcile_interval=1.0, pod_lease_ttl=5.0, pod_grace=10.0)
+
+    def start_control_plane(self) -> None:
+        c = self.config
         proc, log_tail = self.start_child("control plane", [sys.executable, "-m", "control_plane.server",
-                                                            *to_argv(config)], "control-plane.log")
+                                                            *to_argv(self.control_plane_config())],
+                                          "control-plane.log")
         with grpc.insecure_channel(c.control_plane) as channel:
             wait_serving(channel, proc, 60, what="control plane", log_tail=log_tail)
 
-    def start_pod(self) -> None:
+    def pod_config(self):
+        """The pod's config (a DataPlaneConfig): the demo adapters' directory, DATA_DIR/adapters and --adapter-root
+        as its roots; the control plane's pod token for DataPlaneAdmin, the readers' for GetState."""
         c = self.config
         user_adapters = c.data_dir / "adapters"
         user_adapters.mkdir(parents=True, exist_ok=True)
@@ -146,12 +154,15 @@ class Stack:
         # and the admin commands must not.
         from data_plane.config import DataPlaneConfig
 
-        config = DataPlaneConfig(
+        return DataPlaneConfig(
             model=c.model, host=c.host, port=c.pod_port, metrics_port=c.pod_metrics_port, device=c.device,
             dtype=c.dtype, max_loras=c.max_loras, max_queue_delay=c.max_queue_delay, control_plane=c.control_plane,
-            admin_token_file=c.resolved_token_file, pod_id=POD_ID, adapter_roots=roots, heartbeat_interval=1.0,
-            drain_grace=max(1.0, c.stop_timeout / 3))
-        argv = [sys.executable, "-m", "data_plane.server", *to_argv(config)]
+            admin_token_file=c.pod_token_file, reader_token_file=c.reader_token_file, pod_id=POD_ID,
+            adapter_roots=roots, heartbeat_interval=1.0, drain_grace=max(1.0, c.stop_timeout / 3))
+
+    def start_pod(self) -> None:
+        c = self.config
+        argv = [sys.executable, "-m", "data_plane.server", *to_argv(self.pod_config())]
         proc, log_tail = self.start_child("data-plane pod", argv, "pod.log")
         fetch = "" if c.model else "; a first start also fetches and converts the demo model"
         self.say(f"starting the data-plane pod (pid {proc.pid}): loading the model on {c.device}{fetch} "
@@ -159,14 +170,19 @@ class Stack:
         with grpc.insecure_channel(c.pod) as channel:
             wait_serving(channel, proc, c.start_timeout, what="data-plane pod", log_tail=log_tail)
 
+    def router_config(self) -> RouterConfig:
+        """The router's config: it reads the fleet with the readers' token; --tenants-file guards its doors."""
+        c = self.config
+        return RouterConfig(reader_token_file=c.reader_token_file, control_plane=c.control_plane, host=c.host,
+                            port=c.router_port, metrics_port=c.router_metrics_port, http_port=c.router_http_port,
+                            tenants_file=c.tenants_file)
+
     def start_router(self) -> None:
         """The router, once the pod has joined the control plane, so that its first read of the fleet
-        already holds the pod. It reads the fleet with the admin token."""
+        already holds the pod."""
         c = self.config
-        config = RouterConfig(admin_token_file=c.resolved_token_file, control_plane=c.control_plane, host=c.host,
-                              port=c.router_port, metrics_port=c.router_metrics_port, http_port=c.router_http_port)
-        proc, log_tail = self.start_child("router", [sys.executable, "-m", "router.server", *to_argv(config)],
-                                          "router.log")
+        proc, log_tail = self.start_child("router", [sys.executable, "-m", "router.server",
+                                                     *to_argv(self.router_config())], "router.log")
         with grpc.insecure_channel(c.router) as channel:
             wait_serving(channel, proc, 60, what="router", log_tail=log_tail)
 
@@ -185,6 +201,8 @@ def run(config: StackConfig, out=sys.stdout) -> int:
             raise StackError(f"already in use on {config.host}: {', '.join(busy)}; stop what listens there or "
                              "choose other ports with those flags")
         token_file = config.token_file or ensure_token_file(config.resolved_token_file)
+        ensure_token_file(config.reader_token_file)
+        ensure_token_file(config.pod_token_file)
         stack = Stack(config, out)
         # Both signals explicitly: a shell that starts ``up`` in the background leaves SIGINT ignored.
         previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
@@ -265,7 +283,11 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
     stack.say(f"  router         {c.router}  pid {pids['router']}  "
               f"metrics http://{c.host}:{c.router_metrics_port}/metrics  (gRPC Generate, the clients' endpoint)")
     stack.say(f"  OpenAI API     {c.router_base_url}  (served by the router)")
-    stack.say(f"  admin token    {token_file}")
+    stack.say(f"  tokens         admin {token_file} (the lorafleet commands), readers {c.reader_token_file} "
+              f"(the router), pod {c.pod_token_file} (control plane <-> pod)")
+    if c.tenants_file is not None:
+        stack.say(f"  tenants        {c.tenants_file}: both doors ask for a tenant's key (LORAFLEET_API_KEY for "
+                  "lorafleet generate, 'Authorization: Bearer KEY' over HTTP, OpenAI(api_key=KEY))")
     stack.say(f"  logs           {stack.logs}")
     env = []
     if c.control_plane != defaults.CONTROL_PLANE_ENDPOINT:
@@ -281,11 +303,13 @@ def _print_endpoints(stack: Stack, token_file: Path, base_model: str) -> None:
     stack.say(f"  {cli} generate \"What is the capital of France?\"")
     stack.say(f"  {cli} generate --adapter pirate \"Where is the treasure?\"")
     stack.say(f"  {cli} adapters list")
-    stack.say(f"  curl -s {c.router_base_url}/chat/completions -H 'Content-Type: application/json' \\")
+    key = "YOUR-TENANT-KEY" if c.tenants_file is not None else "unused"
+    auth = f" -H 'Authorization: Bearer {key}'" if c.tenants_file is not None else ""
+    stack.say(f"  curl -s {c.router_base_url}/chat/completions -H 'Content-Type: application/json'{auth} \\")
     stack.say(f"    -d '{{\"model\": \"pirate\", \"messages\": [{_QUESTION}], \"max_tokens\": 32}}'")
     stack.say("or in Python, with the openai package:")
     stack.say("    from openai import OpenAI")
-    stack.say(f"    client = OpenAI(base_url=\"{c.router_base_url}\", api_key=\"unused\")")
+    stack.say(f"    client = OpenAI(base_url=\"{c.router_base_url}\", api_key=\"{key}\")")
     stack.say(f"    reply = client.chat.completions.create(model=\"pirate\", max_tokens=32, messages=[{_QUESTION}])")
     stack.say("    print(reply.choices[0].message.content)")
 

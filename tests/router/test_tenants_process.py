@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import openai
@@ -21,6 +24,7 @@ from tests.grpc_helpers import request
 
 pytestmark = pytest.mark.slow
 PIRATES, SHOUTERS, HASTY, THRIFTY = "sk-pirates", "sk-shouters", "sk-hasty", "sk-thrifty"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tenants(*revoked: str) -> str:
@@ -208,3 +212,18 @@ def _replace(path, text: str) -> None:
     tmp = path.with_suffix(".new")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def test_lorafleet_generate_sends_the_key_from_its_flag_or_the_environment(guarded):
+    router, _ = guarded
+    cli = [sys.executable, "-m", "cli.main", "generate", "--endpoint", router.address, "--adapter", "pirate",
+           "--max-tokens", "4", "Where is the treasure?"]
+    env = {k: v for k, v in os.environ.items() if k != "LORAFLEET_API_KEY"}
+    run = lambda argv, **more: subprocess.run(argv, cwd=REPO, env={**env, **more}, capture_output=True, text=True,
+                                              timeout=120)
+    refused = run(cli)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "LORAFLEET_API_KEY" in refused.stderr
+    assert run(cli, LORAFLEET_API_KEY=PIRATES).stdout.strip()
+    assert run([*cli, "--api-key", PIRATES]).stdout.strip()
+    denied = run(cli, LORAFLEET_API_KEY=SHOUTERS)  # a key of a tenant that may not use the adapter
+    assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
