@@ -16,7 +16,9 @@
 6. serving 8 and 64 distinct rank-16 adapters at batch 64 against base-only on the same pod, a pod
    started with the least LoRA, and transformers + peft on the 64-adapter mix; (LoRA step - base step)
    against the time to read those adapters once (gpu_pods.py);
-7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity.
+7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity;
+8. an FP8 base (``--quantization fp8``) against the bf16 one: W8A8, weight-only and bf16 matmuls per projection
+   shape, then decode at batch 1, prefill, base-only and 8-adapter throughput on two pods (gpu_fp8.py).
 
 Prints one table and writes it with every figure as JSON after every part (``--out``; default
 $OUT/gpu-MODEL-DEVICE.json when $OUT is set, else under benchmarks/results/). Exits 1 when a check fails
@@ -84,7 +86,7 @@ SIZES = {
 SERVING = [f"r16-{i}" for i in range(64)]  # 64 distinct rank-16 adapters
 RANKS = {"r8": 8, "r64": 64, **dict.fromkeys(SERVING, 16)}
 PARITY = [(None, 0), ("r8", 8), ("r16-0", 16), ("r64", 64)]  # (adapter, rank): one mixed batch
-PARTS = ("kernels", "parity", "serving", "no-lora", "peft")
+PARTS = ("kernels", "parity", "serving", "no-lora", "fp8", "peft")
 OPEN_LOOP_LOAD = 0.7  # open-loop arrival rate over the closed 64-adapter run's request rate
 
 
@@ -318,6 +320,10 @@ def main() -> None:
                 report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
             if "no-lora" not in args.skip:
                 report.run("no-LoRA pod", asyncio.run, no_lora_pod(report, args, sizes, model_dir, found))
+            if "fp8" not in args.skip:
+                from gpu_fp8 import section as fp8_section
+
+                report.run("fp8 base", fp8_section, report, args, sizes, preset, model_dir, root, gbs)
             if "peft" not in args.skip:
                 report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6

@@ -72,6 +72,21 @@ def test_tiny_cpu_run_matches_transformers_and_peft_with_and_without_graphs(tiny
             assert r["adapter_effect"] > 10 * r["atol"], r
 
 
+@pytest.mark.slow
+def test_tiny_cpu_run_compares_an_fp8_base_with_the_unquantized_one(tiny_run):
+    _, data = tiny_run
+    rows = data["fp8_matmuls"]
+    assert {r["path"] for r in rows} == {"unquantized", "w8a8", "weight-only"}
+    for row in rows:  # W8A8 through torch's CPU _scaled_mm here, checked against float64
+        assert row["ok"] and _finite(row["ms"], row["floor_ms"], row["max_err"]), row
+    pods = data["fp8_pods"]
+    assert pods["fp8"]["precision"] == pods["unquantized"]["precision"] + "+fp8"
+    for pod in ("unquantized", "fp8"):
+        figures = pods[pod]
+        assert _finite(figures["decode_b1_ms"], figures["prefill_s"], figures["base only"], figures["8 adapters"])
+    assert 0 < pods["agreeing_prefix_tokens"] <= pods["compared_tokens"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
@@ -125,11 +140,13 @@ def test_skipped_parts_are_left_out_and_the_others_still_run(tmp_path):
     """``--skip`` reruns some parts within a device lease: the skipped ones write nothing, the rest run."""
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--model", "tiny", "--device", "cpu",
-                           "--skip", "kernels", "--skip", "parity", "--skip", "peft", "--out", str(out)],
+                           "--skip", "kernels", "--skip", "parity", "--skip", "peft", "--skip", "fp8", "--out",
+                           str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert "lora_kernels" not in data and "parity" not in data and "peft" not in data["serving"]
+    assert "fp8_pods" not in data
     assert not any(label.startswith("decode b1") for label in data["serving"])
     assert data["serving"]["64 adapters"]["tok_s"] > 0 and data["serving"]["no-LoRA pod, base only"]["tok_s"] > 0
     # each figure is printed as it is measured, before the table
