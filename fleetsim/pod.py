@@ -1,8 +1,11 @@
-"""One simulated data-plane pod: a CPU tier and device slots, both LRU with pins, a waiting queue and a
-continuous batch whose step time follows the step model.
+"""One simulated data-plane pod: a disk tier, a CPU (host) tier and device slots, each LRU (the two upper ones
+with pins), a waiting queue and a continuous batch whose step time follows the step model.
 
-What it keeps of the real pod (data_plane/lora/adapter_cache.py, data_plane/engine): every adapter in
-a slot is in the CPU tier; a pinned adapter is in both and never evicted; an adapter serving a running
+What it keeps of the real pod (data_plane/lora/adapter_cache.py, disk_tier.py, load_times.py,
+data_plane/engine): an adapter's source is remote, so a load of one its disk tier lacks downloads it into the
+tier first (least recently used copies make room; a prefetch only takes free room and never evicts); the pod
+measures each move between tiers (``LoadTimes``, the real class) and reports them; every adapter in a slot
+is in the CPU tier; a pinned adapter is in both and never evicted; an adapter serving a running
 request keeps its slot; a request for an adapter on disk starts one load (later requests join it) whose
 CPU entry is taken when the load starts; a waiting request runs once its adapter is in a slot and a seat
 (``max_num_seqs``) is free, in arrival order, passing over requests whose adapter is not ready.
@@ -12,7 +15,8 @@ used idle adapter).
 
 The batch is simulated as a fluid: every running request advances one token per step, so between two
 events the pod's step count grows at 1 / step_s, and the next completion is the running request with
-the fewest steps left. Events come only at arrivals, load ends and completions.
+the fewest steps left. Events come only at arrivals, download and load ends and completions. A step's time
+depends on the batch, the distinct adapters in it and their ranks (``StepModel``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_plane.demand import DemandMeter
-from fleetsim.config import FleetConfig
+from data_plane.lora.load_times import LoadTimes
+from fleetsim.config import REFERENCE_RANK, FleetConfig, adapter_bytes
 
 
 class InvariantViolated(AssertionError):
@@ -39,6 +44,7 @@ class Event(enum.IntEnum):
     DISK_DONE = 1
     COPY_DONE = 2
     COMPLETE = 3
+    DOWNLOAD_DONE = 4
 
 
 @dataclass
@@ -47,7 +53,9 @@ class PodCounters:
     device_hits: int = 0  # the adapter was in a ready slot when the request arrived
     cpu_hits: int = 0  # in the CPU tier only
     joined_loads: int = 0  # already loading from disk
-    cold_loads: int = 0  # on disk: this request started a disk load
+    cold_loads: int = 0  # not in memory: this request started a load (from the disk tier, or a download first)
+    downloads: int = 0  # downloads into the disk tier that loads started (requests' and the control plane's)
+    prefetches: int = 0  # downloads the control plane asked for ahead of demand (PrefetchAdapter)
     preloads: int = 0  # disk loads the control plane asked for (pins)
     slot_copies: int = 0
     evictions: int = 0  # adapters dropped from the CPU tier
@@ -66,7 +74,7 @@ Told = Callable[[int, float], None]
 class SimPod:
     def __init__(self, index: int, config: FleetConfig, adapter_of: np.ndarray, tokens_of: np.ndarray,
                  names: tuple[str, ...], schedule: Schedule, admitted: Told, finished: Told,
-                 rng: np.random.Generator, clock: Callable[[], float]) -> None:
+                 rng: np.random.Generator, clock: Callable[[], float], rank_of: dict[str, int] | None = None) -> None:
         self.index = index
         self.id = f"pod-{index:03d}"
         self.config = config
@@ -74,6 +82,15 @@ class SimPod:
         self._schedule_event, self._admitted, self._finished, self._rng = schedule, admitted, finished, rng
         self.cpu: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its disk load runs
         self.slots: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its slot copy runs
+        self.disk: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its download runs
+        self.disk_used = 0  # bytes of the disk tier's copies, downloads in flight included
+        self._disk_view: tuple[int, frozenset[int]] = (-1, frozenset())  # (disk version, its keys) last reported
+        self._disk_version = 0
+        self._after_download: set[str] = set()  # host loads waiting for their download
+        self._unkept: set[str] = set()  # downloads the full disk tier could not keep: straight to host memory
+        self._rank = rank_of or {}
+        self._rank_sum = 0  # ranks of the distinct adapters running, summed
+        self.load_times = LoadTimes()
         self.pinned: set[str] = set()
         self.held: set[str] = set()  # pinned and in a ready slot since: must stay there until unpinned
         self.in_use: Counter[str] = Counter()  # adapter -> running requests
@@ -129,6 +146,8 @@ class SimPod:
             if payload != self._version:
                 return
             self._complete(now)
+        elif kind == Event.DOWNLOAD_DONE:
+            self._downloaded(payload, now)
         self._run_scheduler(now)
 
     # ---- control plane commands -------------------------------------------------------------
@@ -150,6 +169,17 @@ class SimPod:
             self.counters.preloads += 1
             self._start_disk_load(name, now)
             self._run_scheduler(now)
+
+    def prefetch(self, name: str, now: float) -> bool:
+        """PrefetchAdapter: a download into the disk tier ahead of demand, only into free room (it never evicts a
+        copy); False when skipped (already on disk or downloading, or no room)."""
+        if name in self.disk or name in self._unkept:
+            return False
+        if self.disk_used + self._bytes(name) > self.config.disk_bytes:
+            return False
+        self.counters.prefetches += 1
+        self._download(name, now)
+        return True
 
     def release(self, name: str) -> bool:
         """UnloadAdapter of an extra replica: refused (False) while it serves, waits or loads, or is pinned."""
@@ -204,6 +234,8 @@ class SimPod:
         self._plan_completion()
 
     def _admit(self, rid: int, name: str) -> None:
+        if not self.in_use[name]:
+            self._rank_sum += self._rank.get(name, REFERENCE_RANK)
         self.in_use[name] += 1
         self.wanted[name] -= 1
         if not self.wanted[name]:
@@ -221,11 +253,12 @@ class SimPod:
             self.in_use[name] -= 1
             if not self.in_use[name]:
                 del self.in_use[name]
+                self._rank_sum -= self._rank.get(name, REFERENCE_RANK)
             self.counters.tokens += int(self._tokens_of[rid])
             self._finished(rid, now)
 
     def _plan_completion(self) -> None:
-        self._step_s = self.config.step.step_s(len(self._running), len(self.in_use))
+        self._step_s = self.config.step.step_s(len(self._running), len(self.in_use), self._rank_sum)
         self._version += 1
         if self._running:
             at = self._last + max(0.0, self._running[0][0] - self._steps) * self._step_s
@@ -242,8 +275,63 @@ class SimPod:
             self.counters.evictions += 1
         self.cpu[name] = False
         self.counters.peak_cpu = max(self.counters.peak_cpu, len(self.cpu))
+        if self.disk.get(name):
+            self.disk.move_to_end(name)
+            self._read(name, now)
+            return
+        self._after_download.add(name)
+        if name not in self.disk and name not in self._unkept:
+            self.counters.downloads += 1
+            self._download(name, now)
+
+    def _read(self, name: str, now: float) -> None:
+        """Disk tier -> host memory: read and validate, the disk-to-slot time less the slot copy."""
         total, copy = self._draw(self.config.load.disk_to_slot_s), self._draw(self.config.load.cpu_to_slot_s)
-        self._schedule_event(now + total - copy, Event.DISK_DONE, self.index, name)
+        seconds = (total - copy) * self._scale(name)
+        self.load_times.disk_to_host(seconds)
+        self._schedule_event(now + seconds, Event.DISK_DONE, self.index, name)
+
+    def _download(self, name: str, now: float) -> None:
+        """Remote store -> disk tier, making room by dropping the least recently used copies (never one whose
+        download runs); a copy that still does not fit goes to host memory without staying on disk."""
+        size, cap = self._bytes(name), self.config.disk_bytes
+        while self.disk_used + size > cap:
+            victim = next((a for a, ready in self.disk.items() if ready), None)
+            if victim is None:
+                break
+            del self.disk[victim]
+            self.disk_used -= self._bytes(victim)
+        if self.disk_used + size <= cap:
+            self.disk[name] = False
+            self.disk_used += size
+        else:
+            self._unkept.add(name)
+        self._disk_version += 1
+        seconds = self.config.load.download_s(self._rank.get(name, REFERENCE_RANK))
+        self.load_times.remote_to_disk(seconds, size)
+        self._schedule_event(now + seconds, Event.DOWNLOAD_DONE, self.index, name)
+
+    def _downloaded(self, name: str, now: float) -> None:
+        if name in self._unkept:
+            self._unkept.discard(name)
+        elif name in self.disk:
+            self.disk[name] = True
+            self._disk_version += 1
+        if name in self._after_download:
+            self._after_download.discard(name)
+            self._read(name, now)
+
+    def _scale(self, name: str) -> float:
+        return self._rank.get(name, REFERENCE_RANK) / REFERENCE_RANK
+
+    def _bytes(self, name: str) -> int:
+        return adapter_bytes(self._rank.get(name, REFERENCE_RANK))
+
+    def disk_copies(self, key_of: dict[str, int]) -> frozenset[int]:
+        """What its GetState reports of its disk tier (PodState.disk_digests): the copies there, by disk key."""
+        if self._disk_view[0] != self._disk_version:
+            self._disk_view = (self._disk_version, frozenset(key_of[a] for a, ready in self.disk.items() if ready))
+        return self._disk_view[1]
 
     def _start_copy(self, name: str, now: float) -> bool:
         if len(self.slots) >= self.config.slots:
@@ -256,7 +344,9 @@ class SimPod:
         self.cpu.move_to_end(name)
         self.counters.slot_copies += 1
         self.counters.peak_slots = max(self.counters.peak_slots, len(self.slots))
-        self._schedule_event(now + self._draw(self.config.load.cpu_to_slot_s), Event.COPY_DONE, self.index, name)
+        seconds = self._draw(self.config.load.cpu_to_slot_s) * self._scale(name)
+        self.load_times.host_to_slot(seconds)
+        self._schedule_event(now + seconds, Event.COPY_DONE, self.index, name)
         return True
 
     def _drop(self, name: str) -> None:
@@ -274,6 +364,10 @@ class SimPod:
             problems.append(f"{len(self.slots)} adapters in {cfg.slots} slots")
         if len(self.cpu) > cfg.cpu_entries:
             problems.append(f"{len(self.cpu)} adapters in {cfg.cpu_entries} CPU entries")
+        if self.disk_used > cfg.disk_bytes:
+            problems.append(f"{self.disk_used} bytes in a disk tier of {cfg.disk_bytes}")
+        if self.disk_used != sum(self._bytes(a) for a in self.disk):
+            problems.append("the disk tier's bytes disagree with its copies")
         if len(self._running) > cfg.max_num_seqs:
             problems.append(f"{len(self._running)} running with {cfg.max_num_seqs} seats")
         if not self.slots.keys() <= self.cpu.keys():

@@ -15,6 +15,7 @@ import numpy as np
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.placement import Pin
+from control_plane.prefetch import Prefetch
 from control_plane.replication import Policy as ReplicaPolicy
 from conventions.pod_cost import Weights
 from fleetsim.config import shipped
@@ -26,11 +27,13 @@ from router.view import FleetView
 class Policy(abc.ABC):
     """Picks a pod for each request. ``places_pins``: the policy places pinned adapters itself
     (``place_pins``) instead of the control plane's placement; ``replication``: the control plane's
-    replica thresholds when it runs replicas that follow popularity (None: it does not)."""
+    replica thresholds when it runs replicas that follow popularity (None: it does not); ``prefetch``: the
+    control plane's prefetch settings when it prefetches adapters to pods' disks (None: it does not)."""
 
     name = ""
     places_pins = False
     replication: ReplicaPolicy | None = None
+    prefetch: Prefetch | None = None
 
     def attach(self, pods: Sequence[SimPod], clock: Callable[[], float], view: Callable[[], FleetView],
                rng: np.random.Generator) -> None:
@@ -64,15 +67,23 @@ def shipped_replication() -> ReplicaPolicy:
                                                                       "replica_hold", "max_replicas")))
 
 
+def shipped_prefetch() -> Prefetch:
+    """The prefetch settings the control plane ships with (its --prefetch-* defaults)."""
+    return Prefetch(shipped(ControlPlaneConfig, "prefetch_rate"), shipped(ControlPlaneConfig, "prefetch_per_pass"))
+
+
 class Ours(Policy):
-    """The router's PodPicker (router/picker.py, router/scoring.py) on the simulator's clock; pins are
-    placed by the control plane's reconcile pass (control_plane/placement.py, control_plane/plan.py), and
-    with ``replicas`` (as shipped) hot adapters get extra replicas (control_plane/replicator.py)."""
+    """The router's PodPicker (router/picker.py, router/scoring.py) on the simulator's clock, over the pods'
+    residency, disk tiers and measured load times; pins are placed by the control plane's reconcile pass
+    (control_plane/placement.py, control_plane/plan.py); with ``replicas`` (as shipped) hot adapters get extra
+    replicas (control_plane/replicator.py), and the control plane prefetches rising remote adapters and pins'
+    standby copies to pods' disks (control_plane/prefetch.py, plan.prefetch_actions) as shipped."""
 
     def __init__(self, weights: Weights | None = None, replicas: bool = True,
                  replication: ReplicaPolicy | None = None) -> None:
         self.weights = weights
         self.replication = (replication or shipped_replication()) if replicas else None
+        self.prefetch = shipped_prefetch()
         self.name = "ours" if replicas else "ours-no-replicas"
 
     def attach(self, pods, clock, view, rng) -> None:
@@ -114,11 +125,24 @@ class LeastLoaded(Policy):
 
 
 class GatewayLoraAffinity(Policy):
-    """The Gateway API inference extension's scheduler with its LoRA-affinity scorer: each pod scores
-    1.0 when the adapter has running requests there, else 0.8 when the pod's distinct running and
-    waiting adapters leave a slot, else 0.6 when the adapter has waiting requests there, else 0; plus its
-    queue scorer (1 for the shortest queue, 0 for the longest, linear between) and KV-cache scorer
-    (1 - usage), weighed equally; the highest total wins, ties at random."""
+    """The Gateway API inference extension's endpoint picker with its LoRA-affinity scorer, as published in
+    kubernetes-sigs/gateway-api-inference-extension:
+
+    - LoRA affinity (pkg/epp/scheduling/framework/plugins/loraaffinityscorer/lora_affinity.go, ``Score``): 1.0
+      when the adapter is among the pod's active (running) adapters, else 0.8 when its active plus waiting
+      adapters are fewer than ``MaxActiveModels`` (vLLM's ``max_lora``: the pod's slots), else 0.6 when the
+      adapter is among its waiting ones, else 0;
+    - queue (pkg/epp/scheduling/framework/plugins/scorer/queue.go): (max - queue) / (max - min) of the
+      candidates' waiting-queue sizes, 1 for all when they are equal;
+    - KV cache (scorer/kvcache_utilization.go): 1 - the pod's KV-cache usage;
+    - weights: every scorer the profile names without a weight weighs ``DefaultScorerWeight`` = 1
+      (pkg/epp/config/loader/defaults.go), as in the repository's own EPP integration test profile, which names
+      queue, KV-cache, prefix-cache and LoRA-affinity scorers without weights (test/integration/epp/harness.go). The
+      chart's default profile (config/charts/inferencepool/templates/epp-config.yaml: queue 2, KV cache 2,
+      prefix cache 3) has no LoRA scorer at all, so it would route as least-loaded does; its prefix-cache
+      scorer scores every pod alike here (no prompts), so it is left out;
+    - picker (plugins/picker/max_score_picker.go): the highest weighted sum, ties at random.
+    Its metrics are scraped every 50 ms; here it reads every pod's live state, an advantage."""
 
     name = "gateway-lora-affinity"
 
@@ -144,24 +168,40 @@ class GatewayLoraAffinity(Policy):
 
 
 class AIBrix(Policy):
-    """AIBrix: pinned adapters placed on the pods with the fewest adapters placed so far, and its
-    lora-affinity router: pods where the adapter has running or waiting requests are the affinity group,
-    pods whose distinct running and waiting adapters leave a slot the available group; with probability
-    ``affinity`` (its default 0.999) the affinity group when both have pods, else whichever has any; the
-    pod with the fewest requests in the group (ties at random); a random pod when both are empty."""
+    """AIBrix (vllm-project/aibrix), its placement and its lora-affinity router as published:
+
+    - placement (pkg/controller/modeladapter/scheduling/leastadapters.go, ``SelectPod``): each pinned adapter's
+      replica goes to the pod with the fewest adapters placed so far (the first such pod in list order);
+    - routing (pkg/plugins/gateway/algorithms/lora_affinity.go, ``Route``): the pods where the adapter is among
+      the running or waiting adapters (vLLM's ``lora_requests_info`` labels) are the affinity group, the pods
+      with room for another adapter the available group; with probability ``loraAffinityThreshold`` (0.999)
+      the affinity group when both have pods, else whichever has any; within it the pod with the fewest
+      requests the gateway has in flight there (``selectTargetPodWithLeastRequestCount``, ties at random); a
+      random ready pod when both groups are empty.
+    - the room check as published (``evaluatePodForLoraAffinity``): ``maxAdapters`` is read from the
+      ``WaitingLoraAdapters`` metric, not ``MaxLora``, and ``strconv.Atoi`` of its label (a comma-separated
+      list of adapter names) fails to 0, so ``running + waiting < 0`` never holds and the available group is
+      always empty. With ``room_check=False`` (the default, the code as it is) a request goes to a pod that
+      runs or queues its adapter whenever there is one, else to a random pod; ``room_check=True`` models the
+      intended check (the pod's slots) for comparison.
+    Its metrics are refreshed every 50 ms; here it reads every pod's live state, an advantage."""
 
     name = "aibrix"
     places_pins = True
 
-    def __init__(self, affinity: float = 0.999) -> None:
+    def __init__(self, affinity: float = 0.999, room_check: bool = False) -> None:
         self.affinity = affinity
+        self.room_check = room_check
+        if room_check:
+            self.name = "aibrix-room-check"
 
     def route(self, adapter: str) -> int:
         near, free = [], []
         for pod in self.pods:
             if pod.in_use[adapter] or pod.wanted[adapter]:
                 near.append(pod)
-            elif len(pod.in_use) + sum(1 for a in pod.wanted if a not in pod.in_use) < pod.config.slots:
+            elif self.room_check and (len(pod.in_use) + sum(1 for a in pod.wanted if a not in pod.in_use)
+                                      < pod.config.slots):
                 free.append(pod)
         if near and free:
             group = near if self.rng.random() < self.affinity else free
@@ -185,6 +225,7 @@ class AIBrix(Policy):
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     **{p.name: p for p in (RoundRobin, LeastLoaded, AIBrix, GatewayLoraAffinity)},
+    "aibrix-room-check": lambda: AIBrix(room_check=True),
     "ours-no-replicas": lambda: Ours(replicas=False),
     "ours": Ours,
 }

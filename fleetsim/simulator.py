@@ -1,10 +1,11 @@
-"""The event loop: a trace's requests arrive, the policy routes each to a pod, pods load adapters and
-run their batches, the router's view is refreshed and the control plane reconciles on their intervals.
+"""The event loop: a trace's requests arrive, the policy routes each to a pod, pods download and load adapters
+and run their batches, the router's view is refreshed and the control plane reconciles on their intervals.
 Seeded: the same trace, policy and seed give the same result."""
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
 import itertools
 import math
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from control_plane.placement import Pin
+from conventions.disk_key import disk_key
 from fleetsim.config import FleetConfig
 from fleetsim.control import ControlPlane
 from fleetsim.pod import InvariantViolated, PodCounters, SimPod
 from fleetsim.policies import Policy
 from fleetsim.trace import Trace
-from router.view import FleetView, PodView, Tier
+from router.view import FleetView, LoadTimes, PodView, Tier
 
 
 class FleetEvent(enum.IntEnum):
@@ -41,8 +43,10 @@ class SimResult:
     completed: int
     device_hit_rate: float  # requests whose adapter was in a ready slot of their pod on arrival
     cpu_hit_rate: float
-    cold_per_1k: float  # disk loads started by requests, per 1,000 requests
-    preloads: int  # disk loads the control plane started (pins, extra replicas)
+    cold_per_1k: float  # loads into memory started by requests, per 1,000 requests
+    downloads_per_1k: float  # downloads into a disk tier that loads started, per 1,000 requests
+    prefetches: int  # downloads the control plane asked for ahead of demand
+    preloads: int  # loads the control plane started (pins, extra replicas)
     copies_per_1k: float  # CPU tier -> slot copies per 1,000 requests
     queue_p50_ms: float  # arrival at the pod -> first step, adapter loads included
     queue_p99_ms: float
@@ -68,17 +72,22 @@ class Simulation:
         self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = itertools.count()
         rng = np.random.default_rng(seed)
+        rank_of = dict(zip(trace.names, trace.ranks.tolist(), strict=True))
         self.pods = [SimPod(i, config, trace.adapters, trace.tokens, trace.names, self._push, self._admitted,
-                            self._finished, np.random.default_rng(rng.integers(1 << 63)), self.clock)
+                            self._finished, np.random.default_rng(rng.integers(1 << 63)), self.clock, rank_of)
                      for i in range(config.pods)]
         self.routed = np.full(len(trace), -1, dtype=np.int64)
         self.queue_s = np.full(len(trace), np.nan)
         self.completed = np.zeros(len(trace), dtype=bool)
         self._outstanding = 0
         self._all_adapters = frozenset(trace.names)
+        # every adapter has a remote source; its weights' sha256 (here of its name) is its identity on disk
+        self.sha256 = {name: hashlib.sha256(name.encode()).hexdigest() for name in trace.names}
+        self._remote = {name: disk_key(sha) for name, sha in self.sha256.items()}
         self._view = self._read_view()
         policy.attach(self.pods, self.clock, lambda: self._view, np.random.default_rng(rng.integers(1 << 63)))
-        self.control = ControlPlane(config, self.pods, trace.names, pins, policy.replication, self.clock)
+        self.control = ControlPlane(config, self.pods, trace.names, self.sha256, pins, policy.replication,
+                                    policy.prefetch, self.clock)
         self._placed_by_policy: dict[str, tuple[int, ...]] = {}
         if policy.places_pins:
             self._placed_by_policy = policy.place_pins(pins)
@@ -161,13 +170,20 @@ class Simulation:
         self.policy.finished(int(self.routed[rid]))
 
     def _read_view(self) -> FleetView:
-        """What the router's refresher reads: each pod's GetState (slots, residency, load)."""
+        """What the router's refresher reads: each pod's GetState (slots, residency, disk tier, measured load
+        times, load) and the registry's remote adapters, as ``router.view.build_view`` makes them."""
         return FleetView(self._all_adapters, tuple(
             PodView(p.id, f"{p.id}:1", slots_total=self.config.slots, slots_used=len(p.slots),
                     residency={name: Tier.DEVICE if p.slots.get(name) else Tier.CPU
                                for name, ready in p.cpu.items() if ready},
-                    running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage)
-            for p in self.pods), self.now)
+                    running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage,
+                    disk=p.disk_copies(self._remote), load_times=self._load_times(p))
+            for p in self.pods), self.now, remote=self._remote)
+
+    @staticmethod
+    def _load_times(pod: SimPod) -> LoadTimes:
+        now = pod.load_times.now()
+        return LoadTimes(now.host_to_slot_s, now.disk_to_host_s, now.remote_to_disk_s)
 
     # ---- results ------------------------------------------------------------------------------
     def pins_now(self) -> tuple[int, int]:
@@ -190,7 +206,9 @@ class Simulation:
         return SimResult(
             policy=self.policy.name, requests=int(counted.sum()), completed=int(self.completed[counted].sum()),
             device_hit_rate=sum(x.device_hits for x in c) / n, cpu_hit_rate=sum(x.cpu_hits for x in c) / n,
-            cold_per_1k=1000 * sum(x.cold_loads for x in c) / n, preloads=sum(x.preloads for x in c),
+            cold_per_1k=1000 * sum(x.cold_loads for x in c) / n,
+            downloads_per_1k=1000 * sum(x.downloads for x in c) / n, prefetches=sum(x.prefetches for x in c),
+            preloads=sum(x.preloads for x in c),
             copies_per_1k=1000 * sum(x.slot_copies for x in c) / n, queue_p50_ms=p50, queue_p99_ms=p99,
             imbalance=float(tokens.max() / tokens.mean()) if tokens.mean() > 0 else math.nan,
             peak_slots=max(x.peak_slots for x in c), peak_cpu=max(x.peak_cpu for x in c),

@@ -1,5 +1,6 @@
 """Request traces: arrival times (Poisson or bursty), adapters by Zipf popularity, optional drift of the
-hot set, and each request's decode length. Seeded and made up front, so every policy sees the same trace."""
+hot set, each adapter's rank, and each request's decode length. Seeded and made up front, so every policy sees
+the same trace."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class Arrivals(enum.Enum):
 class TraceConfig:
     """``rate`` is the mean over the whole trace, requests per second. Drift: every ``drift_period_s`` the
     ``drift_step`` hottest adapters turn coldest and every other one moves ``drift_step`` ranks up, so the
-    hot set rotates (0 = no drift)."""
+    hot set rotates (0 = no drift). Each adapter's rank is drawn uniformly from ``ranks``, independently of its
+    popularity."""
 
     adapters: int = 10_000
     rate: float = 400.0
@@ -34,6 +36,7 @@ class TraceConfig:
     burst_factor: float = 3.0
     burst_mean_s: float = 2.0
     quiet_mean_s: float = 6.0
+    ranks: tuple[int, ...] = (16,)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class TraceConfig:
             raise ValueError(f"need adapters >= 1, rate > 0, duration_s > 0, alpha >= 0: {self}")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens: {self}")
+        if not self.ranks or min(self.ranks) < 1:
+            raise ValueError(f"need at least one rank, each >= 1: {self}")
         if self.drift_period_s < 0 or self.drift_step < 0:
             raise ValueError(f"drift must not be negative: {self}")
         if self.arrivals is Arrivals.BURSTY and self._quiet_factor() < 0:
@@ -59,6 +64,7 @@ class Trace:
     adapters: np.ndarray  # [n] int64 index into names
     tokens: np.ndarray  # [n] int64 decode steps each request takes
     names: tuple[str, ...]  # [adapters]
+    ranks: np.ndarray  # [adapters] int64 each adapter's rank
 
     def __len__(self) -> int:
         return len(self.times)
@@ -80,7 +86,10 @@ def make_trace(config: TraceConfig) -> Trace:
         ranks = (ranks + shift) % config.adapters
     which = rng.permutation(config.adapters)[ranks]  # popularity rank -> adapter, so names carry no rank
     tokens = rng.integers(config.min_tokens, config.max_tokens + 1, size=n)
-    return Trace(config, times, which.astype(np.int64), tokens.astype(np.int64), adapter_names(config.adapters))
+    # drawn from a generator of their own, so that a rank mix leaves the arrivals and adapters as they are
+    ranks = np.random.default_rng([config.seed, 1]).choice(np.array(config.ranks, dtype=np.int64), config.adapters)
+    return Trace(config, times, which.astype(np.int64), tokens.astype(np.int64), adapter_names(config.adapters),
+                 ranks)
 
 
 def _arrival_times(config: TraceConfig, rng: np.random.Generator) -> np.ndarray:

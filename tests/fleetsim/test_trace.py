@@ -51,8 +51,17 @@ def test_request_lengths_stay_in_bounds():
     (dict(rate=0), "rate > 0"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens <= max_tokens"),
     (dict(drift_step=-1), "drift must not be negative"),
+    (dict(ranks=()), "at least one rank"),
     (dict(arrivals=Arrivals.BURSTY, burst_factor=5.0), "exceed the mean rate"),
 ])
 def test_a_bad_trace_config_is_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         TraceConfig(**bad)
+
+
+def test_a_rank_mix_draws_each_adapters_rank_from_the_mix_and_leaves_the_requests_as_they_were():
+    cfg = dict(adapters=500, rate=200, duration_s=5, seed=4)
+    plain, mixed = make_trace(TraceConfig(**cfg)), make_trace(TraceConfig(**cfg, ranks=(8, 16, 32, 64, 128)))
+    assert set(plain.ranks.tolist()) == {16}
+    assert set(mixed.ranks.tolist()) == {8, 16, 32, 64, 128} and len(mixed.ranks) == 500
+    assert np.array_equal(plain.adapters, mixed.adapters) and np.array_equal(plain.times, mixed.times)
