@@ -80,3 +80,24 @@ def test_quantization_fp8_is_a_flag_of_the_pod():
     assert config.quantization == "fp8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--quantization", "int4"])
+
+
+def test_a_pod_with_gpu_layout_fp8_weights_serves_the_adapters(fp8_pod_files, monkeypatch):
+    # What a CUDA pod on sm_89+ holds and runs, here on CPU: e4m3 weights in memory, W8A8 through torch's CPU
+    # _scaled_mm, adapter slots in the activations' dtype (warm-up fills every slot with a dummy adapter).
+    import functools
+
+    from data_plane import pod
+    from data_plane.model import load_model
+    from data_plane.model.quantization import FP8, Fp8Compute
+
+    fp8_dir, root, _ = fp8_pod_files
+    _, dequantized, _, _ = alone_and_together(fp8_dir, root, "float32")
+    monkeypatch.setattr(pod, "load_model", functools.partial(load_model, fp8_compute=Fp8Compute.W8A8))
+    precision, w8a8, _, _ = alone_and_together(fp8_dir, root, "float32")
+    assert precision is Precision.FLOAT32
+    first = sum(a[0][0] == b[0][0] for a, b in zip(w8a8, dequantized, strict=True))
+    assert first >= NUM_REQUESTS * 3 // 4, f"{first}/{NUM_REQUESTS} first tokens as with dequantized weights"
+    assert len({tuple(t for t, _, _ in answer) for answer in w8a8}) > NUM_REQUESTS // 2, "answers barely differ"
+    model = pod.load_model(fp8_dir, "float32")
+    assert model.layers[0].mlp.down_proj.weight.dtype == FP8

@@ -122,9 +122,10 @@ def test_gpu_layouts_keep_e4m3_weights_and_adapters_in_the_activations_dtype(bas
 
 
 def _reference_w8a8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each row rounded to e4m3 by its own absmax / 448, then a float64 matmul on the dequantized operands."""
-    s = x.abs().amax(dim=1, keepdim=True).double() / FP8_MAX
-    xq = (x.double() / s).to(FP8).double() * s
+    """Each row rounded to e4m3 by its own absmax / 448 (in float32, as ``w8a8`` promises), then a float64 matmul
+    on the dequantized operands."""
+    s = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+    xq = (x.float() / s).to(FP8).double() * s.double()
     return xq @ (w8.double() * scale.double()[:, None]).T
 
 
