@@ -228,10 +228,12 @@ class PodProcess:
 
 class RouterProcess:
     """``python -m router.server`` reading the fleet from ``control_plane``, its OpenAI HTTP API on
-    ``http_port``; stderr (JSON logs) goes to ``log_path``."""
+    ``http_port``; stderr (JSON logs) goes to ``log_path``. ``door_ca``: the doors serve TLS
+    (--door-tls-cert) with a certificate this CA signed; the process's channel and base_url use it."""
 
     def __init__(self, workdir: Path, control_plane: str, token_file: Path, *extra_args: str,
-                 token_flag: str = "--admin-token-file", name: str = "router") -> None:
+                 token_flag: str = "--admin-token-file", name: str = "router", door_ca: Path | None = None) -> None:
+        self.door_ca = door_ca
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.log_path = workdir / f"{name}.log"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
@@ -253,13 +255,14 @@ class RouterProcess:
         """Starts the process without waiting for it to serve."""
         self.proc = spawn([sys.executable, "-m", "router.server", *self.args], self.log_path, cwd=REPO,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.insecure_channel(self.address) if self.door_ca is None else grpc.secure_channel(
+            self.address, grpc.ssl_channel_credentials(self.door_ca.read_bytes()))
         return self
 
     @property
     def base_url(self) -> str:
         """The OpenAI API's base URL, as the ``openai`` client takes it."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"{'http' if self.door_ca is None else 'https'}://127.0.0.1:{self.http_port}/v1"
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)

@@ -101,10 +101,12 @@ class TlsFiles:
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    flags: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-ca")  # what messages call cert, key and ca
 
     def __post_init__(self) -> None:
+        cert_flag, key_flag, _ = self.flags
         if (self.cert is None) != (self.key is None):
-            given, missing = ("--tls-cert", "--tls-key") if self.cert is not None else ("--tls-key", "--tls-cert")
+            given, missing = (cert_flag, key_flag) if self.cert is not None else (key_flag, cert_flag)
             raise ConfigError(f"{given} needs {missing}: give the certificate and its private key together")
         if self.ca is not None:
             self.root()
@@ -120,23 +122,24 @@ class TlsFiles:
 
     def root(self) -> bytes | None:
         """The PEM certificates of --tls-ca, or None without it."""
-        return None if self.ca is None else read_certificates(self.ca, "--tls-ca")
+        return None if self.ca is None else read_certificates(self.ca, self.flags[2])
 
     def key_pair(self) -> tuple[bytes, bytes] | None:
         """(private key, certificate chain) PEM of --tls-key and --tls-cert, checked to belong together;
         None without them."""
         if self.cert is None:
             return None
-        chain = read_certificates(self.cert, "--tls-cert", "give this component's PEM certificate (chain)")
+        cert_flag, key_flag, _ = self.flags
+        chain = read_certificates(self.cert, cert_flag, "give this component's PEM certificate (chain)")
         try:
             key = Path(self.key).read_bytes()
         except OSError as e:
-            raise ConfigError(f"--tls-key {self.key}: cannot read it ({e.strerror}); give the PEM private key of "
-                              f"--tls-cert") from e
+            raise ConfigError(f"{key_flag} {self.key}: cannot read it ({e.strerror}); give the PEM private key of "
+                              f"{cert_flag}") from e
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.cert, self.key, password=_encrypted_key)
         except ssl.SSLError as e:
-            raise ConfigError(f"--tls-key {self.key} is not the PEM private key of --tls-cert {self.cert} "
+            raise ConfigError(f"{key_flag} {self.key} is not the PEM private key of {cert_flag} {self.cert} "
                               f"({e.reason or e}); give the key the certificate was issued for") from e
         return key, chain
 
@@ -156,6 +159,25 @@ class TlsFiles:
             return None
         return grpc.dynamic_ssl_server_credentials(self._certificate_configuration(), _Reloader(self),
                                                    require_client_authentication=self.ca is not None)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A context to serve HTTPS with (TLS 1.2 or newer), None for plaintext; with --tls-ca a client must show
+        a certificate the CA signed. Like ``server_credentials`` it picks up changed files for new connections:
+        every handshake asks its SNI callback, which hands the connection a context made from the files as
+        they are now when they changed (files that cannot be used are logged and the last good ones kept)."""
+        if self.cert is None:
+            return None
+        return _ContextReloader(self).base
+
+    def _context(self) -> ssl.SSLContext:
+        self.key_pair()  # refuses files that cannot serve, naming the flag
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key, password=_encrypted_key)
+        if self.ca is not None:
+            context.load_verify_locations(cafile=self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def _certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration([self.key_pair()], root_certificates=self.root())
@@ -193,6 +215,36 @@ class _Reloader:
                 return None
             log.info("TLS files changed; new connections use them", extra={"cert": str(self._files.cert)})
             return configuration
+
+
+class _ContextReloader:
+    """The SNI callback of an HTTPS server's context (``TlsFiles.ssl_context``): on each handshake, the files'
+    newest usable context for that connection."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self._files = files
+        self._lock = threading.Lock()
+        self._stamp = files._stamp()
+        self.base = self._current = files._context()
+        self.base.sni_callback = self._handshake
+
+    def _handshake(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        with self._lock:
+            try:
+                stamp = self._files._stamp()
+            except OSError:  # a Secret's files swapped under us: look again at the next connection
+                stamp = self._stamp
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self._current = self._files._context()
+                    log.info("TLS files changed; new connections use them", extra={"cert": str(self._files.cert)})
+                except (ConfigError, ssl.SSLError, OSError) as e:
+                    log.warning("TLS files changed but cannot be used; new connections keep the previous ones",
+                                extra={"error": str(e)})
+            current = self._current
+        if current is not context:
+            connection.context = current
 
 
 def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,

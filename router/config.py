@@ -14,7 +14,7 @@ from conventions.logs import add_log_level
 from conventions.pod_cost import Weights
 from conventions.tls import Dialer, TlsFiles, read_certificates
 
-TLS, TOKENS, TENANTS = "TLS between components", "tokens", "tenants and keys"
+TLS, TOKENS, TENANTS, DOORS = "TLS between components", "tokens", "tenants and keys", "the clients' doors"
 
 
 def parse_endpoint(value: str, flag: str) -> tuple[str, int]:
@@ -59,10 +59,20 @@ class RouterConfig:
     tls_ca: Path | None = option(
         "PEM CA of the fleet's component certificates: dial the pods (and the control plane, unless"
         " --control-plane-ca) over TLS and verify them against it (default: plaintext)", None, group=TLS)
+    # The clients' doors (gRPC Generate and the HTTP API) over TLS: a certificate the clients trust (a public CA's,
+    # or the organisation's), apart from the fleet's component certificates above. Renewed files are picked up
+    # for new connections.
+    door_tls_cert: Path | None = option(
+        "PEM certificate chain the clients' doors (gRPC and HTTP) serve TLS with, with --door-tls-key; re-read when"
+        " it changes (default: the doors are plaintext: put a TLS-terminating ingress in front)", None, group=DOORS)
+    door_tls_key: Path | None = option("PEM private key of --door-tls-cert (default: none)", None, group=DOORS)
     host: str = option("address to serve gRPC, HTTP and metrics on", defaults.HOST)
     port: int = option("gRPC port", defaults.ROUTER_PORT)
     metrics_port: int = option("Prometheus /metrics port; 0 disables it", defaults.ROUTER_METRICS_PORT)
     http_port: int = option("OpenAI-compatible HTTP API port; 0 disables it", defaults.ROUTER_HTTP_PORT)
+    health_port: int = option(
+        "a plaintext gRPC port serving only the health service, for probes that cannot speak TLS (Kubernetes' gRPC"
+        " probes) beside --door-tls-cert; 0 = none", 0, group=DOORS)
     api_key_file: Path | None = option(
         "file of bearer keys the HTTP API accepts, one a line, each for every adapter; the gRPC door stays open"
         " (default: no key asked; --tenants-file guards both doors)", None, group=TENANTS)
@@ -96,6 +106,8 @@ class RouterConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port; use 1-65535")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port; use 1-65535, or 0 for none")
+        if not 0 <= self.health_port <= 65535:
+            raise ConfigError(f"--health-port {self.health_port} is not a TCP port; use 1-65535, or 0 for none")
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"--http-port {self.http_port} is not a TCP port; use 1-65535, or 0 for none")
         if not 1024 <= self.http_max_body_bytes <= 1024 ** 3:
@@ -113,6 +125,7 @@ class RouterConfig:
             raise ConfigError("--tls-cert is shown only to peers dialed over TLS: give --tls-ca (the CA of the "
                               "control plane's and the pods' certificates)")
         self.pod_dialer()  # refuses a missing, unreadable or mismatched TLS file now
+        self.doors_tls()
         self.control_plane_dialer()
         if self.api_key_file is not None and self.tenants_file is not None:
             raise ConfigError("give --tenants-file or --api-key-file, not both: a tenants file holds every key")
@@ -149,6 +162,10 @@ class RouterConfig:
     def token_file(self) -> Path:
         """The file of the token the router reads with."""
         return self.reader_token_file or self.admin_token_file
+
+    def doors_tls(self) -> TlsFiles:
+        """--door-tls-cert and --door-tls-key, each read and checked: what the clients' doors serve with."""
+        return TlsFiles(self.door_tls_cert, self.door_tls_key, flags=("--door-tls-cert", "--door-tls-key", ""))
 
     def tls_files(self) -> TlsFiles:
         """--tls-cert, --tls-key and --tls-ca, each read and checked."""

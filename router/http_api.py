@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -57,12 +58,13 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         return app
 
-    async def start(self, host: str, port: int) -> None:
-        """Listens on ``host:port``. A client that disconnects cancels its handler, and so its pod call."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Listens on ``host:port``, over HTTPS with ``ssl_context``. A client that disconnects cancels its
+        handler, and so its pod call."""
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=_SHUTDOWN_GRACE_S)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
 
     async def stop(self) -> None:
         if self._runner is not None:

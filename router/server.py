@@ -14,10 +14,11 @@ from grpc_reflection.v1alpha import reflection
 
 from conventions import logs
 from conventions.auth import read_token
+from conventions.health import serve_health_port
 from conventions.pod_cost import Weights
 from conventions.process import run_server
 from conventions.status import ErrorStatusInterceptor
-from conventions.tls import Mode, add_port
+from conventions.tls import add_port
 from router.access import Access, KeysFile, needs_limiter
 from router.channels import PodChannels
 from router.config import RouterConfig, build_parser, config_from_args, parse_api_keys
@@ -57,15 +58,17 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    add_port(server, address, None)
+    doors = config.doors_tls()
+    add_port(server, address, doors.server_credentials())
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     await server.start()
+    health_server = await serve_health_port(health_servicer, config.host, config.health_port)
     if config.http_port:
         try:
-            await http_api.start(config.host, config.http_port)
+            await http_api.start(config.host, config.http_port, doors.ssl_context())
         except OSError as e:
             await server.stop(None)
             raise SystemExit(f"lorafleet router: cannot serve HTTP on {config.host}:{config.http_port}: {e.strerror}"
@@ -77,7 +80,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     refreshing = asyncio.create_task(refresher.run(stop))
     reloading = asyncio.create_task(access.run(stop, config.keys_reload_interval))
     log.info("router listening", extra={"address": address, "http_port": config.http_port,
-                                        "control_plane": config.control_plane, "tls": Mode.PLAINTEXT.value,
+                                        "control_plane": config.control_plane, "tls": doors.serving.value,
                                         "to_control_plane": config.control_plane_dialer().mode.value,
                                         "to_pods": pod_dialer.mode.value})
     try:
@@ -95,6 +98,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         await health_servicer.enter_graceful_shutdown()
         await http_api.stop()
         await server.stop(_SHUTDOWN_GRACE_S)
+        if health_server is not None:
+            await health_server.stop(None)
         await refreshing
         await reloading
         await access.close()
