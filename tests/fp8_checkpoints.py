@@ -45,10 +45,12 @@ def _quantize(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Te
 
 
 def write_fp8(src: Path, dst: Path, quantization_config: dict, per_tensor: bool = False,
-              scale_shape: tuple[int, ...] | None = None, keep: str | None = None) -> Path:
+              scale_shape: tuple[int, ...] | None = None, keep: str | None = None, static: bool = False) -> Path:
     """``src``'s checkpoint with every projection weight (except names matching ``keep``) stored in e4m3 with a
     float32 ``weight_scale`` (per tensor: shape ``scale_shape`` or (1,); per channel: [out, 1]), its config.json
-    carrying ``quantization_config``, its other files copied."""
+    carrying ``quantization_config``, its other files copied. ``static``: each quantized projection also gets a
+    static ``input_scale`` and each attention layer the KV-cache scales ``k_scale`` and ``v_scale``, as static
+    FP8 checkpoints carry them."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
@@ -60,6 +62,11 @@ def write_fp8(src: Path, dst: Path, quantization_config: dict, per_tensor: bool 
             out[name] = w8
             out[name.removesuffix("weight") + "weight_scale"] = scale.reshape(scale_shape or (
                 (1,) if per_tensor else (-1, 1))).contiguous()
+            if static:
+                out[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.05])
+                if ".k_proj." in name:
+                    attention = name.removesuffix("k_proj.weight")
+                    out[attention + "k_scale"], out[attention + "v_scale"] = torch.tensor(0.1), torch.tensor(0.1)
         else:
             out[name] = tensor
     save_file(out, dst / "model.safetensors")
@@ -78,7 +85,7 @@ def write_dequantized(fp8_dir: Path, dst: Path, dtype: torch.dtype = torch.float
     tensors = load_file(fp8_dir / "model.safetensors")
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith(".weight_scale"):
+        if name.endswith((".weight_scale", ".input_scale", "k_scale", "v_scale")):
             continue
         if tensor.dtype == FP8:
             scale = tensors[name.removesuffix("weight") + "weight_scale"].float()

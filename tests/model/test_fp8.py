@@ -53,19 +53,25 @@ def _atol(model_dir, reference: torch.Tensor) -> float:
     return logits_atol(longest_sum(ModelConfig.from_dir(model_dir), tokens=len(IDS)), magnitude(reference))
 
 
+STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+# name -> (quantization_config, per tensor, scale shape, static input and KV-cache scales)
 LAYOUTS = {
-    "compressed-tensors, per channel": (compressed_tensors_config("channel"), False, None),
-    "compressed-tensors, per tensor": (compressed_tensors_config("tensor"), True, None),
-    "fp8, per tensor, scalar scales": (plain_fp8_config(), True, ()),
-    "fp8, per channel": (plain_fp8_config(), False, None),
+    "compressed-tensors, per channel": (compressed_tensors_config("channel"), False, None, False),
+    "compressed-tensors, per tensor, static input scales": (compressed_tensors_config("tensor", activations=STATIC),
+                                                             True, None, True),
+    "fp8, per tensor, scalar scales": (plain_fp8_config(), True, (), False),
+    "fp8, per channel, static": (plain_fp8_config(activation_scheme="static"), False, None, True),
+    "fbgemm_fp8, per channel": ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                 "modules_to_not_convert": ["lm_head"]}, False, None, False),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_an_fp8_checkpoint_gives_transformers_logits_on_its_dequantized_weights(base_dir, tmp_path, chunked, layout):
     # Per tensor, q, k and v (gate and up) each carry their own scale: the packed projection's rows differ.
-    config, per_tensor, shape = LAYOUTS[layout]
-    fp8_dir = write_fp8(base_dir, tmp_path / "fp8", config, per_tensor=per_tensor, scale_shape=shape)
+    # Static input and KV-cache scales are read past: activations are scaled per token, the KV cache unquantized.
+    config, per_tensor, shape, static = LAYOUTS[layout]
+    fp8_dir = write_fp8(base_dir, tmp_path / "fp8", config, per_tensor=per_tensor, scale_shape=shape, static=static)
     model = load_model(fp8_dir, "float32")
     assert model.quantization == "fp8" and model.precision_name == "float32+fp8"
     reference = _transformers_logits(write_dequantized(fp8_dir, tmp_path / "dequantized"))
