@@ -4,10 +4,11 @@ one per full ``CHUNK_BYTES`` chunk, that the router and the pods compute alike.
 The router forwards request bytes and has no tokenizer or chat template, so it cannot name the pods' KV
 blocks (keyed by token ids and adapter content). Both sides can read the request itself, though: the
 input is laid out as bytes (the raw prompt, or the tools and each chat turn's fields, in order), cut into
-fixed-size chunks, and chunk ``i``'s hash covers the adapter's name and every byte up to the chunk's end
-(``h[i] = H(h[i-1] || chunk[i])``, ``h[-1] = H(adapter)``). So two requests share hash ``i`` exactly
-when they name the same adapter and their inputs agree on the first ``(i + 1) * CHUNK_BYTES`` bytes,
-and a pod that holds the KV blocks of one holds most of the other's prefix too.
+fixed-size chunks, and chunk ``i``'s hash covers the adapter's name, the request's cache salt and every
+byte up to the chunk's end (``h[i] = H(h[i-1] || chunk[i])``, ``h[-1] = H(adapter, salt)``). So two
+requests share hash ``i`` exactly when they name the same adapter and salt (GenerateRequest.cache_salt: a
+tenant's cache scope) and their inputs agree on the first ``(i + 1) * CHUNK_BYTES`` bytes, and a pod that
+holds the KV blocks of one holds most of the other's prefix too.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ def input_bytes(request: generation_pb2.GenerateRequest) -> bytes:
     return b""
 
 
-def chain(adapter: str, data: bytes) -> tuple[int, ...]:
-    """The hash of each full ``CHUNK_BYTES`` chunk of ``data``, each chained to the ones before it and to
-    ``adapter`` ("" = the base model), so that no two adapters ever share a hash by construction."""
-    h = hashlib.blake2b(b"lorafleet-prefix/1" + _SEP + adapter.encode(), digest_size=8).digest()
+def chain(adapter: str, data: bytes, salt: str = "") -> tuple[int, ...]:
+    """The hash of each full ``CHUNK_BYTES`` chunk of ``data``, each chained to the ones before it, to
+    ``adapter`` ("" = the base model) and to the cache ``salt``, so that no two adapters, and no two salts,
+    ever share a hash by construction."""
+    seed = b"lorafleet-prefix/1" + _SEP + adapter.encode() + (_SEP + salt.encode() if salt else b"")
+    h = hashlib.blake2b(seed, digest_size=8).digest()
     out = []
     for start in range(0, len(data) - CHUNK_BYTES + 1, CHUNK_BYTES):
         h = hashlib.blake2b(h + data[start : start + CHUNK_BYTES], digest_size=8).digest()
@@ -63,4 +66,4 @@ def chain(adapter: str, data: bytes) -> tuple[int, ...]:
 def routing_prefix(request: generation_pb2.GenerateRequest) -> RoutingPrefix:
     """The request's routing prefix, as the router and the pod it reaches both compute it."""
     data = input_bytes(request)
-    return RoutingPrefix(chain(request.adapter, data), len(data))
+    return RoutingPrefix(chain(request.adapter, data, request.cache_salt), len(data))

@@ -64,7 +64,8 @@ class Door:
             with outcome:
                 await self._access.admit(tenant, adapter)
                 if tenant is not None and self._access.grpc_guarded:
-                    request = request.for_tenant(tenant.name)  # the pod's fair share weighs the key's tenant
+                    # the pod's fair share weighs the key's tenant; its cached prompts are the tenant's scope's alone
+                    request = request.for_tenant(tenant.name, tenant.cache_scope)
                 async with contextlib.aclosing(self._forwarder.stream(request, timeout)) as messages:
                     async for raw in messages:
                         if ttft is None:

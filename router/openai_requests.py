@@ -22,6 +22,7 @@ MAX_CHOICES = 16  # n; as the pods allow
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 _UINT32, _UINT64 = 2 ** 32 - 1, 2 ** 64 - 1
+_MAX_SALT = 256  # characters of a cache_salt: a random id fits many times over
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -45,6 +46,7 @@ class ApiRequest:
     logprobs: int | None
     structured: g.StructuredOutput | None = None  # the output's constraint (a forced tool call's included)
     tools: Tools | None = None  # tools the model may (or must) call; None: none, or tool_choice "none"
+    cache_salt: str = ""  # keeps its cached prompt blocks apart from other salts' (GenerateRequest.cache_salt)
 
     @property
     def n(self) -> int:
@@ -61,6 +63,7 @@ class ApiRequest:
             req.structured_output.CopyFrom(self.structured)
         if self.tools is not None:
             req.tools_json = self.tools.tools_json()
+        req.cache_salt = self.cache_salt
         return req
 
 
@@ -195,6 +198,9 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
     f.neutral("frequency_penalty", 0)
     f.neutral("presence_penalty", 0)
     f.string("user")  # an end-user id for abuse tracking upstream; nothing to do with it here
+    cache_salt = f.string("cache_salt") or ""  # an extension, as in vLLM: prompts cached apart from other salts
+    if len(cache_salt) > _MAX_SALT:
+        raise invalid("cache_salt", f"'cache_salt' must be at most {_MAX_SALT} characters, got {len(cache_salt)}")
     stream = f.boolean("stream")
     options = f.take("stream_options")
     include_usage = False
@@ -206,7 +212,8 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
             raise invalid("stream_options", "'stream_options' must be {\"include_usage\": true|false}")
         include_usage = options.get("include_usage", False)
     f.done()
-    return ApiRequest(endpoint, model, prompt, messages, sampling, stream, include_usage, logprobs, structured, tools)
+    return ApiRequest(endpoint, model, prompt, messages, sampling, stream, include_usage, logprobs, structured, tools,
+                      cache_salt)
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

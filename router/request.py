@@ -45,12 +45,16 @@ class RoutedRequest:
 
     def prefix_chain(self) -> tuple[int, ...]:
         """Its routing-prefix chain, as the pod that serves it computes it (conventions/prefix_chain.py)."""
-        return chain(self.adapter, input_bytes(self.message))
+        return chain(self.adapter, input_bytes(self.message), self.message.cache_salt)
 
-    def for_tenant(self, tenant: str) -> RoutedRequest:
-        """The same request with ``tenant`` named, whatever the caller wrote there: the pods' fair shares
-        weigh the tenant a guarded door authenticated."""
+    def for_tenant(self, tenant: str, cache_scope: str) -> RoutedRequest:
+        """The same request with ``tenant`` named, whatever the caller wrote there (the pods' fair shares weigh
+        the tenant a guarded door authenticated), and its cache salt under ``cache_scope`` (the tenant's, or
+        its sharing group's), followed by the caller's own salt: no other scope's requests share its cached
+        prompt blocks."""
+        salt = f"{cache_scope}/{self.message.cache_salt}" if self.message.cache_salt else cache_scope
+        change = generation_pb2.GenerateRequest(tenant=tenant, cache_salt=salt)
         message = generation_pb2.GenerateRequest()
         message.CopyFrom(self.message)
-        message.tenant = tenant
-        return RoutedRequest(self.payload + generation_pb2.GenerateRequest(tenant=tenant).SerializeToString(), message)
+        message.MergeFrom(change)
+        return RoutedRequest(self.payload + change.SerializeToString(), message)

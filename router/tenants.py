@@ -4,12 +4,14 @@ A tenants file (JSON; a Kubernetes Secret mounted as a file works as is) reads::
 
     {"tenants": [{"name": "acme", "key_sha256": ["<64 hex digits>", ...],
                   "adapters": ["acme-*", "shared-summary"], "base_model": true,
-                  "requests_per_second": 5, "tokens_per_minute": 20000}]}
+                  "requests_per_second": 5, "tokens_per_minute": 20000, "share_prefixes_with": "acme-group"}]}
 
 Keys are stored only as the SHA-256 of their UTF-8 bytes (``printf %s "$KEY" | sha256sum``): keys are long
 random strings, so one unsalted hash is enough to keep a leaked file from giving a key away. ``adapters``
 holds names and ``fnmatch`` globs (``*``, ``?``, ``[...]``); ``base_model`` says whether the base model
-(no adapter) is allowed. The two limits are optional; absent means unlimited."""
+(no adapter) is allowed. The two limits are optional; absent means unlimited. A tenant's prompts are cached
+apart from every other tenant's (GenerateRequest.cache_salt), unless both name the same
+``share_prefixes_with`` group: then their requests may reuse each other's cached prompt blocks."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from conventions.errors import ConfigError
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
-_TENANT_FIELDS = {"name", "key_sha256", "adapters", "base_model", "requests_per_second", "tokens_per_minute"}
+_TENANT_FIELDS = {"name", "key_sha256", "adapters", "base_model", "requests_per_second", "tokens_per_minute",
+                  "share_prefixes_with"}
 
 
 def key_hash(key: str) -> str:
@@ -40,6 +43,12 @@ class Tenant:
     base_model: bool = False
     requests_per_s: float | None = None
     tokens_per_min: int | None = None
+    share_prefixes_with: str | None = None  # a group whose tenants' requests may share cached prompt blocks
+
+    @property
+    def cache_scope(self) -> str:
+        """What its requests' cached prompt blocks are keyed under: its group's, else its own."""
+        return f"group:{self.share_prefixes_with}" if self.share_prefixes_with else f"tenant:{self.name}"
 
     def may_use(self, adapter: str) -> bool:
         """Whether this tenant may call ``adapter`` ("" = the base model)."""
@@ -114,7 +123,11 @@ def _tenant(entry, where: str) -> tuple[Tenant, list[str]]:
         raise ConfigError(f"{where} ({name}): base_model must be true or false")
     rps = _limit(entry, "requests_per_second", where, name)
     tpm = _limit(entry, "tokens_per_minute", where, name)
-    return Tenant(name, tuple(adapters), base, rps, None if tpm is None else int(tpm)), hashes
+    group = entry.get("share_prefixes_with")
+    if group is not None and (not isinstance(group, str) or not _NAME.fullmatch(group)):
+        raise ConfigError(f"{where} ({name}): share_prefixes_with must name a group in 1-63 lowercase letters,"
+                          f" digits, '.', '_' or '-', got {group!r}")
+    return Tenant(name, tuple(adapters), base, rps, None if tpm is None else int(tpm), group), hashes
 
 
 def _limit(entry: dict, field: str, where: str, name: str) -> float | None:

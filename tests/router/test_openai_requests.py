@@ -33,6 +33,14 @@ def test_a_completion_body_becomes_a_prompt_request_with_its_sampling():
     assert (api.endpoint, api.stream, api.logprobs) == (Endpoint.COMPLETIONS, False, 2)
 
 
+def test_a_cache_salt_goes_to_the_pod_and_an_oversized_one_is_refused():
+    assert parse_chat({**CHAT, "cache_salt": "s-1"}).generate_request("pirate", "c-1").cache_salt == "s-1"
+    assert parse_chat(CHAT).generate_request("pirate", "c-1").cache_salt == ""
+    with pytest.raises(ApiError, match="at most 256 characters") as e:
+        parse_chat({**CHAT, "cache_salt": "x" * 257})
+    assert (e.value.http_status, e.value.param) == (400, "cache_salt")
+
+
 def test_completion_defaults_are_openais_sixteen_tokens_at_temperature_one_without_a_seed():
     req = parse_completion({**COMPLETION, "prompt": ["Hi"]}).generate_request("", "cmpl-1")
     assert (req.prompt, req.sampling.max_tokens, req.sampling.temperature, req.sampling.top_p) == ("Hi", 16, 1.0, 1.0)

@@ -33,11 +33,27 @@ def test_the_router_computes_from_the_bytes_the_chain_the_pod_computes_from_the_
         assert pod_side.hashes and pod_side.input_bytes == len(input_bytes(request))
         routed = RoutedRequest.parse(request.SerializeToString())
         assert routed.prefix_chain() == pod_side.hashes
-        # a router with tenants appends the tenant to the bytes it forwards: the chain is unchanged
-        forwarded = routed.for_tenant("acme")
-        assert routing_prefix(gen_pb.GenerateRequest.FromString(forwarded.payload)).hashes == pod_side.hashes
+        # a router with tenants appends the tenant and its cache scope to the bytes it forwards: the pod computes
+        # the same chain from what it receives, and it is the scope's own
+        forwarded = routed.for_tenant("acme", "tenant:acme")
         assert forwarded.message == gen_pb.GenerateRequest.FromString(forwarded.payload)
-        assert forwarded.prefix_chain() == pod_side.hashes
+        assert routing_prefix(forwarded.message).hashes == forwarded.prefix_chain()
+        assert not set(forwarded.prefix_chain()) & set(pod_side.hashes)
+
+
+def test_tenants_prompts_hash_apart_unless_they_share_a_group_and_a_callers_salt_splits_them_further():
+    prompt = gen_pb.GenerateRequest(adapter="fin", prompt="Once upon a time, " * 100)
+    routed = RoutedRequest.parse(prompt.SerializeToString())
+    acme, globex = routed.for_tenant("acme", "tenant:acme"), routed.for_tenant("globex", "tenant:globex")
+    assert not set(acme.prefix_chain()) & set(globex.prefix_chain())
+    one, two = routed.for_tenant("acme", "group:holding"), routed.for_tenant("globex", "group:holding")
+    assert one.prefix_chain() == two.prefix_chain() and (one.message.tenant, two.message.tenant) == ("acme", "globex")
+    salted = RoutedRequest.of(gen_pb.GenerateRequest(adapter="fin", prompt=prompt.prompt, cache_salt="s1"))
+    assert salted.for_tenant("acme", "tenant:acme").message.cache_salt == "tenant:acme/s1"
+    assert not set(salted.for_tenant("acme", "tenant:acme").prefix_chain()) & set(acme.prefix_chain())
+    # a caller that claims another tenant's scope in its own salt gets it under its own scope
+    claimed = RoutedRequest.of(gen_pb.GenerateRequest(adapter="fin", prompt=prompt.prompt, cache_salt="tenant:acme"))
+    assert claimed.for_tenant("globex", "tenant:globex").message.cache_salt == "tenant:globex/tenant:acme"
 
 
 def test_different_adapters_never_share_a_hash_for_the_same_input():

@@ -44,6 +44,7 @@ def test_a_tenant_may_use_its_names_and_globs_and_the_base_model_only_when_allow
     (doc(base_model="yes"), "base_model must be true or false"),
     (doc(requests_per_second=0), "requests_per_second must be a positive number"),
     (doc(tokens_per_minute=True), "tokens_per_minute must be a positive number"),
+    (doc(share_prefixes_with="Not A Group"), "share_prefixes_with must name a group"),
     (json.dumps({"tenants": [{"name": "acme", "key_sha256": [key_hash(KEY)]},
                              {"name": "acme", "key_sha256": [key_hash("k2")]}]}), "appears twice"),
     (json.dumps({"tenants": [{"name": "acme", "key_sha256": [key_hash(KEY)]},
@@ -102,11 +103,22 @@ def test_the_pod_is_told_the_keys_tenant_over_whatever_the_caller_wrote(tmp_path
         async with router({"a": "ok"}) as f:
             access = Access(KeysFile(path, parse_tenants), None, grpc_guarded=grpc_guarded)
             door = Door(f.forwarder, access, f.metrics)
-            claimed = g.GenerateRequest(adapter="pirate", prompt="hi", tenant="someone-else").SerializeToString()
+            claimed = g.GenerateRequest(adapter="pirate", prompt="hi", tenant="someone-else",
+                                        cache_salt="tenant:someone-else").SerializeToString()
             async for _ in door.stream(RoutedRequest.parse(claimed), access.tenant(f"Bearer {KEY}"), 10, "grpc"):
                 pass
-            return f.pods["a"].calls[0].tenant
+            return f.pods["a"].calls[0].tenant, f.pods["a"].calls[0].cache_salt
 
-    assert asyncio.run(go(grpc_guarded=True)) == "acme"
+    # the key's tenant, and its cache scope before whatever salt the caller wrote
+    assert asyncio.run(go(grpc_guarded=True)) == ("acme", "tenant:acme/tenant:someone-else")
     # --api-key-file keeps the pods' fair shares per adapter, as before tenants: nothing is named.
-    assert asyncio.run(go(grpc_guarded=False)) == "someone-else"
+    assert asyncio.run(go(grpc_guarded=False)) == ("someone-else", "tenant:someone-else")
+
+
+def test_tenants_sharing_a_group_share_its_cache_scope_and_others_keep_their_own():
+    book = parse_tenants(json.dumps({"tenants": [
+        {"name": "acme", "key_sha256": [key_hash("a")], "share_prefixes_with": "holding"},
+        {"name": "acme-eu", "key_sha256": [key_hash("b")], "share_prefixes_with": "holding"},
+        {"name": "globex", "key_sha256": [key_hash("c")]}]}), "tenants.json")
+    scopes = [book.tenant_for(k).cache_scope for k in "abc"]
+    assert scopes == ["group:holding", "group:holding", "tenant:globex"]
