@@ -160,7 +160,7 @@ def _plain_fp8(quant: dict, method: str, model_dir: Path) -> Fp8Scheme:
 def choose_compute(device: torch.device | str, dtype: torch.dtype) -> tuple[Fp8Compute, str]:
     """How quantized projections compute on ``device`` for activations in ``dtype``, and why (for the log):
     dequantized on CPU; W8A8 on a GPU of compute capability 8.9+ where a row-wise scaled ``torch._scaled_mm``
-    runs (tried once here, on a small matmul); weight-only elsewhere."""
+    runs and agrees with weight-only on small matmuls of 1 and 17 rows (tried here once); weight-only elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return Fp8Compute.DEQUANTIZED, ("CPU: weights dequantized once at load to the pod's dtype, run through the "
@@ -168,13 +168,27 @@ def choose_compute(device: torch.device | str, dtype: torch.dtype) -> tuple[Fp8C
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return Fp8Compute.WEIGHT_ONLY, f"compute capability {capability[0]}.{capability[1]} has no FP8 tensor cores"
-    try:
-        x = torch.ones(16, 32, dtype=dtype, device=device)
-        w8, scale = quantize(torch.ones(32, 32, device=device))
-        w8a8(x, w8, scale, None)
-    except (RuntimeError, NotImplementedError) as e:
-        return Fp8Compute.WEIGHT_ONLY, f"row-wise scaled torch._scaled_mm does not run here: {e}"
+    failure = w8a8_failure(device, dtype)
+    if failure:
+        return Fp8Compute.WEIGHT_ONLY, failure
     return Fp8Compute.W8A8, f"compute capability {capability[0]}.{capability[1]}: FP8 tensor cores"
+
+
+def w8a8_failure(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why ``w8a8`` cannot serve activations in ``dtype`` on ``device``, or None: it must run and agree with
+    ``weight_only`` (up to the activations' e4m3 rounding) on matmuls of 1 and 17 rows."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    w8, scale = quantize(torch.randn(32, 64, device=device, generator=gen))
+    for rows in (1, 17):  # a decode row and an odd count: the kernel must take any step's rows
+        x = torch.randn(rows, 64, device=device, generator=gen).to(dtype)
+        try:
+            got = w8a8(x, w8, scale, None).float()
+        except (RuntimeError, NotImplementedError) as e:
+            return f"row-wise scaled torch._scaled_mm does not run here: {str(e).splitlines()[0]}"
+        expected = weight_only(x.float(), w8, scale, None)
+        if not torch.allclose(got, expected, rtol=0.1, atol=0.1 * float(expected.abs().max())):
+            return f"row-wise scaled torch._scaled_mm gave wrong results on a {rows}-row probe"
+    return None
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -223,3 +223,19 @@ def test_fp8_weights_without_a_quantization_config_are_refused(base_dir, tmp_pat
     with pytest.raises(ModelLoadError, match="is FP8, but only the projections' weights may be, in a checkpoint "
                                              "whose config.json says how it is quantized"):
         load_model(fp8_dir)
+
+
+def test_w8a8_is_chosen_only_where_it_runs_and_agrees_with_weight_only(monkeypatch):
+    from data_plane.model import quantization
+
+    assert quantization.choose_compute("cpu", torch.float32)[0] is Fp8Compute.DEQUANTIZED
+    assert quantization.w8a8_failure("cpu", torch.float32) is None  # torch's CPU _scaled_mm
+    monkeypatch.setattr(quantization, "w8a8", lambda x, w8, scale, bias: weight_only(x, w8, scale, bias) * 1.5)
+    assert "wrong results on a 1-row probe" in quantization.w8a8_failure("cpu", torch.float32)
+
+    def unsupported(*args):
+        raise RuntimeError("scaled_mm is not supported on this device\nmore")
+
+    monkeypatch.setattr(quantization, "w8a8", unsupported)
+    assert quantization.w8a8_failure("cpu", torch.float32) == ("row-wise scaled torch._scaled_mm does not run here: "
+                                                               "scaled_mm is not supported on this device")
