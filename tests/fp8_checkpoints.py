@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
-PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")
+PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight$")
 
 
 def compressed_tensors_config(strategy: str = "channel", ignore: tuple[str, ...] = ("lm_head",),

@@ -239,3 +239,18 @@ def test_w8a8_is_chosen_only_where_it_runs_and_agrees_with_weight_only(monkeypat
     monkeypatch.setattr(quantization, "w8a8", unsupported)
     assert quantization.w8a8_failure("cpu", torch.float32) == ("row-wise scaled torch._scaled_mm does not run here: "
                                                                "scaled_mm is not supported on this device")
+
+
+def test_a_checkpoint_storing_packed_projections_loads_its_fp8_weights_whole(tmp_path, chunked):
+    # Phi-3 stores qkv_proj and gate_up_proj packed: one e4m3 weight and one scale for all of its slices.
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                        initializer_range=0.1)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    fp8_dir = write_fp8(tmp_path / "base", tmp_path / "fp8", compressed_tensors_config("tensor"), per_tensor=True)
+    reference = _transformers_logits(write_dequantized(fp8_dir, tmp_path / "dequantized"))
+    ours = _logits(load_model(fp8_dir, "float32"), chunked)
+    assert (ours - reference).abs().max().item() < _atol(fp8_dir, reference)
