@@ -185,8 +185,9 @@ class _Fp8Weights:
     def _ignored(self, target: str, module: Projection) -> bool:
         if not self.scheme.prequantized:
             return False
-        prefix, _, _ = target.rpartition(".")
-        return all(self.scheme.ignores(f"model.{prefix}.{part}_proj") for part in module.slices)
+        prefix, _, _ = target.rpartition(".")  # its checkpoint names: each slice's, or the packed one's (Phi-3)
+        return (self.scheme.ignores(f"model.{target}")
+                or all(self.scheme.ignores(f"model.{prefix}.{part}_proj") for part in module.slices))
 
     def allocate_scales(self, device: torch.device | str) -> None:
         """Gives each e4m3 projection its scales and matmul (after the model's tensors are allocated)."""
