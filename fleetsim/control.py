@@ -89,4 +89,4 @@ def heartbeat(pod: SimPod, now: float) -> PodRecord:
                      sum(1 for n in pod.slots if n in pod.pinned), cfg.cpu_entries, len(pod.cpu), len(pod.pinned),
                      pod.running, len(pod.waiting), residents, pod.kv_usage,
                      pod.demand.report(cfg.demand_report_top).top, disk_capacity_bytes=cfg.disk_bytes,
-                     disk_used_bytes=pod.disk_used, disk_entries=len(pod.disk))
+                     disk_used_bytes=pod.disk.used, disk_entries=len(pod.disk))

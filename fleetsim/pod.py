@@ -2,8 +2,8 @@
 with pins), a waiting queue and a continuous batch whose step time follows the step model.
 
 What it keeps of the real pod (data_plane/lora/adapter_cache.py, disk_tier.py, load_times.py,
-data_plane/engine): an adapter's source is remote, so a load of one its disk tier lacks downloads it into the
-tier first (least recently used copies make room; a prefetch only takes free room and never evicts); the pod
+data_plane/engine): an adapter's source is remote, so a load of one its disk tier (``DiskTier``) lacks
+downloads it into the tier first; the pod
 measures each move between tiers (``LoadTimes``, the real class) and reports them; every adapter in a slot
 is in the CPU tier; a pinned adapter is in both and never evicted; an adapter serving a running
 request keeps its slot; a request for an adapter on disk starts one load (later requests join it) whose
@@ -32,6 +32,7 @@ import numpy as np
 from data_plane.demand import DemandMeter
 from data_plane.lora.load_times import LoadTimes
 from fleetsim.config import REFERENCE_RANK, FleetConfig, adapter_bytes
+from fleetsim.disk_tier import DiskTier
 
 
 class InvariantViolated(AssertionError):
@@ -82,10 +83,7 @@ class SimPod:
         self._schedule_event, self._admitted, self._finished, self._rng = schedule, admitted, finished, rng
         self.cpu: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its disk load runs
         self.slots: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its slot copy runs
-        self.disk: OrderedDict[str, bool] = OrderedDict()  # LRU first; False while its download runs
-        self.disk_used = 0  # bytes of the disk tier's copies, downloads in flight included
-        self._disk_view: tuple[int, frozenset[int]] = (-1, frozenset())  # (disk version, its keys) last reported
-        self._disk_version = 0
+        self.disk = DiskTier(config.disk_bytes, self._bytes)
         self._after_download: set[str] = set()  # host loads waiting for their download
         self._unkept: set[str] = set()  # downloads the full disk tier could not keep: straight to host memory
         self._rank = rank_of or {}
@@ -173,9 +171,7 @@ class SimPod:
     def prefetch(self, name: str, now: float) -> bool:
         """PrefetchAdapter: a download into the disk tier ahead of demand, only into free room (it never evicts a
         copy); False when skipped (already on disk or downloading, or no room)."""
-        if name in self.disk or name in self._unkept:
-            return False
-        if self.disk_used + self._bytes(name) > self.config.disk_bytes:
+        if name in self.disk or name in self._unkept or not self.disk.fits(name):
             return False
         self.counters.prefetches += 1
         self._download(name, now)
@@ -275,8 +271,8 @@ class SimPod:
             self.counters.evictions += 1
         self.cpu[name] = False
         self.counters.peak_cpu = max(self.counters.peak_cpu, len(self.cpu))
-        if self.disk.get(name):
-            self.disk.move_to_end(name)
+        if self.disk.ready(name):
+            self.disk.used_now(name)
             self._read(name, now)
             return
         self._after_download.add(name)
@@ -292,21 +288,11 @@ class SimPod:
         self._schedule_event(now + seconds, Event.DISK_DONE, self.index, name)
 
     def _download(self, name: str, now: float) -> None:
-        """Remote store -> disk tier, making room by dropping the least recently used copies (never one whose
-        download runs); a copy that still does not fit goes to host memory without staying on disk."""
-        size, cap = self._bytes(name), self.config.disk_bytes
-        while self.disk_used + size > cap:
-            victim = next((a for a, ready in self.disk.items() if ready), None)
-            if victim is None:
-                break
-            del self.disk[victim]
-            self.disk_used -= self._bytes(victim)
-        if self.disk_used + size <= cap:
-            self.disk[name] = False
-            self.disk_used += size
-        else:
+        """Remote store -> disk tier (``DiskTier.reserve``); a copy the tier cannot keep goes to host memory
+        without staying on disk."""
+        if not self.disk.reserve(name):
             self._unkept.add(name)
-        self._disk_version += 1
+        size = self._bytes(name)
         seconds = self.config.load.download_s(self._rank.get(name, REFERENCE_RANK))
         self.load_times.remote_to_disk(seconds, size)
         self._schedule_event(now + seconds, Event.DOWNLOAD_DONE, self.index, name)
@@ -314,9 +300,8 @@ class SimPod:
     def _downloaded(self, name: str, now: float) -> None:
         if name in self._unkept:
             self._unkept.discard(name)
-        elif name in self.disk:
-            self.disk[name] = True
-            self._disk_version += 1
+        else:
+            self.disk.landed(name)
         if name in self._after_download:
             self._after_download.discard(name)
             self._read(name, now)
@@ -327,11 +312,6 @@ class SimPod:
     def _bytes(self, name: str) -> int:
         return adapter_bytes(self._rank.get(name, REFERENCE_RANK))
 
-    def disk_copies(self, key_of: dict[str, int]) -> frozenset[int]:
-        """What its GetState reports of its disk tier (PodState.disk_digests): the copies there, by disk key."""
-        if self._disk_view[0] != self._disk_version:
-            self._disk_view = (self._disk_version, frozenset(key_of[a] for a, ready in self.disk.items() if ready))
-        return self._disk_view[1]
 
     def _start_copy(self, name: str, now: float) -> bool:
         if len(self.slots) >= self.config.slots:
@@ -364,10 +344,7 @@ class SimPod:
             problems.append(f"{len(self.slots)} adapters in {cfg.slots} slots")
         if len(self.cpu) > cfg.cpu_entries:
             problems.append(f"{len(self.cpu)} adapters in {cfg.cpu_entries} CPU entries")
-        if self.disk_used > cfg.disk_bytes:
-            problems.append(f"{self.disk_used} bytes in a disk tier of {cfg.disk_bytes}")
-        if self.disk_used != sum(self._bytes(a) for a in self.disk):
-            problems.append("the disk tier's bytes disagree with its copies")
+        problems += self.disk.problems()
         if len(self._running) > cfg.max_num_seqs:
             problems.append(f"{len(self._running)} running with {cfg.max_num_seqs} seats")
         if not self.slots.keys() <= self.cpu.keys():

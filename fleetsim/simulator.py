@@ -177,7 +177,7 @@ class Simulation:
                     residency={name: Tier.DEVICE if p.slots.get(name) else Tier.CPU
                                for name, ready in p.cpu.items() if ready},
                     running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage,
-                    disk=p.disk_copies(self._remote), load_times=self._load_times(p))
+                    disk=p.disk.keys(self._remote), load_times=self._load_times(p))
             for p in self.pods), self.now, remote=self._remote)
 
     @staticmethod

@@ -68,7 +68,7 @@ def test_a_remote_adapter_is_downloaded_once_and_read_from_the_disk_tier_after_i
     for name in names:  # six adapters through a host tier of four: the first two leave memory
         pod.load(name, sim.now)
         drain(sim)
-    assert pod.counters.downloads == 6 and set(pod.disk) == set(names) and all(pod.disk.values())
+    assert pod.counters.downloads == 6 and set(pod.disk.copies) == set(names) and all(pod.disk.copies.values())
     assert "a00000" not in pod.cpu
     pod.load("a00000", sim.now)
     drain(sim)
@@ -84,12 +84,12 @@ def test_a_full_disk_tier_drops_its_least_recently_used_copy_and_a_prefetch_neve
     assert pod.prefetch("a00001", 0.0) and pod.prefetch("a00002", 0.0)
     assert not pod.prefetch("a00003", 0.0)  # no room: skipped, nothing evicted
     drain(sim)
-    assert list(pod.disk) == ["a00001", "a00002"] and pod.counters.prefetches == 2
+    assert list(pod.disk.copies) == ["a00001", "a00002"] and pod.counters.prefetches == 2
     pod.load("a00003", sim.now)  # a load that must download makes room
     drain(sim)
-    assert list(pod.disk) == ["a00002", "a00003"] and pod.disk_used == 2 * adapter_bytes(16)
+    assert list(pod.disk.copies) == ["a00002", "a00003"] and pod.disk.used == 2 * adapter_bytes(16)
     pod.check()
-    pod.disk_used += 1
+    pod.disk.used += 1
     with pytest.raises(AssertionError, match="disagree with its copies"):
         pod.check()
 
