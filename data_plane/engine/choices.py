@@ -22,13 +22,13 @@ from data_plane.engine.sequence import SamplingParams
 async def generate_choices(engine: Engine, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                            request_id: str | None, timeout_s: float | None,
                            tenant: str | None = None, routing: RoutingPrefix | None = None,
-                           ) -> AsyncIterator[tuple[int, StepOutput]]:
+                           cache_salt: str = "") -> AsyncIterator[tuple[int, StepOutput]]:
     """(choice index, output) pairs of the ``params.n`` choices as they are produced, interleaved; the first
     error of any choice ends all of them and is raised. Closing the iterator aborts every choice. ``routing``:
     the prompt's routing prefix, which choice 0 records (Engine.generate)."""
     if params.n == 1:
         async with contextlib.aclosing(engine.generate(prompt_ids, params, adapter, request_id, timeout_s,
-                                                                tenant, routing)) as outs:
+                                                       tenant, routing, cache_salt)) as outs:
             async for out in outs:
                 yield 0, out
         return
@@ -40,7 +40,7 @@ async def generate_choices(engine: Engine, prompt_ids: list[int], params: Sampli
         rid = None if request_id is None else f"{request_id}/{index}"
         try:
             async for out in engine.generate(prompt_ids, replace(params, seed=seed, n=1), adapter, rid, timeout_s,
-                                           tenant, routing if index == 0 else None):
+                                           tenant, routing if index == 0 else None, cache_salt):
                 if index == 0 and len(tasks) == 1:  # the prompt is cached now: the other choices may start
                     tasks.extend(asyncio.create_task(run(i)) for i in range(1, params.n))
                 queue.put_nowait((index, out))

@@ -109,6 +109,7 @@ class Sequence:
     waited_for_adapter: bool = False  # its adapter was not resident at arrival: its first token waits for the load
     first_token_time: float | None = None
     last_token_time: float | None = None
+    request_salt: str = ""  # the request's own part of that key (GenerateRequest.cache_salt: a tenant's cache scope)
 
     def __post_init__(self) -> None:
         self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)

@@ -20,6 +20,10 @@ _FINISH = {FinishReason.STOP: generation_pb2.STOP, FinishReason.LENGTH: generati
 _ROLES = ("system", "user", "assistant", "tool")
 
 
+# Characters of a request's cache_salt: a router's tenant scope (under 80) and the caller's salt (at most 256).
+MAX_CACHE_SALT = 512
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, handle: EngineHandle, demand: DemandMeter | None = None) -> None:
         self._handle = handle
@@ -29,12 +33,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.adapter and self._demand is not None:
             self._demand.record(request.adapter)  # on arrival: a request refused for load is demand too
         engine = self._handle.get()
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(f"cache_salt has {len(request.cache_salt)} characters; send at most {MAX_CACHE_SALT}")
         prompt_ids = _prompt_ids(engine, request)
         params = sampling_params(request.sampling, constraint(request))
         text_of = _token_text(engine) if request.sampling.token_text else None
         async for index, out in generate_choices(engine, prompt_ids, params, request.adapter or None,
                                                  request.request_id or None, context.time_remaining(),
-                                                 request.tenant or None, routing_prefix(request)):
+                                                 request.tenant or None, routing_prefix(request), request.cache_salt):
             yield _response(out, request.request_id, text_of, index)
 
 
