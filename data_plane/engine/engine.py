@@ -26,7 +26,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.output import OutputText
 from data_plane.engine.prefix_report import PrefixReport
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
-from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, TokenOut
+from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, Timing, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost, StepShape
 from data_plane.engine.threads import model_thread
@@ -162,8 +162,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
                        request_id: str | None = None, timeout_s: float | None = None,
-                       tenant: str | None = None, routing: RoutingPrefix | None = None,
-                       cache_salt: str = "") -> AsyncIterator[StepOutput]:
+                       tenant: str | None = None, routing: RoutingPrefix | None = None) -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
         output for a bad request, or for one whose estimated first token comes after ``timeout_s`` (the
         caller's deadline; None: none) or after --max-queue-delay (``admission.lateness``; Overloaded, with
@@ -171,14 +170,12 @@ class Engine:
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
         request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
         fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in
-        ``prefix_report`` once its prompt is prefilled. ``cache_salt``: its prompt's cached blocks are shared only
-        with requests of the same salt (GenerateRequest.cache_salt: a tenant's cache scope)."""
+        ``prefix_report`` once its prompt is prefilled."""
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s, tenant or None)
-        seq.request_salt = cache_salt
         # its first token waits for its adapter's load, which the estimate does not foresee: it teaches the
         # estimate nothing about the queue
-        seq.waited_for_adapter = adapter is not None and not self.adapters.is_resident(adapter)
+        seq.timing.waited_for_adapter = adapter is not None and not self.adapters.is_resident(adapter)
         if params.constraint is not None:  # INVALID_ARGUMENT for what the grammar engine cannot honour, here
             seq.grammar = await asyncio.get_running_loop().run_in_executor(None, self.grammars.state, params.constraint)
             self.metrics.constrained_requests.labels(params.constraint.kind.value).inc()
@@ -263,8 +260,8 @@ class Engine:
         deadline = None if timeout_s is None else now + timeout_s
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         return Sequence(request_id, adapter, list(prompt_ids), params, max_total, arrival=now, deadline=deadline,
-                        tenant=tenant, ttft_estimate=wait_s, ttft_bias=calibration.bias,
-                        first_token_due=None if promised is None else now + promised)
+                        tenant=tenant, timing=Timing(ttft_estimate=wait_s, ttft_bias=calibration.bias,
+                                                     first_token_due=None if promised is None else now + promised))
 
     def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,
                               timeout_s: float | None, tail: float) -> tuple[float, float]:
@@ -305,12 +302,10 @@ class Engine:
         cached = self.blocks.prefix.match(seq.cache_salt, prompt, len(prompt))
         self.prefix_report.record(routing, len(prompt), [content for content, _ in cached])
 
-    def _prefix_salt(self, seq: Sequence) -> str:
-        """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision,
-        its adapter's content (the sha256 of its weights) and its own salt (a tenant's cache scope), so no block
-        is shared across any of them."""
-        adapter = "" if seq.adapter is None else self.lora.cache.get(seq.adapter).sha256
-        return f"{self.precision}/{adapter}" + (f"/{seq.request_salt}" if seq.request_salt else "")
+    def _prefix_salt(self, adapter: str | None) -> str:
+        """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision
+        and its adapter's content (the sha256 of its weights), so no block is shared across either."""
+        return f"{self.precision}/{'' if adapter is None else self.lora.cache.get(adapter).sha256}"
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -412,26 +407,27 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.metrics.e2e.observe(now - seq.arrival)
-                self.delays.observe_service(now - seq.first_scheduled)
+                self.delays.observe_service(now - seq.timing.first_scheduled)
             stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids), len(seq.output_ids)))
         self.metrics.generated_tokens.inc(sum(t is not None for t in tokens))
 
     def _record_latency(self, seq: Sequence, now: float) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        timing = seq.timing
+        if timing.first_token_time is None:
+            timing.first_token_time = now
             self.metrics.ttft.labels("adapter" if seq.adapter else "base").observe(now - seq.arrival)
             if log.isEnabledFor(logging.DEBUG):  # where a first token's wait went, for --log-level DEBUG
                 log.debug("first token of %s (adapter %s, tenant %s, %d prompt tokens) %.1f ms after arrival, "
                           "%.1f ms of it queued", seq.request_id, seq.adapter, seq.tenant or "-", len(seq.prompt_ids),
-                          (now - seq.arrival) * 1e3, (seq.first_scheduled - seq.arrival) * 1e3)
-            if seq.ttft_estimate is not None:
-                self.metrics.ttft_estimate_error.observe(now - seq.arrival - seq.ttft_estimate)
-                if not seq.waited_for_adapter:
-                    self.delays.observe_first_token(seq.ttft_estimate, now - seq.arrival,
-                                                    account_of(seq.adapter, seq.tenant), seq.ttft_bias)
+                          (now - seq.arrival) * 1e3, (timing.first_scheduled - seq.arrival) * 1e3)
+            if timing.ttft_estimate is not None:
+                self.metrics.ttft_estimate_error.observe(now - seq.arrival - timing.ttft_estimate)
+                if not timing.waited_for_adapter:
+                    self.delays.observe_first_token(timing.ttft_estimate, now - seq.arrival,
+                                                    account_of(seq.adapter, seq.tenant), timing.ttft_bias)
         else:
-            self.metrics.itl.observe(now - seq.last_token_time)
-        seq.last_token_time = now
+            self.metrics.itl.observe(now - timing.last_token_time)
+        timing.last_token_time = now
 
     def warm_up(self, rank: int = 8) -> None:
         """Builds every kernel and buffer a step needs and times the step-time model's prior; see

@@ -119,7 +119,7 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
-                 policy: Policy = Policy.FAIR, salt: Callable[[Sequence], str] = lambda seq: "",
+                 policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
                  prefill_budget: Callable[[int, int, bool, int, int], int] | None = None,
                  join_credit: float = STARTED_QUANTUM,
                  step_time: Callable[[StepShape], float] | None = None) -> None:
@@ -372,17 +372,17 @@ class Scheduler:
         pace: dict[int, tuple[int, float]] = {}  # adapters new to the step (0 or 1) -> unrushed tokens, step time
         for _, seq in queued:
             work += seq.num_uncomputed  # its own prompt and all ahead of it
-            if seq.first_token_due is None or seq.output_ids:
+            if seq.timing.first_token_due is None or seq.output_ids:
                 continue
             new_adapter = int(seq.adapter is not None and seq.adapter not in decode_adapters)
             if new_adapter not in pace:
                 tokens = max(1, self._prefill_budget(decodes, adapters, False, 1, new_adapter))
                 pace[new_adapter] = tokens, self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
             tokens, step_s = pace[new_adapter]
-            if now + (-(-work // tokens) + 1) * step_s <= seq.first_token_due:
+            if now + (-(-work // tokens) + 1) * step_s <= seq.timing.first_token_due:
                 continue
             for _ in range(2):  # the tokens a step must carry, then again at the longer step that carries them
-                steps = int((seq.first_token_due - now) / step_s) - 1 if step_s > 0 else 0
+                steps = int((seq.timing.first_token_due - now) / step_s) - 1 if step_s > 0 else 0
                 tokens = -(-work // steps) if steps > 0 else work
                 step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
             needed = max(needed, min(tokens, self._prefill_budget(decodes, adapters, True, 1, new_adapter)))
@@ -448,7 +448,7 @@ class Scheduler:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
         step, cached tokens), or None, changing nothing, when its KV blocks do not fit."""
         tenant = seq.adapter
-        num_cached = self.blocks.match_prefix(seq, self._salt(seq))
+        num_cached = self.blocks.match_prefix(seq, self._salt(tenant))
         num_new = min(seq.num_uncomputed - num_cached, budget)
         if not self.blocks.can_allocate(seq, num_cached + num_new):
             self.blocks.free(seq)  # the matched blocks go back, still cached
@@ -462,8 +462,8 @@ class Scheduler:
         seq.started_at_standing = self.shares.served(tenant)
         seq.started_at_computed = seq.num_computed + num_cached  # cached tokens were never computed for it
         seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled is None:
-            seq.first_scheduled = time.monotonic()
+        if seq.timing.first_scheduled is None:
+            seq.timing.first_scheduled = time.monotonic()
         self.running.append(seq)
         return num_new, num_cached
 

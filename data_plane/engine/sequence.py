@@ -75,6 +75,22 @@ class TokenOut:
     top: tuple[tuple[int, float], ...]  # most likely alternatives, most likely first
 
 
+@dataclass
+class Timing:
+    """A request's timeline and what admission promised it (``time.monotonic()`` seconds): written as each
+    event happens (admission by the engine, the first step by the scheduler, tokens by the step's
+    postprocess), read for latency metrics, the admission estimate's calibration and the scheduler's
+    first-token promises; nothing in it changes what the request computes."""
+
+    ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
+    ttft_bias: float = 1.0  # the correction (DelayEstimator.calibration) that estimate was made with
+    first_token_due: float | None = None  # when its first token was promised by (None: no promise)
+    waited_for_adapter: bool = False  # its adapter was not resident at arrival: its first token waits for the load
+    first_scheduled: float | None = None  # its first admission to a step
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
 @dataclass(eq=False)  # identity: a sequence is one request, whatever its fields
 class Sequence:
     request_id: str
@@ -100,16 +116,9 @@ class Sequence:
     # The key of every draw this request makes (with the token's position as the counter): its seed if
     # given, else a random one, so that a recomputation after preemption draws the same tokens again.
     sampling_seed: int = field(init=False)
-    first_scheduled: float | None = None  # time.monotonic() of its first admission
     started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
     started_at_computed: int = 0  # its tokens in the KV cache (computed or cached) when it last started running
-    ttft_estimate: float | None = None  # the wait for a first token admission estimated for it (seconds)
-    ttft_bias: float = 1.0  # the correction (DelayEstimator.calibration) that estimate was made with
-    first_token_due: float | None = None  # time.monotonic() its first token was promised by (None: no promise)
-    waited_for_adapter: bool = False  # its adapter was not resident at arrival: its first token waits for the load
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    request_salt: str = ""  # the request's own part of that key (GenerateRequest.cache_salt: a tenant's cache scope)
+    timing: Timing = field(default_factory=Timing)
 
     def __post_init__(self) -> None:
         self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)

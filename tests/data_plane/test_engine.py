@@ -12,7 +12,7 @@ import pytest
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from data_plane.engine.fair_share import account_of
-from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.engine.sequence import SamplingParams, Sequence, Timing
 from data_plane.errors import DeadlineExceeded, Overloaded
 from data_plane.metrics import PodMetrics
 from data_plane.pod import build_engine
@@ -251,12 +251,11 @@ def test_a_first_token_that_waited_for_its_adapters_load_teaches_the_estimate_no
             await tokens_of(engine, engine.tokenizer.encode("warm"), 1)
             before = engine.delays.bias
             cold = Sequence("cold", None, [1, 2, 3], SamplingParams(max_tokens=1), 4, arrival=time.monotonic() - 3.0,
-                            ttft_estimate=1.0)
-            cold.waited_for_adapter = True
+                            timing=Timing(ttft_estimate=1.0, waited_for_adapter=True))
             engine._record_latency(cold, time.monotonic())  # three times later than estimated: the load
             after_cold = engine.delays.bias
             warm = Sequence("warm", None, [1, 2, 3], SamplingParams(max_tokens=1), 4, arrival=time.monotonic() - 3.0,
-                            ttft_estimate=1.0)
+                            timing=Timing(ttft_estimate=1.0))
             engine._record_latency(warm, time.monotonic())
             return before, after_cold, engine.delays.bias
         finally:

@@ -156,7 +156,7 @@ def one_running(max_num_seqs: int, prompt: int = 3) -> tuple[Scheduler, list[boo
 def promised(s: Scheduler, name: str, waited_s: float, promise_s: float, now: float, prompt: int = 3,
              adapter: str | None = None) -> Sequence:
     seq = request(s, name, prompt, adapter)
-    seq.arrival, seq.first_token_due = now - waited_s, now - waited_s + promise_s
+    seq.arrival, seq.timing.first_token_due = now - waited_s, now - waited_s + promise_s
     return seq
 
 
