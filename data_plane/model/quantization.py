@@ -117,14 +117,17 @@ def _refuse(model_dir: Path, what: str) -> ModelLoadError:
 
 
 def _compressed_tensors(quant: dict, model_dir: Path) -> Fp8Scheme:
-    fmt = quant.get("format")
-    if fmt != "float-quantized":
-        raise _refuse(model_dir, f"compressed-tensors format {fmt!r} is not read (only float-quantized)")
+    sparsity = (quant.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":
+        raise _refuse(model_dir, f"compressed-tensors sparsity format {sparsity!r} is not read")
     groups = quant.get("config_groups") or {}
     if not groups:
         raise _refuse(model_dir, "compressed-tensors quantization_config has no config_groups")
     activations = set()
     for name, group in groups.items():
+        fmt = group.get("format") or quant.get("format")  # per group where the top level says mixed-precision
+        if fmt != "float-quantized":
+            raise _refuse(model_dir, f"compressed-tensors format {fmt!r} is not read (only float-quantized)")
         w = group.get("weights") or {}
         scheme = f"group {name!r}: weights {w.get('type')} {w.get('num_bits')}-bit, strategy {w.get('strategy')!r}"
         if w.get("type") != "float" or w.get("num_bits") != 8:

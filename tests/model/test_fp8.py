@@ -55,7 +55,10 @@ def _atol(model_dir, reference: torch.Tensor) -> float:
 
 STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # name -> (quantization_config, per tensor, scale shape, static input and KV-cache scales)
+MIXED = compressed_tensors_config("channel") | {"format": "mixed-precision"}
+MIXED["config_groups"]["group_0"]["format"] = "float-quantized"
 LAYOUTS = {
+    "compressed-tensors, mixed-precision, one float-quantized group": (MIXED, False, None, False),
     "compressed-tensors, per channel": (compressed_tensors_config("channel"), False, None, False),
     "compressed-tensors, per tensor, static input scales": (compressed_tensors_config("tensor", activations=STATIC),
                                                              True, None, True),
@@ -173,6 +176,8 @@ def _with_quantization(base_dir, tmp_path, config: dict, **kwargs):
     (plain_fp8_config(weight_block_size=[128, 128]), r"block-wise scales \(weight_block_size \[128, 128\]\)"),
     (compressed_tensors_config("block"), "block-wise and group-wise"),
     (compressed_tensors_config() | {"format": "pack-quantized"}, "format 'pack-quantized'"),
+    (compressed_tensors_config() | {"sparsity_config": {"format": "sparse-24-bitmask"}},
+     "sparsity format 'sparse-24-bitmask'"),
     ({**compressed_tensors_config(), "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8,
                                                                                "strategy": "channel"}}}}, "not FP8"),
 ])
