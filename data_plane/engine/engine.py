@@ -162,7 +162,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
                        request_id: str | None = None, timeout_s: float | None = None,
-                       tenant: str | None = None, routing: RoutingPrefix | None = None) -> AsyncIterator[StepOutput]:
+                       tenant: str | None = None, routing: RoutingPrefix | None = None,
+                       cache_salt: str = "") -> AsyncIterator[StepOutput]:
         """Streams the completion of ``prompt_ids``. Raises a LorafleetError before the first
         output for a bad request, or for one whose estimated first token comes after ``timeout_s`` (the
         caller's deadline; None: none) or after --max-queue-delay (``admission.lateness``; Overloaded, with
@@ -170,9 +171,11 @@ class Engine:
         waiting when its deadline passes ends with DeadlineExceeded. Closing the iterator aborts the
         request and frees its blocks. ``tenant``: who the request is billed to; a tenant's requests share one
         fair share whatever their adapters. ``routing``: the request's routing prefix, recorded in
-        ``prefix_report`` once its prompt is prefilled."""
+        ``prefix_report`` once its prompt is prefilled. ``cache_salt``: its prompt's cached blocks are shared only
+        with requests of the same salt (GenerateRequest.cache_salt: a tenant's cache scope)."""
         request_id = request_id or uuid.uuid4().hex
         seq = self._admit(request_id, prompt_ids, params, adapter, timeout_s, tenant or None)
+        seq.request_salt = cache_salt
         # its first token waits for its adapter's load, which the estimate does not foresee: it teaches the
         # estimate nothing about the queue
         seq.timing.waited_for_adapter = adapter is not None and not self.adapters.is_resident(adapter)
@@ -302,10 +305,12 @@ class Engine:
         cached = self.blocks.prefix.match(seq.cache_salt, prompt, len(prompt))
         self.prefix_report.record(routing, len(prompt), [content for content, _ in cached])
 
-    def _prefix_salt(self, adapter: str | None) -> str:
-        """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision
-        and its adapter's content (the sha256 of its weights), so no block is shared across either."""
-        return f"{self.precision}/{'' if adapter is None else self.lora.cache.get(adapter).sha256}"
+    def _prefix_salt(self, seq: Sequence) -> str:
+        """What a request's cached prefix blocks are keyed under besides their tokens: the pod's precision,
+        its adapter's content (the sha256 of its weights) and its own salt (a tenant's cache scope), so no block
+        is shared across any of them."""
+        adapter = "" if seq.adapter is None else self.lora.cache.get(seq.adapter).sha256
+        return f"{self.precision}/{adapter}" + (f"/{seq.request_salt}" if seq.request_salt else "")
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:

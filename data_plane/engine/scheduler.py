@@ -119,7 +119,7 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, cache: AdapterCache | None,
                  adapter_ready: Callable[[str], bool], weights: Mapping[Tenant, float] | None = None,
-                 policy: Policy = Policy.FAIR, salt: Callable[[Tenant], str] = lambda tenant: "",
+                 policy: Policy = Policy.FAIR, salt: Callable[[Sequence], str] = lambda seq: "",
                  prefill_budget: Callable[[int, int, bool, int, int], int] | None = None,
                  join_credit: float = STARTED_QUANTUM,
                  step_time: Callable[[StepShape], float] | None = None) -> None:
@@ -448,7 +448,7 @@ class Scheduler:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
         step, cached tokens), or None, changing nothing, when its KV blocks do not fit."""
         tenant = seq.adapter
-        num_cached = self.blocks.match_prefix(seq, self._salt(tenant))
+        num_cached = self.blocks.match_prefix(seq, self._salt(seq))
         num_new = min(seq.num_uncomputed - num_cached, budget)
         if not self.blocks.can_allocate(seq, num_cached + num_new):
             self.blocks.free(seq)  # the matched blocks go back, still cached

@@ -119,6 +119,7 @@ class Sequence:
     started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
     started_at_computed: int = 0  # its tokens in the KV cache (computed or cached) when it last started running
     timing: Timing = field(default_factory=Timing)
+    request_salt: str = ""  # the request's own part of that key (GenerateRequest.cache_salt: a tenant's cache scope)
 
     def __post_init__(self) -> None:
         self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
