@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from data_plane.config import DataPlaneConfig
+from data_plane.engine.sequence import SamplingParams
 from data_plane.metrics import PodMetrics
 from data_plane.model.precision import Precision
 from data_plane.pod import build_engine
@@ -62,12 +63,22 @@ def test_an_fp8_pod_reports_fp8_in_its_precision_everywhere(tiny_pod_files, capl
 
     async def run():
         engine = build_engine(config, PodMetrics())
-        return engine.precision, pod_state(engine, "pod-0", "tiny").precision, engine._prefix_salt(None)
+        salts, match = [], engine.blocks.match_prefix  # the keys its prompts' cached blocks are looked up under
+        engine.blocks.match_prefix = lambda seq, salt: salts.append(salt) or match(seq, salt)
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            for adapter in (None, next(iter(ADAPTERS))):
+                [step async for step in engine.generate(list(range(3, 40)), params, adapter)]
+        finally:
+            await engine.stop()
+        return engine.precision, pod_state(engine, "pod-0", "tiny").precision, salts
 
     with caplog.at_level(logging.INFO, logger="lorafleet"):
-        precision, reported, salt = asyncio.run(run())
+        precision, reported, salts = asyncio.run(run())
     assert precision == reported == "float32+fp8"
-    assert salt.startswith("float32+fp8/")  # cached blocks of an FP8 pod are never an unquantized pod's
+    # cached blocks of an FP8 pod are never an unquantized pod's, with or without an adapter
+    assert len(salts) >= 2 and all(salt.startswith("float32+fp8/") for salt in salts), salts
     records = {r.getMessage(): r for r in caplog.records}
     assert records["precision"].precision == "float32+fp8"
     assert records["quantization"].compute == "dequantized" and records["quantization"].source == "--quantization fp8"
