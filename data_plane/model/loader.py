@@ -243,7 +243,7 @@ class _Fp8Weights:
                 raise ModelLoadError(f"{path.name}: {scale_name} scales {hf_name}, which is stored in {weight.dtype}, "
                                      "not FP8: the checkpoint's weights and scales do not belong together")
             elif module.quantized is not None or not self.scheme.prequantized:
-                w8, per_row = quantize(weight)
+                w8, per_row = quantize(weight.to(module.weight.device))  # on the GPU where it will compute
             else:  # a module the checkpoint keeps unquantized, computing unquantized
                 module.weight[start : start + size].copy_(weight)
                 continue
