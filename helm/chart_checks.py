@@ -15,7 +15,11 @@
           checks their liveness service, which a Redis outage, a model load or a drain leaves SERVING;
         - only the router and the control plane may reach the data-plane pods' gRPC port (Generate);
         - a HorizontalPodAutoscaler scales a rendered workload that leaves its replicas to it;
-        - the Grafana dashboard ConfigMap holds valid JSON that queries the metrics it promises.
+        - the Grafana dashboard ConfigMap holds valid JSON that queries the metrics it promises;
+        - a PrometheusRule (monitoring.coreos.com/v1) holds the alerts it promises, each with an expression,
+          a severity and a summary, under unique names;
+        - every lorafleet_* metric a dashboard query or an alert names is one the processes define (their
+          metrics modules: data_plane/, control_plane/, router/metrics.py).
         Any other kind that kubernetes-validate would only warn about is an error here.
 
     chart_checks.py values-docs VALUES README
@@ -38,7 +42,8 @@ from pathlib import Path
 import yaml
 
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
-CRD_KINDS = {SERVICE_MONITOR}
+PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
+CRD_KINDS = {SERVICE_MONITOR, PROMETHEUS_RULE}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 COMPONENT = "app.kubernetes.io/component"
 # The health service that is SERVING while a process is not wedged (conventions/health.py), and the
@@ -71,7 +76,42 @@ DASHBOARD_METRICS = (
     "lorafleet_adapter_loads_total", "lorafleet_adapter_evictions_total", "lorafleet_adapter_load_seconds_bucket",
     "lorafleet_time_to_first_token_seconds_bucket", "lorafleet_inter_token_latency_seconds_bucket",
     "lorafleet_requests_running", "lorafleet_requests_waiting", "lorafleet_kv_cache_usage_ratio",
+    "lorafleet_requests_refused_total", "lorafleet_ttft_estimate_error_seconds_bucket",
+    "lorafleet_router_requests_total", "lorafleet_router_time_to_first_token_seconds_bucket",
+    "lorafleet_router_routing_decisions_total", "lorafleet_router_retries_total", "lorafleet_router_pods_routable",
+    "lorafleet_router_state_read_failures_total",
+    "lorafleet_control_plane_leader", "lorafleet_control_plane_redis_up", "lorafleet_control_plane_pods",
+    "lorafleet_control_plane_pods_removed_total", "lorafleet_control_plane_pins_unsatisfied",
+    "lorafleet_control_plane_pod_commands_total", "lorafleet_control_plane_rpcs_total",
+    "lorafleet_control_plane_reconcile_duration_seconds_bucket",
 )
+# The alerts the PrometheusRule must hold (docs/operations.md, "Alerts", says what to do for each).
+ALERTS = (
+    "LorafleetTargetDown", "LorafleetPodLost", "LorafleetTtftOverPromise", "LorafleetRefusalRateHigh",
+    "LorafleetTtftEstimateDrift", "LorafleetAdapterLoadFailures", "LorafleetRedisUnreachable",
+    "LorafleetLeaderMissing", "LorafleetNoRoutablePods",
+)
+PR_RULE_FIELDS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
+SEVERITIES = {"critical", "warning", "info"}
+# Where each process defines its metrics, and the series names a family of each kind exports.
+METRICS_MODULES = ("data_plane/metrics.py", "control_plane/metrics.py", "router/metrics.py")
+METRIC_NAME_RE = re.compile(r"\blorafleet_[a-z0-9_]+")
+_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
+
+
+def defined_metrics(root: Path) -> set[str]:
+    """The metric family names the processes' metrics modules define (their string literals)."""
+    names: set[str] = set()
+    for module in METRICS_MODULES:
+        names |= set(re.findall(r"[\"'](lorafleet_[a-z0-9_]+)[\"']", (root / module).read_text()))
+    return names
+
+
+def undefined_metrics(expr: str, defined: set[str]) -> list[str]:
+    """The lorafleet_* series names ``expr`` reads that no defined family exports."""
+    def known(name: str) -> bool:
+        return name in defined or any(name.endswith(s) and name[: -len(s)] in defined for s in _SUFFIXES)
+    return sorted({n for n in METRIC_NAME_RE.findall(expr) if not known(n)})
 
 
 def _seconds(duration: str) -> float:
@@ -102,6 +142,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 class Checker:
     def __init__(self, docs: list[dict]):
         self.docs = docs
+        self.defined = defined_metrics(Path(__file__).resolve().parent.parent)
         self.errors: list[str] = []
         self.pods = [d for d in docs if d.get("kind") in WORKLOAD_KINDS]
 
@@ -296,9 +337,49 @@ class Checker:
                 for metric in DASHBOARD_METRICS:
                     if metric not in exprs:
                         self.fail(f"{_name(doc)}: {key} has no panel querying {metric}")
+                for name in undefined_metrics(exprs, self.defined):
+                    self.fail(f"{_name(doc)}: {key} queries {name}, which no process exports")
                 ids = [p["id"] for p in dash.get("panels", [])]
                 if len(ids) != len(set(ids)):
                     self.fail(f"{_name(doc)}: {key} repeats a panel id")
+
+
+    def check_prometheus_rule(self, pr: dict) -> None:
+        where = _name(pr)
+        if not DNS_LABEL_RE.match(str((pr.get("metadata") or {}).get("name", ""))):
+            self.fail(f"{where}: metadata.name is not a DNS subdomain")
+        for extra in sorted(set(pr) - {"apiVersion", "kind", "metadata", "spec"}):
+            self.fail(f"{where}: unknown top-level field {extra!r}")
+        groups = (pr.get("spec") or {}).get("groups")
+        if not isinstance(groups, list) or not groups:
+            self.fail(f"{where}: spec.groups must be a non-empty list")
+            return
+        alerts: list[str] = []
+        for g in groups:
+            for extra in sorted(set(g) - {"name", "interval", "rules", "partial_response_strategy", "limit"}):
+                self.fail(f"{where}: group {g.get('name')!r} has unknown field {extra!r}")
+            for rule in g.get("rules") or []:
+                at = f"{where}: rule {rule.get('alert') or rule.get('record')!r}"
+                for extra in sorted(set(rule) - PR_RULE_FIELDS):
+                    self.fail(f"{at} has unknown field {extra!r}")
+                if not isinstance(rule.get("expr"), str) or not rule["expr"].strip():
+                    self.fail(f"{at} has no expr")
+                    continue
+                for name in undefined_metrics(rule["expr"], self.defined):
+                    self.fail(f"{at} reads {name}, which no process exports")
+                if "for" in rule and not DURATION_RE.match(str(rule["for"])):
+                    self.fail(f"{at}: for {rule['for']!r} is not a Prometheus duration")
+                if "alert" in rule:
+                    alerts.append(rule["alert"])
+                    if (rule.get("labels") or {}).get("severity") not in SEVERITIES:
+                        self.fail(f"{at}: labels.severity must be one of {sorted(SEVERITIES)}")
+                    if not (rule.get("annotations") or {}).get("summary"):
+                        self.fail(f"{at} has no summary annotation")
+        for name in sorted({a for a in alerts if alerts.count(a) > 1}):
+            self.fail(f"{where}: alert {name} is defined twice")
+        for name in ALERTS:
+            if name not in alerts:
+                self.fail(f"{where}: has no alert {name}")
 
 
 def manifests(rendered: Path, core_out: Path) -> int:
@@ -316,7 +397,10 @@ def manifests(rendered: Path, core_out: Path) -> int:
     checker.check_autoscalers()
     checker.check_dashboards()
     for doc in crds:
-        checker.check_service_monitor(doc)
+        if (doc.get("apiVersion"), doc.get("kind")) == PROMETHEUS_RULE:
+            checker.check_prometheus_rule(doc)
+        else:
+            checker.check_service_monitor(doc)
     for message in checker.errors:
         print(f"chart_checks: {message}", file=sys.stderr)
     kinds = sorted({d["kind"] for d in docs})

@@ -3,9 +3,9 @@
 #   1. helm lint --strict, with the default values and with each file in helm/values/;
 #   2. helm template for the same values and a few --set variants, each rendering validated by
 #      kubernetes-validate --strict against Kubernetes 1.30 and by helm/chart_checks.py (the
-#      ServiceMonitor CRD, selectors and Service ports, pinned images, non-root pods, gRPC probes, only
-#      the router and the control plane let in to the pods' Generate port, the router's autoscaler,
-#      the Grafana dashboard);
+#      ServiceMonitor and PrometheusRule CRDs, selectors and Service ports, pinned images, non-root
+#      pods, gRPC probes, only the router and the control plane let in to the pods' Generate port, the
+#      router's autoscaler, the Grafana dashboard and the alerts reading only metrics that exist);
 #   3. renderings that the chart must refuse (an unpinned image, no Redis at all, ...);
 #   4. every value documented in values.yaml and in the README's values table;
 #   5. hadolint on helm/images/*.Dockerfile.
@@ -148,7 +148,8 @@ render model-custom-existing-secrets-cpu \
   --set dataPlane.sharedAdapters.existingClaim=lorafleet-adapters \
   --set dataPlane.device=cpu --set dataPlane.gpus=0 --set dataPlane.dtype=float32 \
   --set controlPlane.image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef \
-  --set metrics.serviceMonitor.enabled=true --set networkPolicy.enabled=false \
+  --set metrics.serviceMonitor.enabled=true --set metrics.prometheusRule.enabled=true \
+  --set metrics.prometheusRule.namespace=monitoring --set networkPolicy.enabled=false \
   --set router.autoscaling.enabled=true --set router.apiKeys.existingSecret=lorafleet-api-keys \
   --set router.pdb.enabled=false \
   --set 'dataPlane.adapterSources.allow={s3://adapters,hf://acme}' \
