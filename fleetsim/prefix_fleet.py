@@ -57,7 +57,9 @@ class PrefixWorkload:
 @dataclass(frozen=True)
 class PrefixFleet:
     """The pods: ``num_kv_blocks`` of ``block_size`` tokens each; the step model's costs are assumptions for
-    an 8B model on one H100 (fleetsim/config.py's StepModel, plus ~14k prefill tokens a second)."""
+    an 8B model on one H100 (10 ms + 0.25 ms a sequence, plus ~14k prefill tokens a second), the fleet
+    simulator's before its StepModel was fitted to the H100 run (fleetsim/config.py: 9.57 ms + 0.069 ms a
+    sequence), kept so that benchmarks/RESULTS.md's "Prefix-aware routing" figures reproduce."""
 
     pods: int = 8
     max_num_seqs: int = 32
