@@ -37,6 +37,7 @@ from control_plane.placement import Pin  # noqa: E402
 from control_plane.replication import Policy as ReplicaPolicy  # noqa: E402
 from conventions.pod_cost import Weights  # noqa: E402
 from fleetsim.config import FleetConfig  # noqa: E402
+from fleetsim.pod import Arrival  # noqa: E402
 from fleetsim.policies import POLICIES, Ours, shipped_replication  # noqa: E402
 from fleetsim.simulator import SimResult, Simulation  # noqa: E402
 from fleetsim.trace import Arrivals, Trace, TraceConfig, make_trace  # noqa: E402
@@ -218,6 +219,13 @@ def explain(args: argparse.Namespace, scenario: str, policy: str) -> str:
     lines = [f"{policy}, {scenario}: queue p99 {r.queue_p99_ms:.0f} ms; {len(worst)} requests at or past it; "
              f"one pod serves about {per_pod:.1f} requests/s (a full batch of {sim.config.max_num_seqs}, "
              f"{trace.tokens.mean():.0f} tokens each, {mean_step * 1000:.1f} ms a step with as many adapters)"]
+    found = np.bincount(sim.arrived_as[worst], minlength=len(Arrival))
+    running, waiting = np.median(sim.busy_at_arrival[worst], axis=0)
+    lines.append("  where their adapter was on arrival: " + ", ".join(
+        f"{kind.name.lower()} {found[kind]}" for kind in Arrival) + f"; their pod then ran a median {running:.0f} "
+        f"and queued {waiting:.0f} (every counted request's pod: "
+        f"{np.median(sim.busy_at_arrival[counted], axis=0)[0]:.0f} / "
+        f"{np.median(sim.busy_at_arrival[counted], axis=0)[1]:.0f})")
     by_adapter = np.bincount(trace.adapters[worst], minlength=len(trace.names))
     for a in np.argsort(-by_adapter)[:5]:
         if not by_adapter[a]:

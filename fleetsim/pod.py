@@ -48,6 +48,15 @@ class Event(enum.IntEnum):
     DOWNLOAD_DONE = 4
 
 
+class Arrival(enum.IntEnum):
+    """Where a request's adapter was on its pod when the request arrived."""
+
+    SLOT = 0  # in a ready slot
+    HOST = 1  # in host memory, not in a slot
+    LOADING = 2  # a load of it was under way
+    COLD = 3  # nowhere in memory: the request started a load
+
+
 @dataclass
 class PodCounters:
     requests: int = 0
@@ -113,7 +122,8 @@ class SimPod:
         return len(self._running) / self.config.max_num_seqs
 
     # ---- events -----------------------------------------------------------------------------
-    def arrive(self, rid: int, now: float) -> None:
+    def arrive(self, rid: int, now: float) -> Arrival:
+        """Request ``rid`` joins the queue; returns where its adapter was when it arrived."""
         self._advance(now)
         name = self._names[self._adapter_of[rid]]
         c = self.counters
@@ -121,18 +131,21 @@ class SimPod:
         self.demand.record(name)
         if self.slots.get(name):
             c.device_hits += 1
+            found = Arrival.SLOT
         elif self.cpu.get(name):
             c.cpu_hits += 1
-        elif name in self.cpu:
+            found = Arrival.HOST
+        elif name in self.cpu or name in self._blocked:
             c.joined_loads += 1
-        elif name in self._blocked:
-            c.joined_loads += 1
+            found = Arrival.LOADING
         else:
             c.cold_loads += 1
+            found = Arrival.COLD
             self._start_disk_load(name, now)
         self.wanted[name] += 1
         self.waiting.append(rid)
         self._run_scheduler(now)
+        return found
 
     def handle(self, kind: int, payload: object, now: float) -> None:
         self._advance(now)

@@ -79,6 +79,8 @@ class Simulation:
         self.routed = np.full(len(trace), -1, dtype=np.int64)
         self.queue_s = np.full(len(trace), np.nan)
         self.completed = np.zeros(len(trace), dtype=bool)
+        self.arrived_as = np.full(len(trace), -1, dtype=np.int8)  # fleetsim.pod.Arrival of each request
+        self.busy_at_arrival = np.zeros((len(trace), 2), dtype=np.int32)  # its pod's running, waiting then
         self._outstanding = 0
         self._all_adapters = frozenset(trace.names)
         # every adapter has a remote source; its weights' sha256 (here of its name) is its identity on disk
@@ -134,7 +136,8 @@ class Simulation:
         self.routed[rid] = pod
         self._outstanding += 1
         self.policy.started(pod, name)
-        self.pods[pod].arrive(rid, self.now)
+        self.busy_at_arrival[rid] = self.pods[pod].running, len(self.pods[pod].waiting)
+        self.arrived_as[rid] = self.pods[pod].arrive(rid, self.now)
         if self.audit:
             self.pods[pod].check()
 

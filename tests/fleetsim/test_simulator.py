@@ -11,7 +11,7 @@ import pytest
 from control_plane.placement import Pin
 from control_plane.replication import Policy as ReplicaPolicy
 from fleetsim.config import FleetConfig
-from fleetsim.pod import InvariantViolated
+from fleetsim.pod import Arrival, InvariantViolated
 from fleetsim.policies import POLICIES, Ours, Policy
 from fleetsim.simulator import Simulation
 from fleetsim.trace import Arrivals, TraceConfig, make_trace
@@ -41,6 +41,10 @@ def test_every_request_completes_within_capacity_and_every_pin_is_held(name):
     assert r.peak_slots == FLEET.slots and r.peak_cpu == FLEET.cpu_entries  # the tiers were full, so the limits held
     assert sum(p.counters.evictions for p in sim.pods) > 0
     assert r.pins_assigned == 2 + 2 + 3 + FLEET.pods and r.pins_held == r.pins_assigned
+    found = np.bincount(sim.arrived_as, minlength=len(Arrival))  # each request's arrival, as the pods counted it
+    assert found.sum() == len(sim.trace)
+    assert found[Arrival.SLOT] == sum(p.counters.device_hits for p in sim.pods)
+    assert found[Arrival.COLD] == sum(p.counters.cold_loads for p in sim.pods)
 
 
 def test_the_control_plane_places_each_pin_on_as_many_distinct_pods_as_it_asks():
