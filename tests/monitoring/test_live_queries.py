@@ -19,8 +19,8 @@ import yaml
 
 from benchmarks.processes import free_port, scrape
 from cli.up.child_process import stop_process
+from tests import test_cli
 from tests.monitoring.prometheus import NAMESPACE, REPO, prometheus_binaries, render_rules
-from tests.test_cli import UP_READY_S, Up
 
 DASHBOARD = REPO / "helm/lorafleet/dashboards/lorafleet.json"
 # Grafana's variables as a user viewing every pod of the release would have them.
@@ -33,6 +33,8 @@ METRIC_RE = re.compile(r"\blorafleet_[a-z0-9_]+")
 SELECTOR_RE = re.compile(r"\b(lorafleet_[a-z0-9_]+|up)\{([^}]*)\}")
 MATCHER_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 TARGET_LABELS = {"namespace", "pod", "job", "instance"}
+
+up = test_cli.up  # the `lorafleet up` stack of tests/test_cli.py, started again for this module
 
 
 class Prometheus:
@@ -103,22 +105,9 @@ def _exported(text: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(demo_model_dir, tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    (home / "models").symlink_to(demo_model_dir.parent)
-    up = Up(home).start()
-    try:
-        up.wait_for("lorafleet is ready", UP_READY_S)
-        yield up
-    finally:
-        if up.proc.poll() is None:
-            stop_process(up.proc, timeout_s=60)
-
-
-@pytest.fixture(scope="module")
-def prometheus(stack, tmp_path_factory):
+def prometheus(up, tmp_path_factory):
     binary, _ = prometheus_binaries()
-    ports = {job: int(stack.args[stack.args.index(flag) + 1]) for job, flag in JOBS.items()}
+    ports = {job: int(up.args[up.args.index(flag) + 1]) for job, flag in JOBS.items()}
     prom = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), ports)
     try:
         prom.wait_until("Prometheus ready", lambda: _ready(prom))
@@ -126,7 +115,7 @@ def prometheus(stack, tmp_path_factory):
         for i in range(REQUESTS):
             body = json.dumps({"model": "pirate", "max_tokens": 8,
                                "messages": [{"role": "user", "content": f"Where is treasure number {i}?"}]})
-            request = urllib.request.Request(f"http://127.0.0.1:{stack.router_http_port}/v1/chat/completions",
+            request = urllib.request.Request(f"http://127.0.0.1:{up.router_http_port}/v1/chat/completions",
                                              data=body.encode(), headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as r:
                 assert r.status == 200
@@ -193,9 +182,9 @@ def test_every_alert_parses_and_its_selectors_match_the_exported_series(promethe
 
 
 def test_the_target_down_alert_sees_every_component_and_a_healthy_stack_raises_no_alert(prometheus):
-    up = prometheus.query(next(expr for alert, expr in _alerts(prometheus)
-                               if alert == "LorafleetTargetDown").replace(" == 0", ""))
-    assert sorted(s["metric"]["job"] for s in up) == sorted(JOBS)
+    targets = prometheus.query(next(expr for alert, expr in _alerts(prometheus)
+                                    if alert == "LorafleetTargetDown").replace(" == 0", ""))
+    assert sorted(s["metric"]["job"] for s in targets) == sorted(JOBS)
     def rules() -> list[dict]:
         return [r for g in prometheus.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
 
