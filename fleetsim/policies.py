@@ -102,7 +102,8 @@ class Ours(Policy):
 
 
 class RoundRobin(Policy):
-    """What a Kubernetes Service does: each pod in turn, blind to adapters and load."""
+    """What a Kubernetes Service does: each pod in turn, blind to adapters and load (kube-proxy's IPVS ``rr``
+    scheduler; its default iptables mode picks a pod at random, which spreads requests alike)."""
 
     name = "round-robin"
 
@@ -116,7 +117,9 @@ class RoundRobin(Policy):
 
 
 class LeastLoaded(Policy):
-    """The pod with the fewest running plus waiting requests, blind to adapters."""
+    """The pod with the fewest running plus waiting requests, blind to adapters, ties at random: AIBrix's
+    least-request router (vllm-project/aibrix, pkg/plugins/gateway/algorithms/least_request.go,
+    ``selectTargetPodWithLeastRequestCount``: the requests the gateway has in flight on each pod)."""
 
     name = "least-loaded"
 
