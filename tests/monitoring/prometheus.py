@@ -54,18 +54,23 @@ def prometheus_binaries() -> tuple[Path, Path]:
     return prometheus, promtool
 
 
-def render_rules(out: Path, *helm_args: str) -> dict:
-    """Writes the chart's PrometheusRule spec (its rule groups) to ``out`` as a Prometheus rule file and
-    returns it; skips when helm has not been fetched yet."""
+def helm_template(*helm_args: str) -> str:
+    """The chart rendered for namespace NAMESPACE with ``helm_args``; skips when helm has not been fetched yet."""
     if not _works(HELM, "version", "--short"):
         pytest.skip(f"helm not found at {HELM}: `make helm-lint` fetches it")
-    rendered = subprocess.run(
-        [str(HELM), "template", "lorafleet", str(REPO / "helm/lorafleet"), "--namespace", NAMESPACE,
-         "--set", "metrics.prometheusRule.enabled=true", "--show-only", "templates/prometheusrule.yaml",
-         *helm_args], capture_output=True, text=True, check=True, timeout=120,
+    return subprocess.run(
+        [str(HELM), "template", "lorafleet", str(REPO / "helm/lorafleet"), "--namespace", NAMESPACE, *helm_args],
+        capture_output=True, text=True, check=True, timeout=120,
         env={"HELM_CONFIG_HOME": str(TOOLS / "helm-home/config"), "HELM_CACHE_HOME": str(TOOLS / "helm-home/cache"),
-             "HELM_DATA_HOME": str(TOOLS / "helm-home/data"), "PATH": "/usr/bin:/bin"})
-    spec = yaml.safe_load(rendered.stdout)["spec"]
+             "HELM_DATA_HOME": str(TOOLS / "helm-home/data"), "PATH": "/usr/bin:/bin"}).stdout
+
+
+def render_rules(out: Path, *helm_args: str) -> dict:
+    """Writes the chart's PrometheusRule spec (its rule groups) to ``out`` as a Prometheus rule file and
+    returns it."""
+    rendered = helm_template("--set", "metrics.prometheusRule.enabled=true",
+                             "--show-only", "templates/prometheusrule.yaml", *helm_args)
+    spec = yaml.safe_load(rendered)["spec"]
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
     return spec
 
