@@ -33,6 +33,8 @@ METRIC_RE = re.compile(r"\blorafleet_[a-z0-9_]+")
 SELECTOR_RE = re.compile(r"\b(lorafleet_[a-z0-9_]+|up)\{([^}]*)\}")
 MATCHER_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 TARGET_LABELS = {"namespace", "pod", "job", "instance"}
+# An alert's comparison with its threshold, at the end of the expression or before an "or".
+THRESHOLD_RE = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+(?=\s*(?:$|or\b))")
 
 up = test_cli.up  # the `lorafleet up` stack of tests/test_cli.py, started again for this module
 
@@ -165,6 +167,18 @@ def test_every_dashboard_query_returns_data_unless_it_reads_a_series_no_event_ha
     assert len(waiting) <= len(_dashboard_queries()) // 4, f"too few queries had data to check: {waiting}"
 
 
+def test_every_alert_s_expression_returns_data_below_its_threshold(prometheus):
+    """An alert is quiet on a healthy stack; the quantity it compares with its threshold is not empty, unless
+    a selector of it waits for a label value no event has made yet (a refused request, say)."""
+    for alert, expr in _alerts(prometheus):
+        quantity = THRESHOLD_RE.sub("", expr)
+        if prometheus.query(quantity):
+            continue
+        unseen = [f"{name}{{{m}}}" for name, m in SELECTOR_RE.findall(quantity)
+                  if not prometheus.query(f"{name}{{{m}}}")]
+        assert unseen, f"{alert}: {quantity!r} returns nothing though each of its selectors has series"
+
+
 def test_every_alert_parses_and_its_selectors_match_the_exported_series(prometheus):
     for alert, expr in _alerts(prometheus):
         prometheus.query(expr)  # parses and evaluates
@@ -183,7 +197,7 @@ def test_every_alert_parses_and_its_selectors_match_the_exported_series(promethe
 
 def test_the_target_down_alert_sees_every_component_and_a_healthy_stack_raises_no_alert(prometheus):
     targets = prometheus.query(next(expr for alert, expr in _alerts(prometheus)
-                                    if alert == "LorafleetTargetDown").replace(" == 0", ""))
+                                    if alert == "LorafleetTargetDown").removesuffix(" == 0"))
     assert sorted(s["metric"]["job"] for s in targets) == sorted(JOBS)
     def rules() -> list[dict]:
         return [r for g in prometheus.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
