@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -59,6 +60,13 @@ class Prometheus:
         self.proc = subprocess.Popen(
             [str(binary), f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.targets = targets
+        self.exported: set[str] = set()  # series names the processes export or declare (read_names)
+        self.stored: set[str] = set()  # series names Prometheus holds samples of (read_names)
+
+    def read_names(self) -> None:
+        self.exported = set().union(*(_exported(scrape(port)) for port in self.targets.values()))
+        self.stored = set(self.get("/api/v1/label/__name__/values")["data"])
 
     def get(self, path: str, **params: str) -> dict:
         url = f"http://127.0.0.1:{self.port}{path}?{urllib.parse.urlencode(params)}"
@@ -125,8 +133,7 @@ def prometheus(up, tmp_path_factory):
         prom.wait_until("the requests scraped",
                         lambda: any(float(s["value"][1]) >= REQUESTS for s in prom.query(total)))
         time.sleep(3)  # a few more scrapes, so that each rate has two samples after the requests
-        prom.exported = set().union(*(_exported(scrape(port)) for port in ports.values()))
-        prom.stored = set(prom.get("/api/v1/label/__name__/values")["data"])
+        prom.read_names()
         yield prom
     finally:
         prom.stop()
