@@ -21,6 +21,13 @@ class Weights:
     cpu_hit: float = 0.5
     free_slot: float = 14.0
     evict: float = 20.0
+    # An adapter not in a slot, on a pod whose every slot holds a pinned or serving adapter, waits for one of
+    # them to finish its requests before its first step: longer than a load. The fleet simulator traced the
+    # queue p99 of zipf 0.8 and of 1.5x the rate to CPU hits on such pods (charged 0.5): at 50 pods x 5,000
+    # adapters, 40 took those p99s from 2.2 s and 3.3 s to 1.5 s and 1.7 s for 2% more cold loads (14: 2.0
+    # and 2.4 s; 60: 1.0 and 1.6 s for 40-70% more; benchmarks/RESULTS.md, "Fleet simulation: a wait for a
+    # slot").
+    slot_wait: float = 40.0
     running: float = 1.0
     waiting: float = 2.0
     kv_usage: float = 4.0

@@ -177,6 +177,7 @@ class Simulation:
         times, load) and the registry's remote adapters, as ``router.view.build_view`` makes them."""
         return FleetView(self._all_adapters, tuple(
             PodView(p.id, f"{p.id}:1", slots_total=self.config.slots, slots_used=len(p.slots),
+                    slots_busy=sum(1 for name in p.slots if name in p.pinned or p.in_use[name]),
                     residency={name: Tier.DEVICE if p.slots.get(name) else Tier.CPU
                                for name, ready in p.cpu.items() if ready},
                     running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage,

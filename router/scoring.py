@@ -2,7 +2,8 @@
 
 A pod's cost is what the request would wait for there, in units of "one request already running":
 the residency of its adapter (a device slot costs nothing, the CPU cache a copy into a slot, a free
-slot a read of the weights, a full pod that read plus another adapter's eviction; an adapter with a remote
+slot a read of the weights, a full pod that read plus another adapter's eviction, and either of the last two
+waits for a slot besides where every slot holds a pinned or serving adapter; an adapter with a remote
 source that the pod's disk tier lacks adds its download, that cold cost again times what a download takes
 on that pod against a read from its disk, as the pod measured both) plus the pod's load
 (running and waiting requests, KV-cache pressure), plus the prefill of the part of the prompt the pod does
@@ -79,5 +80,7 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         matched = pod.matched(chain) if weights.prefix else 0
         download = d in (Decision.FREE_SLOT, Decision.EVICT) and pod.must_download(remote_key)
         residency = residency_cost[d] * (1 + pod.load_times.download_factor() if download else 1)
+        if d in (Decision.CPU_HIT, Decision.EVICT) and not pod.slot_takeable:
+            residency += weights.slot_wait  # every slot pinned or serving: it waits for one to go idle
         choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))

@@ -52,6 +52,7 @@ class PodView:
     endpoint: str
     slots_total: int = 0
     slots_used: int = 0
+    slots_busy: int = 0  # slots whose adapter is pinned or serving: not to be given to another adapter now
     residency: Mapping[str, Tier] = field(default_factory=dict)  # adapter -> fastest tier holding it
     running: int = 0
     waiting: int = 0
@@ -76,6 +77,11 @@ class PodView:
     @property
     def has_free_slot(self) -> bool:
         return self.slots_used < self.slots_total
+
+    @property
+    def slot_takeable(self) -> bool:
+        """Whether an adapter not in a slot could get one now (free, or held by an idle, unpinned adapter)."""
+        return self.slots_busy < self.slots_total
 
     def must_download(self, key: int | None) -> bool:
         """Whether a load of the adapter whose remote copy has disk key ``key`` (None: a local source) must
@@ -119,7 +125,8 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
             residency[name] = Tier.DEVICE
         times = state.load_times
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
-                             slots_used=state.slots.used, residency=residency, running=state.running_requests,
+                             slots_used=state.slots.used, slots_busy=state.slots.busy, residency=residency,
+                             running=state.running_requests,
                              waiting=state.waiting_requests, kv_usage=state.kv_cache_usage,
                              precision=state.precision, prefixes=frozenset(state.prefix_hashes),
                              disk=frozenset(state.disk_digests),

@@ -44,6 +44,7 @@ class TierUsage:
     capacity: int
     used: int
     pinned: int
+    busy: int = 0  # held by an adapter that is pinned or serving a request: not to be taken now
 
 
 @dataclass
@@ -97,7 +98,8 @@ class AdapterCache:
         return [self.residency(name) for name in reversed(self._cpu)]
 
     def slot_usage(self) -> TierUsage:
-        return TierUsage(self.max_loras, len(self._slots), sum(1 for n in self._slots if n in self._pinned))
+        return TierUsage(self.max_loras, len(self._slots), sum(1 for n in self._slots if n in self._pinned),
+                         sum(1 for n in self._slots if n in self._pinned or self.in_use(n)))
 
     def cpu_usage(self) -> TierUsage:
         return TierUsage(self.max_cpu_loras, len(self._cpu), len(self._pinned))

@@ -60,7 +60,7 @@ def residency_pb(r: Residency) -> pb.AdapterResidency:
 
 
 def _tier_usage_pb(u: TierUsage) -> pb.TierUsage:
-    return pb.TierUsage(capacity=u.capacity, used=u.used, pinned=u.pinned)
+    return pb.TierUsage(capacity=u.capacity, used=u.used, pinned=u.pinned, busy=u.busy)
 
 
 def pod_state(engine: Engine, pod_id: str, base_model: str, with_prefixes: bool = False) -> pb.PodState:

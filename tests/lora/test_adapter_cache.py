@@ -152,5 +152,8 @@ def test_usage_counts(rt):
         rt.load(n, n)
     rt.cache.pin("a")
     _use(rt, "b")
-    assert rt.cache.slot_usage() == TierUsage(capacity=2, used=2, pinned=1)
+    assert rt.cache.slot_usage() == TierUsage(capacity=2, used=2, pinned=1, busy=1)  # a pinned; b idle
+    rt.cache.acquire("b")  # serving: its slot cannot be given to another adapter now
+    assert rt.cache.slot_usage().busy == 2
+    rt.cache.release("b")
     assert rt.cache.cpu_usage() == TierUsage(capacity=3, used=3, pinned=1)

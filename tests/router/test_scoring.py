@@ -112,3 +112,14 @@ def test_the_view_reads_each_pods_disk_tier_and_load_times_and_which_adapters_ar
     (p,) = view.pods
     assert not p.must_download(view.remote["s3"]) and p.must_download(0x99) and not p.must_download(None)
     assert p.load_times == LoadTimes(0.02, 0.3, 1.5) and p.load_times.download_factor() == pytest.approx(5.0)
+
+
+def test_a_pod_whose_every_slot_is_pinned_or_serving_makes_a_cpu_hit_wait_and_loses_to_one_with_room():
+    saturated = PodView("a", "a:1", slots_total=2, slots_used=2, slots_busy=2, residency={"x": Tier.CPU})
+    roomy = PodView("b", "b:1", slots_total=2, slots_used=2, slots_busy=1, residency={"x": Tier.CPU})
+    ranked = rank("x", [saturated, roomy])
+    assert [(c.pod.id, c.decision) for c in ranked] == [("b", Decision.CPU_HIT), ("a", Decision.CPU_HIT)]
+    assert ranked[1].cost - ranked[0].cost == Weights().slot_wait
+    # a device hit needs no slot: the busy slots are its own
+    assert rank("x", [PodView("a", "a:1", slots_total=2, slots_used=2, slots_busy=2,
+                              residency={"x": Tier.DEVICE})])[0].cost == 0.0
