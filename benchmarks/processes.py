@@ -22,8 +22,7 @@ from lorafleet.v1 import data_plane_admin_pb2 as dpa
 from lorafleet.v1 import data_plane_admin_pb2_grpc, generation_pb2_grpc
 
 from cli.admin_client import sha256_of
-from cli.up.child_process import spawn, stop_process, tail, wait_listening, wait_serving
-from cli.up.stack import find_redis_server
+from cli.up.child_process import find_redis_server, spawn, stop_process, tail, wait_listening, wait_serving
 from conventions.auth import bearer_metadata
 from conventions.tls import PLAINTEXT, Dialer
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir

