@@ -16,6 +16,7 @@ from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import Policy, ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.engine.threads import model_thread
+from data_plane.engine.warm_up import warm_up
 from data_plane.errors import AdapterNotFound
 from data_plane.lora.fetcher import AdapterFetcher
 from data_plane.lora.peft_adapter import AdapterLimits
@@ -75,7 +76,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                     cuda_graphs=device.type == "cuda" and not config.enforce_eager,
                     prefix_caching=config.prefix_caching, precision=model.precision_name,
                     prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads)
-    engine.warm_up()
+    warm_up(engine)  # every kernel and buffer a step needs built, the step-time model's prior timed
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": config.max_loras, "device": config.device})
     return engine

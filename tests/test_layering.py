@@ -97,3 +97,60 @@ def test_an_arrow_up_is_reported(tmp_path, module, line, seen):
     path.parent.mkdir(parents=True)
     path.write_text(f"def f():\n    pass\n{line}\n" if not line.startswith(" ") else f"def f():\n{line}\n")
     assert len(arrows_up(tmp_path)) == 1 and seen in arrows_up(tmp_path)[0]
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ours that ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks aside), a
+    ``from package import submodule`` counted as the submodule."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                 ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names)
+    return found & modules
+
+
+def import_circles(root: Path = ROOT) -> list[list[str]]:
+    """Every set of our modules that import each other round in a circle, at run time."""
+    paths = {_module_name(p, root): p for p in _sources(root)}
+    graph = {m: _runtime_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    order, low, stack, circles = {}, {}, [], []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_circles() == []
+
+
+def test_a_circle_is_reported(tmp_path):
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "a.py").write_text("from router.b import f\n")
+    (tmp_path / "router" / "b.py").write_text("def f():\n    from router import a\n")
+    assert import_circles(tmp_path) == [["router.a", "router.b"]]

@@ -30,7 +30,6 @@ from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, T
 from data_plane.engine.state import EngineState, PrefixState
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost, StepShape
 from data_plane.engine.threads import model_thread
-from data_plane.engine.warm_up import warm_up
 from data_plane.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -95,7 +94,7 @@ class Engine:
                  precision: str | None = None, prefix_report_size: int = 0, compute_threads: int | None = None) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
-        decode steps replay CUDA graphs captured by ``warm_up`` (on a CUDA model); ``prefix_caching``:
+        decode steps replay CUDA graphs captured by ``warm_up.warm_up`` (on a CUDA model); ``prefix_caching``:
         full KV blocks are kept and reused by requests whose prompts begin alike, keyed also by
         ``precision`` (default: the weights' dtype) and each adapter's content; ``prefix_report_size``: how
         many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching);
@@ -433,11 +432,6 @@ class Engine:
         else:
             self.metrics.itl.observe(now - timing.last_token_time)
         timing.last_token_time = now
-
-    def warm_up(self, rank: int = 8) -> None:
-        """Builds every kernel and buffer a step needs and times the step-time model's prior; see
-        ``warm_up.warm_up``. Call before ``start``, off the event loop."""
-        warm_up(self, rank)
 
     def on_model_thread(self, fn, *args):
         """``fn(*args)`` run on the model thread, its result returned (start-up work, before ``start``)."""

@@ -3,7 +3,7 @@
 The cache stores keys and values in fixed-size blocks; a sequence owns a list of blocks (its block
 table). Each step writes the new tokens' keys and values into their slots, then every new token
 attends to its sequence's context through the block table. How it attends is the backend's
-business, chosen once per model by device (``attention_backend``): gathered context in fixed key
+business, chosen once per model by device (``attention_backends.attention_backend``): gathered context in fixed key
 tiles on CPU (``torch_attention``), the Triton paged kernels on CUDA (``triton_attention``). The model calls
 ``backend.prepare(inputs)`` once per forward and the returned ``StepAttention`` in every layer, so
 no layer branches on the device.
@@ -76,17 +76,3 @@ class StepAttention(Protocol):
 class AttentionBackend(Protocol):
     def prepare(self, inputs: AttentionInputs) -> StepAttention:
         """What the layers of one step call; runs once per forward, without syncing with the host."""
-
-
-def attention_backend(device: torch.device | str, windows: set[int | None],
-                      row_multiple: int | None = None) -> AttentionBackend:
-    """The backend for ``device``: the Triton paged kernels on CUDA, tiled attention elsewhere;
-    ``windows``: the sliding windows of the model's layers (None: full attention); ``row_multiple``: the
-    query rows tiled attention's matmuls compute a multiple of (default: ``tiled_attention.ROW_MULTIPLE``)."""
-    if torch.device(device).type == "cuda":
-        from data_plane.model.triton_attention import TritonAttention  # Triton: the `cuda` extra
-
-        return TritonAttention()
-    from data_plane.model.torch_attention import TorchAttention
-
-    return TorchAttention(windows) if row_multiple is None else TorchAttention(windows, row_multiple)

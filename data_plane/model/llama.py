@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_plane.model import cpu_linear
-from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCache, StepAttention, attention_backend
+from data_plane.model.attention import AttentionBackend, AttentionInputs, KVCache, StepAttention
+from data_plane.model.attention_backends import attention_backend
 from data_plane.model.config import ModelConfig
 from data_plane.model.layer_ops import LayerOps, layer_ops
 from data_plane.model.precision import Precision
