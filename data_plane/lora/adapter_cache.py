@@ -248,9 +248,8 @@ class AdapterCache:
 
 
 def _zero_deltas(layer: LoRAProjection, rank: int) -> dict[str, SliceDelta]:
-    w = layer.base.weight
+    dtype = layer.base.dtype  # the activations' (and slots') dtype: an FP8 base's weights are not
     return {
-        name: SliceDelta(torch.zeros(rank, layer.base.in_features, dtype=w.dtype),
-                         torch.zeros(width, rank, dtype=w.dtype))
+        name: SliceDelta(torch.zeros(rank, layer.base.in_features, dtype=dtype), torch.zeros(width, rank, dtype=dtype))
         for name, width in layer.base.slices.items()
     }
