@@ -227,3 +227,28 @@ def test_lorafleet_generate_sends_the_key_from_its_flag_or_the_environment(guard
     assert run([*cli, "--api-key", PIRATES]).stdout.strip()
     denied = run(cli, LORAFLEET_API_KEY=SHOUTERS)  # a key of a tenant that may not use the adapter
     assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+
+
+def test_a_tenant_finds_its_own_cached_prompt_and_none_of_anothers(stack, guarded):
+    fleet, _, _ = stack
+    router, _ = guarded
+    prompt = "Summarise our freight terms: " + "parcels under thirty kilograms go by ferry, heavier ones by ship; " * 10
+    hits = lambda: sum(pod.metric("lorafleet_prefix_cache_hit_tokens_total") for pod in fleet.pods.values())
+
+    def ask(key: str) -> None:
+        for _ in range(3):  # hasty's 0.2 requests/s may still count an earlier test's request
+            try:
+                with client(router, key) as c:
+                    c.chat.completions.create(model="shouty", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=1, temperature=0)
+                return
+            except openai.RateLimitError:
+                time.sleep(5)
+        raise AssertionError(f"{key} stayed rate-limited")
+
+    ask(SHOUTERS)
+    before = hits()
+    ask(HASTY)  # another tenant, the same prompt and adapter: none of the shouters' blocks
+    assert hits() == before
+    ask(SHOUTERS)  # the shouters again: their own blocks
+    assert hits() > before
