@@ -71,7 +71,16 @@ def _generate_remote(args: argparse.Namespace) -> int:
         request.prompt = args.prompt
     key = args.api_key or os.environ.get("LORAFLEET_API_KEY", "")
     metadata = (("authorization", f"Bearer {key.strip()}"),) if key.strip() else None
-    with grpc.insecure_channel(args.endpoint) as channel:
+    ca = args.tls_ca or os.environ.get("LORAFLEET_TLS_CA")
+    if ca:
+        try:
+            root = Path(ca).read_bytes()
+        except OSError as e:
+            raise SystemExit(f"lorafleet: --tls-ca {ca}: cannot read it ({e.strerror})") from None
+        channel_of = lambda: grpc.secure_channel(args.endpoint, grpc.ssl_channel_credentials(root))
+    else:
+        channel_of = lambda: grpc.insecure_channel(args.endpoint)
+    with channel_of() as channel:
         streamed = False
         try:
             for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, metadata=metadata):
@@ -127,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", help="your tenant's key, sent as 'authorization: Bearer KEY' to a router with "
                                        "tenants; the environment variable LORAFLEET_API_KEY keeps it out of the "
                                        "process list (default: LORAFLEET_API_KEY, else none)")
+    gen.add_argument("--tls-ca", help="PEM CA of a router whose doors serve TLS (--door-tls-cert): connect over TLS "
+                                      "and verify it (default: LORAFLEET_TLS_CA, else plaintext)")
     gen.add_argument("--local", action="store_true", help="run the model in this process, no server")
     gen.add_argument("--model", help="model directory for --local (default: the demo model)")
     gen.add_argument("--device", default=defaults.DEVICE, choices=["cpu", "cuda"], help="device for --local")

@@ -140,8 +140,9 @@ class Reconciler:
                                cfg.max_load_attempts, cfg.retry_backoff_s)
         actions += self._replica_actions(adapters, ready, assignment.pods, placements)
         actions += prefetch_actions(pinned, ready, assignment.pods, self._prefetch_done)  # last on each pod
+        planned = {(a.adapter, a.pod) for a in actions if a.command is Command.PREFETCH}
         actions += popular_prefetches(adapters, ready, demand_rates(adapters, ready), self._prefetch,
-                                      self._prefetch_done)
+                                      lambda a, p, sha: (a, p) in planned or self._prefetch_done(a, p, sha))
         by_pod: dict[str, list[Action]] = defaultdict(list)
         for a in actions:
             if time.monotonic() >= self._pod_retry.get(a.pod, (0, 0.0))[1]:

@@ -4,9 +4,13 @@ sizes (thousands of adapters) two adapters sharing 8 bytes of a sha256 is a chan
 
 from __future__ import annotations
 
+import re
+
+_HEX = re.compile(r"[0-9a-fA-F]{16}")
+
 
 def disk_key(sha256: str) -> int:
     """The key of the weights whose sha256 (hex) is ``sha256``; ValueError for one that is not hex."""
-    if len(sha256) < 16:
+    if not _HEX.fullmatch(sha256[:16]):
         raise ValueError(f"a sha256 has 64 hex digits, got {sha256!r}")
     return int(sha256[:16], 16)

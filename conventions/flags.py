@@ -122,7 +122,8 @@ def add_options(parser: argparse.ArgumentParser, config: type, *, skip: tuple[st
         if o.kind is bool:
             kwargs.update(action=argparse.BooleanOptionalAction, default=o.default())
         else:
-            kwargs.update(type=o.spec.parse or o.kind, metavar=o.spec.metavar, choices=o.spec.choices)
+            metavar = o.spec.metavar or (o.flag[2:].replace("-", "_").upper() if o.repeated else None)
+            kwargs.update(type=o.spec.parse or o.kind, metavar=metavar, choices=o.spec.choices)
             if o.repeated:
                 kwargs.update(action="append", default=None)  # argparse appends to a default list: None, then ()
             elif o.required:
@@ -141,9 +142,9 @@ def from_args(config: type, args: argparse.Namespace, **more: Any) -> Any:
         if not hasattr(args, o.field.name):
             continue
         value = getattr(args, o.field.name)
-        if o.computed and value is None:
-            continue
-        values[o.field.name] = tuple(value or ()) if o.repeated else value
+        if value is None and (o.computed or o.repeated):
+            continue  # the field's own default (a repeated flag given no time, a default made when built)
+        values[o.field.name] = tuple(value) if o.repeated else value
     return config(**values, **more)
 
 
@@ -152,13 +153,17 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
     argv: list[str] = []
     for o in options(type(config)):
         value = getattr(config, o.field.name)
-        if o.field.name in skip or (not o.required and value == o.default()):
+        # a default made when the config is built (from the environment, say) is passed as it was made here
+        if o.field.name in skip or (not o.required and not o.computed and value == o.default()):
             continue
         if o.kind is bool:
             argv.append(o.flag if value else "--no-" + o.flag[2:])
         elif o.repeated:
-            for item in value:
-                argv += [o.flag, o.spec.show(item)]
-        elif value is not None:
-            argv += [o.flag, o.spec.show(value)]
+            if value == () and o.default() != ():
+                raise ValueError(f"{o.flag}: no flag gives an empty {o.field.name} when its default is not empty")
+            argv += [f"{o.flag}={o.spec.show(item)}" for item in value]
+        elif value is None:
+            raise ValueError(f"{o.flag}: no flag gives None when its default is {o.default()!r}")
+        else:
+            argv.append(f"{o.flag}={o.spec.show(value)}")  # "=": a value may begin with "-"
     return argv

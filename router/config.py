@@ -54,7 +54,7 @@ class RouterConfig:
     # (gRPC and HTTP, the clients') are not served with them.
     tls_cert: Path | None = option(
         "this router's PEM certificate chain (with --tls-key), shown to the control plane and the pods it dials"
-        " over TLS; the clients' doors stay plaintext (default: none shown)", None, group=TLS)
+        " over TLS; the clients' doors serve --door-tls-cert instead (default: none shown)", None, group=TLS)
     tls_key: Path | None = option("PEM private key of --tls-cert (default: none)", None, group=TLS)
     tls_ca: Path | None = option(
         "PEM CA of the fleet's component certificates: dial the pods (and the control plane, unless"

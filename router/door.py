@@ -66,6 +66,8 @@ class Door:
                 if tenant is not None and self._access.grpc_guarded:
                     # the pod's fair share weighs the key's tenant; its cached prompts are the tenant's scope's alone
                     request = request.for_tenant(tenant.name, tenant.cache_scope)
+                else:
+                    request = request.for_open_door()
                 async with contextlib.aclosing(self._forwarder.stream(request, timeout)) as messages:
                     async for raw in messages:
                         if ttft is None:

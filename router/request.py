@@ -16,6 +16,8 @@ from lorafleet.v1 import generation_pb2
 from conventions.prefix_chain import chain, input_bytes
 from router.errors import InvalidRequest
 
+MAX_CACHE_SALT = 256  # characters of a caller's cache_salt, as the HTTP door takes it
+
 
 @dataclass(frozen=True)
 class RoutedRequest:
@@ -28,10 +30,13 @@ class RoutedRequest:
     def parse(cls, payload: bytes) -> RoutedRequest:
         """The request ``payload`` holds; InvalidRequest if it is not a GenerateRequest."""
         try:
-            return cls(payload, generation_pb2.GenerateRequest.FromString(payload))
+            message = generation_pb2.GenerateRequest.FromString(payload)
         except DecodeError as e:
             raise InvalidRequest(f"the request is not a lorafleet.v1.GenerateRequest ({e}); "
                                  "send one built from protos/lorafleet/v1/generation.proto") from None
+        if len(message.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(f"cache_salt has {len(message.cache_salt)} characters; send at most {MAX_CACHE_SALT}")
+        return cls(payload, message)
 
     @classmethod
     def of(cls, message: generation_pb2.GenerateRequest) -> RoutedRequest:
@@ -47,13 +52,24 @@ class RoutedRequest:
         """Its routing-prefix chain, as the pod that serves it computes it (conventions/prefix_chain.py)."""
         return chain(self.adapter, input_bytes(self.message), self.message.cache_salt)
 
+    def for_open_door(self) -> RoutedRequest:
+        """The same request with the caller's cache salt, if any, under the open doors' own scope: a caller no
+        key names cannot claim a tenant's scope (``tenant:acme``) on pods that a router with tenants also
+        serves."""
+        if not self.message.cache_salt:
+            return self
+        return self._with(generation_pb2.GenerateRequest(cache_salt=f"open/{self.message.cache_salt}"))
+
     def for_tenant(self, tenant: str, cache_scope: str) -> RoutedRequest:
         """The same request with ``tenant`` named, whatever the caller wrote there (the pods' fair shares weigh
         the tenant a guarded door authenticated), and its cache salt under ``cache_scope`` (the tenant's, or
         its sharing group's), followed by the caller's own salt: no other scope's requests share its cached
         prompt blocks."""
         salt = f"{cache_scope}/{self.message.cache_salt}" if self.message.cache_salt else cache_scope
-        change = generation_pb2.GenerateRequest(tenant=tenant, cache_salt=salt)
+        return self._with(generation_pb2.GenerateRequest(tenant=tenant, cache_salt=salt))
+
+    def _with(self, change: generation_pb2.GenerateRequest) -> RoutedRequest:
+        """``change``'s fields over this request's, appended to its bytes (a later value of a field wins)."""
         message = generation_pb2.GenerateRequest()
         message.CopyFrom(self.message)
         message.MergeFrom(change)

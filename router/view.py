@@ -4,6 +4,8 @@ registry and the pods' own GetState."""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -14,6 +16,8 @@ from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
 from conventions.disk_key import disk_key
 
 _REMOTE = ("http://", "https://", "s3://", "hf://")  # sources a pod downloads into its disk tier
+_MAX_DOWNLOAD_FACTOR = 1000.0  # a report beyond reason is not allowed to outweigh everything else
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # a registry record that holds anything else is left out, not fatal
 
 
 class Tier(IntEnum):
@@ -39,8 +43,8 @@ class LoadTimes:
         """How many times a read from disk a download into the disk tier takes on this pod: what a cold load
         that must download costs beyond one that reads its disk's copy. 1 until both were measured (a
         download is at least a second read: its copy is then read from disk)."""
-        if self.disk_to_host_s > 0 and self.remote_to_disk_s > 0:
-            return self.remote_to_disk_s / self.disk_to_host_s
+        if 0 < self.disk_to_host_s < math.inf and 0 < self.remote_to_disk_s < math.inf:
+            return min(self.remote_to_disk_s / self.disk_to_host_s, _MAX_DOWNLOAD_FACTOR)
         return 1.0
 
 
@@ -133,6 +137,7 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
                              load_times=LoadTimes(times.host_to_slot_seconds, times.disk_to_host_seconds,
                                                   times.remote_to_disk_seconds)))
     base_model = next((s.base_model for s in states.values() if s.base_model), base_model)
-    remote = {a.name: disk_key(a.sha256) for a in adapters if a.source.startswith(_REMOTE) and len(a.sha256) == 64}
+    remote = {a.name: disk_key(a.sha256) for a in adapters
+              if a.source.startswith(_REMOTE) and _SHA256.fullmatch(a.sha256)}
     return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
                      base_model, remote)

@@ -28,7 +28,7 @@ class StackConfig:
     """What ``lorafleet up`` runs; each field with ``option`` is the flag of its name (conventions/flags.py)."""
 
     data_dir: Path = option("Redis's append-only file, logs, pid file and admin token (default: $LORAFLEET_HOME/up)",
-                            default_factory=up_dir, parse=_resolved)
+                            default_factory=lambda: up_dir().resolve(), parse=_resolved)
     host: str = option("address every server listens on", defaults.HOST)
     redis_port: int = option("Redis port", defaults.REDIS_PORT, group=PORTS)
     control_plane_port: int = option("control plane gRPC port", defaults.CONTROL_PLANE_PORT, group=PORTS)

@@ -59,8 +59,25 @@ def test_a_required_flag_and_a_wrong_choice_are_refused(capsys):
 def test_to_argv_rebuilds_the_config_and_names_only_what_differs_from_the_defaults():
     toy = Toy(name="x", ratio=0.25, where=Path("/f"), roots=(Path("/a"), Path("/b")), cache=False)
     argv = to_argv(toy)
-    assert argv == ["--name", "x", "--ratio", "0.25", "--where", "/f", "--root", "/a", "--root", "/b", "--no-cache"]
+    assert argv == ["--name=x", "--ratio=0.25", "--where=/f", "--root=/a", "--root=/b", "--no-cache"]
     assert from_args(Toy, toy_parser().parse_args(argv)) == toy
+    dashed = Toy(name="-x")  # a value that begins with "-" still reads as the flag's value
+    assert from_args(Toy, toy_parser().parse_args(to_argv(dashed))) == dashed
+
+
+def test_what_no_flag_can_say_is_refused_rather_than_dropped():
+    @dataclass(frozen=True)
+    class Defaulted:
+        url: str | None = option("a URL with a default", "redis://a")
+        roots: tuple[str, ...] = option("repeatable with a default", ("x",))
+
+    p = argparse.ArgumentParser()
+    add_options(p, Defaulted)
+    assert from_args(Defaulted, p.parse_args([])) == Defaulted()  # an unrepeated flag keeps its default
+    with pytest.raises(ValueError, match="--url: no flag gives None"):
+        to_argv(Defaulted(url=None))
+    with pytest.raises(ValueError, match="--root: no flag gives an empty roots"):
+        to_argv(Defaulted(roots=()))
 
 
 def test_a_field_a_flag_cannot_carry_is_refused():

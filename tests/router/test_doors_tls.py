@@ -57,6 +57,10 @@ def test_both_doors_serve_tls_that_the_official_clients_verify(door):
         reply = client.chat.completions.create(model="pirate", max_tokens=4,
                                                messages=[{"role": "user", "content": "Ahoy?"}])
         assert reply.choices[0].message.content and router.base_url.startswith("https://")
+    done = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--endpoint", router.address, "--tls-ca",
+                           str(public.cert), "--adapter", "pirate", "--max-tokens", "2", "Ahoy?"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr  # lorafleet generate over the TLS door
     with pytest.raises(httpx.TransportError):  # plaintext HTTP to a TLS door gets no answer
         httpx.get(f"http://127.0.0.1:{router.http_port}/v1/models", timeout=10)
     with grpc.insecure_channel(router.address) as plain, pytest.raises(grpc.RpcError):

@@ -54,6 +54,10 @@ def test_tenants_prompts_hash_apart_unless_they_share_a_group_and_a_callers_salt
     # a caller that claims another tenant's scope in its own salt gets it under its own scope
     claimed = RoutedRequest.of(gen_pb.GenerateRequest(adapter="fin", prompt=prompt.prompt, cache_salt="tenant:acme"))
     assert claimed.for_tenant("globex", "tenant:globex").message.cache_salt == "tenant:globex/tenant:acme"
+    assert claimed.for_open_door().message.cache_salt == "open/tenant:acme"  # nor can a caller no key names
+    assert routed.for_open_door() is routed  # no salt, nothing to scope
+    with pytest.raises(InvalidRequest, match="at most 256"):
+        RoutedRequest.parse(gen_pb.GenerateRequest(prompt="x", cache_salt="s" * 257).SerializeToString())
 
 
 def test_different_adapters_never_share_a_hash_for_the_same_input():

@@ -111,8 +111,9 @@ def test_the_pod_is_told_the_keys_tenant_over_whatever_the_caller_wrote(tmp_path
 
     # the key's tenant, and its cache scope before whatever salt the caller wrote
     assert asyncio.run(go(grpc_guarded=True)) == ("acme", "tenant:acme/tenant:someone-else")
-    # --api-key-file keeps the pods' fair shares per adapter, as before tenants: nothing is named.
-    assert asyncio.run(go(grpc_guarded=False)) == ("someone-else", "tenant:someone-else")
+    # --api-key-file keeps the pods' fair shares per adapter, as before tenants: nothing is named, and the caller's
+    # salt goes under the open doors' scope: it cannot claim a tenant's
+    assert asyncio.run(go(grpc_guarded=False)) == ("someone-else", "open/tenant:someone-else")
 
 
 def test_tenants_sharing_a_group_share_its_cache_scope_and_others_keep_their_own():
