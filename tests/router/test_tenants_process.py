@@ -233,7 +233,9 @@ def test_a_tenant_finds_its_own_cached_prompt_and_none_of_anothers(stack, guarde
     fleet, _, _ = stack
     router, _ = guarded
     prompt = "Summarise our freight terms: " + "parcels under thirty kilograms go by ferry, heavier ones by ship; " * 10
-    hits = lambda: sum(pod.metric("lorafleet_prefix_cache_hit_tokens_total") for pod in fleet.pods.values())
+    # the pods still running: an earlier test of the package may have stopped one of the fleet's
+    hits = lambda: sum(pod.metric("lorafleet_prefix_cache_hit_tokens_total") for pod in fleet.pods.values()
+                       if pod.proc.poll() is None)
 
     def ask(key: str) -> None:
         for _ in range(3):  # hasty's 0.2 requests/s may still count an earlier test's request
@@ -249,6 +251,8 @@ def test_a_tenant_finds_its_own_cached_prompt_and_none_of_anothers(stack, guarde
     ask(SHOUTERS)
     before = hits()
     ask(HASTY)  # another tenant, the same prompt and adapter: none of the shouters' blocks
-    assert hits() == before
-    ask(SHOUTERS)  # the shouters again: their own blocks
-    assert hits() > before
+    other = hits() - before
+    ask(SHOUTERS)  # the shouters again: their own blocks, the whole prompt's
+    own = hits() - before - other
+    # hasty finds at most the opening of the chat template, which its own earlier chats cached in its scope
+    assert own >= 128 and other <= 32, (own, other)
