@@ -15,6 +15,7 @@ from lorafleet.v1 import generation_pb2 as g
 from router.openai_errors import invalid
 from router.openai_structured import structured_output
 from router.openai_tools import Tools, parse_tools
+from router.request import MAX_CACHE_SALT
 
 MAX_LOGPROBS = 20  # the most alternatives a pod returns per token
 MAX_STOP = 16
@@ -22,7 +23,6 @@ MAX_CHOICES = 16  # n; as the pods allow
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 _UINT32, _UINT64 = 2 ** 32 - 1, 2 ** 64 - 1
-_MAX_SALT = 256  # characters of a cache_salt: a random id fits many times over
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -199,8 +199,8 @@ def _finish(f: _Fields, endpoint: Endpoint, model: str, prompt: str | None, mess
     f.neutral("presence_penalty", 0)
     f.string("user")  # an end-user id for abuse tracking upstream; nothing to do with it here
     cache_salt = f.string("cache_salt") or ""  # an extension, as in vLLM: prompts cached apart from other salts
-    if len(cache_salt) > _MAX_SALT:
-        raise invalid("cache_salt", f"'cache_salt' must be at most {_MAX_SALT} characters, got {len(cache_salt)}")
+    if len(cache_salt) > MAX_CACHE_SALT:
+        raise invalid("cache_salt", f"'cache_salt' must be at most {MAX_CACHE_SALT} characters, got {len(cache_salt)}")
     stream = f.boolean("stream")
     options = f.take("stream_options")
     include_usage = False
