@@ -9,6 +9,7 @@ import enum
 import logging
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +158,8 @@ class TlsFiles:
         already open keep theirs."""
         if self.cert is None:
             return None
-        return grpc.dynamic_ssl_server_credentials(self._certificate_configuration(), _Reloader(self),
+        return grpc.dynamic_ssl_server_credentials(self._certificate_configuration(),
+                                                   _Reloader(self, self._certificate_configuration),
                                                    require_client_authentication=self.ca is not None)
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -188,17 +190,18 @@ class TlsFiles:
 
 
 class _Reloader:
-    """gRPC calls it before each new connection's handshake: a new certificate configuration when a file
-    changed since the last look, None (keep the one in use) otherwise, or when the new files cannot be used
-    (half-written, a key that does not match): that is logged, and the files are tried again at their next
-    change."""
+    """Called before each new connection's handshake: what ``build`` makes of the files when one changed since
+    the last look, None (keep the one in use) otherwise, or when the new files cannot be used (half-written, a
+    key that does not match): that is logged, and the files are tried again at their next change. gRPC calls
+    one with the server's certificate configuration (``server_credentials``); an HTTPS server's context calls
+    one from its SNI callback (``_ContextReloader``)."""
 
-    def __init__(self, files: TlsFiles) -> None:
-        self._files = files
+    def __init__(self, files: TlsFiles, build: Callable[[], object]) -> None:
+        self._files, self._build = files, build
         self._lock = threading.Lock()
         self._stamp = files._stamp()
 
-    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+    def __call__(self):
         with self._lock:
             try:
                 stamp = self._files._stamp()
@@ -208,13 +211,13 @@ class _Reloader:
                 return None
             self._stamp = stamp
             try:
-                configuration = self._files._certificate_configuration()
-            except ConfigError as e:
+                built = self._build()
+            except (ConfigError, ssl.SSLError, OSError) as e:
                 log.warning("TLS files changed but cannot be used; new connections keep the previous ones",
                             extra={"error": str(e)})
                 return None
             log.info("TLS files changed; new connections use them", extra={"cert": str(self._files.cert)})
-            return configuration
+            return built
 
 
 class _ContextReloader:
@@ -222,29 +225,14 @@ class _ContextReloader:
     newest usable context for that connection."""
 
     def __init__(self, files: TlsFiles) -> None:
-        self._files = files
-        self._lock = threading.Lock()
-        self._stamp = files._stamp()
+        self._fresh = _Reloader(files, files._context)
         self.base = self._current = files._context()
         self.base.sni_callback = self._handshake
 
     def _handshake(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-        with self._lock:
-            try:
-                stamp = self._files._stamp()
-            except OSError:  # a Secret's files swapped under us: look again at the next connection
-                stamp = self._stamp
-            if stamp != self._stamp:
-                self._stamp = stamp
-                try:
-                    self._current = self._files._context()
-                    log.info("TLS files changed; new connections use them", extra={"cert": str(self._files.cert)})
-                except (ConfigError, ssl.SSLError, OSError) as e:
-                    log.warning("TLS files changed but cannot be used; new connections keep the previous ones",
-                                extra={"error": str(e)})
-            current = self._current
-        if current is not context:
-            connection.context = current
+        self._current = self._fresh() or self._current
+        if self._current is not context:
+            connection.context = self._current
 
 
 def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,
