@@ -72,6 +72,13 @@ class DataPlaneConfig:
         " weights run W8A8 (per-token activation scales) on GPUs of compute capability 8.9+, weight-only on other"
         " GPUs, and dequantized once to --dtype on cpu; adapters apply in --dtype as on the unquantized base", AUTO,
         choices=QUANTIZATION_CHOICES)
+    # CPU attention (data_plane/model/attention_backends.py): the native kernel reads the paged cache in place.
+    cpu_attention: str = option(
+        "how a cpu pod computes attention: native (default) reads the paged KV cache in place with a C++ kernel"
+        " compiled for this CPU at start-up (by $CXX or c++, cached under $LORAFLEET_NATIVE_CACHE or"
+        " ~/.cache/lorafleet/native), falling back to tiled, with a warning, where it cannot build; tiled gathers"
+        " each step's contexts and multiplies them in fixed tiles. Both keep a request's tokens independent of what"
+        " shares its step", "native", choices=("native", "tiled"))
     # torch threads the model thread computes on (every other thread of the pod computes on one); 0 = every
     # CPU the process may run on (engine/threads.py).
     compute_threads: int = option(

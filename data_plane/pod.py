@@ -112,13 +112,16 @@ def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneCo
     c = model.config
     shapes = [row_rule.LoraShape(w.base.in_features, tuple(w.base.slices.values())) for w in lora.layers.values()]
     started = time.perf_counter()
+    native = model.kv_cache_shape()[0] if config.cpu_attention == "native" else None
     rule = row_rule.probe([w for w, _ in model.matmul_weights()], model.precision.matmul_dtype, model.head_weight,
                           shapes, config.max_lora_rank, c.head_dim, c.num_heads // c.num_kv_heads,
-                          config.max_num_batched_tokens, config.max_num_seqs)
+                          config.max_num_batched_tokens, config.max_num_seqs, native)
     model.use_row_rule(rule)
     for layer in lora.layers.values():
         layer.backend.use_row_tile(rule.lora_rows)
     extra = {"row_rule": rule.describe(), "probe_s": round(time.perf_counter() - started, 3)}
+    if rule.native_note:
+        log.warning("attention runs tiled: %s", rule.native_note, extra=extra)
     if rule.broken:
         log.warning("no row tiling keeps every row's bits on this CPU: a request's tokens may depend on what "
                     "shares its step", extra=extra)

@@ -204,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops: LayerOps = layer_ops("cpu")
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
         self.row_rule: RowRule | None = None  # the CPU row tiles in use, once probed (``use_row_rule``)
+        self.native_attention = True  # on CPU, attention by the native kernel where it serves (attention_backends)
         self.quantization = ""  # "fp8" where the projections' weights are FP8 (set by the loader)
 
     def use_device(self, device: torch.device | str) -> None:
@@ -211,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
         ops."""
         for rotary in self.rotaries:
             rotary.build(device)
-        self.attention = attention_backend(device, self.windows, self.row_rule and self.row_rule.attention_rows)
+        rule = self.row_rule
+        native = self.native_attention if rule is None else rule.attention_native
+        self.attention = attention_backend(device, self.windows, rule and rule.attention_rows,
+                                           self.kv_cache_shape() if native else None)
         self.ops = layer_ops(device)
         scale = self.config.embed_scale  # rounded to the weights' dtype first, as Gemma does
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
@@ -267,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
             return
         self.row_rule = rule
         self.prepack_cpu_weights(self.precision.matmul_dtype)
-        self.attention = attention_backend("cpu", self.windows, rule.attention_rows)
+        self.attention = attention_backend("cpu", self.windows, rule.attention_rows,
+                                           self.kv_cache_shape() if rule.attention_native else None)
 
     @property
     def row_tile(self) -> int:
@@ -295,6 +300,10 @@ class LlamaForCausalLM(nn.Module):
         multiplies by: the matmuls whose precision a pod chooses."""
         first = [m for m in self.layers[0].modules() if isinstance(m, Projection)]
         return [(m.weight, len(self.layers)) for m in first]
+
+    def kv_cache_shape(self) -> tuple[torch.dtype, int]:
+        """The KV cache's dtype and head dimension (what the native attention kernel must take)."""
+        return self.embed_tokens.weight.dtype, self.config.head_dim
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config

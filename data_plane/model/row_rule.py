@@ -29,7 +29,8 @@ from functools import partial
 
 import torch
 
-from data_plane.model import cpu_linear, tiled_attention
+from data_plane.model import cpu_linear, native_attention, tiled_attention
+from data_plane.model.attention import AttentionInputs
 from kernels import cpu_lora
 
 
@@ -68,13 +69,18 @@ class RowRule:
     projection: Tiling  # how every projection multiplies its rows
     head: Tiling  # how the output head does (in the weights' dtype)
     lora_rows: int  # rows of every LoRA tile
-    attention_rows: int  # every attention matmul computes a multiple of this many query rows
+    attention_rows: int  # tiled attention: every matmul computes a multiple of this many query rows
     broken: tuple[str, ...] = ()  # paths for which no candidate held (each with what broke it)
+    attention_native: bool = False  # attention by the native kernel, in place (``native_attention``)
+    native_note: str = ""  # why not, where it was asked for
 
     def describe(self) -> str:
         """One line for the pod's log and GetState."""
-        attention = (f"a multiple of {self.attention_rows} query rows" if self.attention_rows > 1
-                     else "query rows unpadded")
+        if self.attention_native:
+            attention = "native, in place"
+        else:
+            attention = (f"a multiple of {self.attention_rows} query rows" if self.attention_rows > 1
+                         else "query rows unpadded") + (f" ({self.native_note})" if self.native_note else "")
         text = (f"projections {self.projection.describe()}, head {self.head.describe()}, LoRA {self.lora_rows}-row "
                 f"tiles, attention {attention}")
         return text + (f"; NOT INVARIANT: {'; '.join(self.broken)}" if self.broken else "")
@@ -90,12 +96,14 @@ class LoraShape:
 
 def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: torch.Tensor,
           lora: Sequence[LoraShape], max_rank: int, head_dim: int, per_kv: int, max_rows: int,
-          max_head_rows: int) -> RowRule:
+          max_head_rows: int, native_cache: torch.dtype | None = None) -> RowRule:
     """The cheapest rule under which every path keeps a row's bits on this CPU: ``projections`` (one [out,
     in] weight per shape) with operands in ``matmul_dtype`` in steps of up to ``max_rows`` rows, the output
     ``head`` [vocab, hidden] in its own dtype for up to ``max_head_rows`` rows, the LoRA layers ``lora`` at
-    ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv`` query heads per key/value head.
-    Deterministic inputs. Run it on the threads the steps compute on (the LoRA path on one, as it runs)."""
+    ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv`` query heads per key/value head: by
+    the native kernel over a cache of ``native_cache`` rows where that is given and the kernel builds, takes
+    the cache and keeps a query's bits (``_native_breaks``), else tiled. Deterministic inputs. Run it on the
+    threads the steps compute on (the LoRA path on one, as it runs)."""
     broken: list[str] = []
 
     def first(path: str, candidates: Sequence, breaks: Callable, label: Callable = "{} rows".format):
@@ -118,8 +126,14 @@ def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: 
         lora_rows = first("LoRA", LORA_ROWS, lambda rows: _lora_breaks(lora, max_rank, rows))
     finally:
         torch.set_num_threads(before)
+    note = "" if native_cache is None else native_attention.unusable(native_cache, head_dim)
+    if native_cache is not None and not note:
+        failure = _native_breaks(native_cache, head_dim, per_kv)
+        if failure is None:
+            return RowRule(projection, head_tiling, lora_rows, ATTENTION_ROWS[0], tuple(broken), True)
+        note = f"the native kernel gave a query other bits: {failure}"
     attention = first("attention", ATTENTION_ROWS, lambda rows: _attention_breaks(head_dim, per_kv, rows))
-    return RowRule(projection, head_tiling, lora_rows, attention, tuple(broken))
+    return RowRule(projection, head_tiling, lora_rows, attention, tuple(broken), False, note)
 
 
 def _inputs(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -242,3 +256,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_kv: int, rows
     hidden = torch.zeros(seqs, queries, k.shape[2], dtype=torch.bool)
     return tiled_attention._attend(q[:heads, :seqs, : queries * per_kv], k[:heads, :seqs], v[:heads, :seqs], hidden,
                                    per_kv, None, rows)
+
+
+def _native_breaks(cache_dtype: torch.dtype, head_dim: int, per_kv: int) -> str | None:
+    """Where the native kernel gave a query of a 100-token sequence other bits than in one chunk of all
+    100: in chunks of 37 and 63, as a decode beside a prompt chunk and another decode, as a decode alone;
+    over its whole context, in a window of 7 keys, and soft-capped. None where every query kept its bits."""
+    kv_heads, block, length = 2, 16, 100
+    gen = torch.Generator().manual_seed(head_dim)
+    tables = torch.arange(3 * 8, dtype=torch.int32).flip(0).view(3, 8)  # 8 blocks each, in reverse order
+    slots = 3 * 8 * block
+    k_cache, v_cache = (torch.randn(slots, kv_heads, head_dim, generator=gen).to(cache_dtype) for _ in range(2))
+    queries = torch.randn(3, length, kv_heads * per_kv, head_dim, generator=gen)  # each sequence's at each position
+    step_kind = native_attention.NativeAttention(native_attention.kernel())
+
+    def run(shares: list[tuple[int, int, int]], window: int | None, softcap: float | None) -> list[torch.Tensor]:
+        """Each (sequence, context after the step, new tokens)'s outputs, [new, heads * head_dim]."""
+        q = torch.cat([queries[b, ctx - new : ctx] for b, ctx, new in shares])
+        slot = torch.cat([(tables[b].long()[torch.arange(ctx - new, ctx) // block] * block
+                           + torch.arange(ctx - new, ctx) % block) for b, ctx, new in shares])
+        starts = [0]
+        for _, _, new in shares:
+            starts.append(starts[-1] + new)
+        inputs = AttentionInputs(slot, tables[[b for b, _, _ in shares]], torch.tensor([c for _, c, _ in shares]),
+                                 torch.tensor(starts), max(n for _, _, n in shares), length, block)
+        out = step_kind.prepare(inputs)(q, k_cache[slot], v_cache[slot], k_cache, v_cache, window, 0.125, softcap)
+        return [out[starts[i] : starts[i + 1]] for i in range(len(shares))]
+
+    for window, softcap in ((None, None), (7, None), (None, 30.0)):
+        whole = run([(0, length, length)], window, softcap)[0]
+        first, second = run([(0, 37, 37)], window, softcap)[0], run([(0, length, 63)], window, softcap)[0]
+        if not torch.equal(torch.cat([first, second]), whole):
+            return f"window {window}, softcap {softcap}: a prompt in chunks of 37 and 63 against one of {length}"
+        beside = run([(1, 60, 20), (0, length, 1), (2, 33, 1)], window, softcap)[1]
+        alone = run([(0, length, 1)], window, softcap)[0]
+        if not torch.equal(beside, whole[-1:]) or not torch.equal(alone, whole[-1:]):
+            return f"window {window}, softcap {softcap}: a decode beside others or alone, against its prompt's end"
+    return None

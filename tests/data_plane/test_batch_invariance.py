@@ -43,16 +43,19 @@ async def _answer(engine, adapter, ids) -> list[tuple[int, float, tuple]]:
     return [(t.id, t.logprob, t.top) async for step in engine.generate(ids, params, adapter) for t in step.tokens]
 
 
-def alone_and_together(model_dir, root, dtype: str) -> tuple[Precision, list, list, int]:
-    """Each request's answer alone, then all at once, on one pod of ``dtype``; and how many steps of the
-    second run mixed prefill chunks with other work (proof that the run together really shared steps)."""
+def alone_and_together(model_dir, root, dtype: str, attention: str = "native") -> tuple[Precision, list, list, int]:
+    """Each request's answer alone, then all at once, on one pod of ``dtype`` computing attention the
+    ``attention`` way (--cpu-attention); and how many steps of the second run mixed prefill chunks with other
+    work (proof that the run together really shared steps)."""
     # A 24-token step budget: prompts are cut into chunks, differently alone and together.
     config = DataPlaneConfig(model=model_dir, dtype=dtype, adapter_roots=(root,), max_loras=len(ADAPTERS),
                              max_cpu_loras=len(ADAPTERS), max_lora_rank=32, max_num_seqs=NUM_REQUESTS,
-                             max_num_batched_tokens=24, num_kv_blocks=128, max_queue_delay=0)
+                             max_num_batched_tokens=24, num_kv_blocks=128, max_queue_delay=0,
+                             cpu_attention=attention)
 
     async def run():
         engine = build_engine(config, PodMetrics())
+        assert engine.model.row_rule.attention_native == (attention == "native"), engine.model.row_rule.describe()
         steps = []
         prepare = engine.runner.prepare
         engine.runner.prepare = lambda batch: steps.append([item.num_new for item in batch]) or prepare(batch)
@@ -69,10 +72,13 @@ def alone_and_together(model_dir, root, dtype: str) -> tuple[Precision, list, li
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16-matmul", "bfloat16"])
-def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dtype):
+@pytest.mark.parametrize(("dtype", "attention"), [
+    ("auto", "native"), ("float32", "native"), ("bfloat16-matmul", "native"), ("bfloat16", "native"),
+    ("float32", "tiled"), ("bfloat16", "tiled"),
+])
+def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dtype, attention):
     model_dir, root, _ = tiny_pod_files
-    precision, alone, together, shared = alone_and_together(model_dir, root, dtype)
+    precision, alone, together, shared = alone_and_together(model_dir, root, dtype, attention)
     if dtype != "auto":
         assert precision is Precision(dtype)
     assert shared > 0, "no step mixed a prefill chunk with other work: the run together shared nothing"
@@ -81,12 +87,15 @@ def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dty
     assert len({tuple(t for t, _, _ in answer) for answer in alone}) > NUM_REQUESTS // 2, "answers barely differ"
 
 
-def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_files):
+@pytest.mark.parametrize("attention", ["native", "tiled"])
+def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_files, attention):
+    from data_plane.model.native_attention import NativeAttention
+    from data_plane.model.torch_attention import TorchAttention
     from data_plane.servicers.admin import pod_state
 
     model_dir, root, _ = tiny_pod_files
     config = DataPlaneConfig(model=model_dir, dtype="float32", adapter_roots=(root,), max_loras=len(ADAPTERS),
-                             max_cpu_loras=len(ADAPTERS), max_lora_rank=32, num_kv_blocks=16)
+                             max_cpu_loras=len(ADAPTERS), max_lora_rank=32, num_kv_blocks=16, cpu_attention=attention)
 
     async def run():
         engine = build_engine(config, PodMetrics())
@@ -95,7 +104,12 @@ def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_
         projections = [(m.packed.rows, m.packed.whole) for m in engine.model.modules() if isinstance(m, Projection)]
         assert projections and set(projections) == {(rule.projection.rows, rule.projection.whole)}
         assert {layer.backend.row_tile for layer in engine.lora.layers.values()} == {rule.lora_rows}
-        assert engine.model.attention.row_multiple == rule.attention_rows
+        if attention == "native":
+            assert rule.attention_native and isinstance(engine.model.attention, NativeAttention)
+            assert "attention native, in place" in rule.describe()
+        else:
+            assert isinstance(engine.model.attention, TorchAttention) and not rule.attention_native
+            assert engine.model.attention.row_multiple == rule.attention_rows
         assert pod_state(engine, "pod-0", "tiny").row_rule == rule.describe()
 
     asyncio.run(run())
@@ -111,7 +125,7 @@ def test_float32_named_equals_transformers_and_peft_in_float32(tiny_pod_files):
 def test_each_family_is_batch_invariant_and_float32_matches_peft(family_pod_files):
     # Qwen3, Phi-3 (adapters on its packed projections), Gemma 2, Gemma 3 (see conftest.FAMILIES).
     model_dir, root, hf_model = family_pod_files
-    # (bfloat16-matmul runs the same projections as for Llama, above)
+    # (bfloat16-matmul runs the same projections as for Llama, above; native attention, the default)
     for dtype in ("float32", "bfloat16"):
         precision, alone, together, shared = alone_and_together(model_dir, root, dtype)
         assert precision is Precision(dtype) and shared > 0

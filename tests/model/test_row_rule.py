@@ -21,7 +21,8 @@ SHAPES = {
 }
 
 
-def _probe(name: str, matmul_dtype: torch.dtype, weights_dtype: torch.dtype = torch.float32) -> row_rule.RowRule:
+def _probe(name: str, matmul_dtype: torch.dtype, weights_dtype: torch.dtype = torch.float32,
+           native: bool = False) -> row_rule.RowRule:
     hidden, inter, heads, kv_heads, head_dim, vocab, max_rank = SHAPES[name]
     q, kv = heads * head_dim, kv_heads * head_dim
     gen = torch.Generator().manual_seed(len(name))
@@ -31,7 +32,7 @@ def _probe(name: str, matmul_dtype: torch.dtype, weights_dtype: torch.dtype = to
     lora = [row_rule.LoraShape(hidden, (q, kv, kv)), row_rule.LoraShape(q, (hidden,)),
             row_rule.LoraShape(hidden, (inter, inter)), row_rule.LoraShape(inter, (hidden,))]
     return row_rule.probe(projections, matmul_dtype, weight(vocab, hidden), lora, max_rank, head_dim, heads // kv_heads,
-                          POD.max_num_batched_tokens, POD.max_num_seqs)
+                          POD.max_num_batched_tokens, POD.max_num_seqs, weights_dtype if native else None)
 
 
 POD = DataPlaneConfig(model=None)  # a pod's default step sizes
@@ -39,14 +40,16 @@ PRECISIONS = {"float32": (torch.float32, torch.float32), "bfloat16-matmul": (tor
               "bfloat16": (torch.bfloat16, torch.bfloat16)}
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "tiled-attention"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("shapes", list(SHAPES))
-def test_every_cpu_path_has_a_tiling_that_keeps_a_rows_bits_on_this_cpu(shapes, precision):
+def test_every_cpu_path_has_a_tiling_that_keeps_a_rows_bits_on_this_cpu(shapes, precision, native):
     matmul_dtype, weights_dtype = PRECISIONS[precision]
     if matmul_dtype == torch.bfloat16 and not cpu_linear.bfloat16_supported():
         pytest.skip("this torch's oneDNN has no bfloat16 matmul on this CPU: a pod refuses bfloat16 here")
-    rule = _probe(shapes, matmul_dtype, weights_dtype)
+    rule = _probe(shapes, matmul_dtype, weights_dtype, native)
     assert not rule.broken, f"on this CPU ({_cpu()}): {rule.describe()}"
+    assert rule.attention_native == native, rule.describe()  # the kernel builds and keeps a query's bits here
     assert rule.projection in row_rule.PROJECTION_TILINGS[matmul_dtype]
     assert rule.head in row_rule.PROJECTION_TILINGS[weights_dtype]
     assert rule.lora_rows in cpu_lora.ROW_TILES
@@ -66,6 +69,17 @@ def test_when_no_tiling_holds_the_rule_says_so_and_keeps_the_largest(monkeypatch
     assert rule.attention_rows == row_rule.ATTENTION_ROWS[-1]
     assert len(rule.broken) == 1 and rule.broken[0].startswith("attention")
     assert "NOT INVARIANT" in rule.describe()
+
+
+def test_attention_stays_tiled_where_the_native_kernel_cannot_serve_and_the_rule_says_why(monkeypatch):
+    monkeypatch.setattr(row_rule.native_attention, "unusable", lambda dtype, head_dim: "no compiler here")
+    rule = _probe("tiny", torch.float32, native=True)
+    assert not rule.attention_native and not rule.broken and rule.attention_rows in row_rule.ATTENTION_ROWS
+    assert "(no compiler here)" in rule.describe()
+    monkeypatch.undo()
+    monkeypatch.setattr(row_rule, "_native_breaks", lambda dtype, head_dim, per_kv: "a decode moved")
+    rule = _probe("tiny", torch.float32, native=True)
+    assert not rule.attention_native and "the native kernel gave a query other bits: a decode moved" in rule.describe()
 
 
 def _cpu() -> str:

@@ -1,0 +1,344 @@
+// Attention over a paged KV cache for CPU pods, reading the cache in place through the block tables.
+//
+// One call per layer computes every new token of a step (decodes and prompt chunks alike). The work is
+// cut into items of (sequence, key/value head, block of up to QUERY_BLOCK queries); an item's rows are
+// its queries times the query heads that share the key/value head, and each key and value it reads is
+// used by all of them. For every row:
+//   scores  s_j = scale * q . k_j over the keys the row may see (causal, its window), capped by softcap;
+//   softmax p_j = exp(s_j - max) / sum;   output = sum_j p_j v_j.
+// Each of these sums has an order that depends on the row alone: a dot product over the head dimension
+// in W interleaved partial sums (W the vector width this CPU's build uses) added in a fixed tree; the
+// softmax sum in W partial sums by key, from the row's first key, then the same tree; the output key by
+// key in ascending order. The compiler is told not to reassociate or contract
+// (kernels/native_build.py), so a row's bits do not depend on which other rows, sequences or threads
+// share the call: the same query gives the same bits as a decode, as one token of a prompt chunk of any
+// length, and beside any batch. Items are independent and taken by the threads in any order.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int QUERY_BLOCK = 16;
+
+enum CacheType { F32 = 0, BF16 = 1, F16 = 2 };
+
+// Vectors of W floats: AVX-512, else AVX2 with FMA, else a plain loop. The width is fixed per build (per
+// CPU), and with it a row's order of sums.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vpow2(vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vfloor(vec a) { return _mm256_floor_ps(a); }
+inline vec vpow2(vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#else
+constexpr int W = 4;
+struct vec {
+  float x[W];
+};
+inline vec vzero() { return vec{}; }
+inline vec vset(float a) {
+  vec r;
+  for (float& x : r.x) x = a;
+  return r;
+}
+inline vec vload(const float* p) {
+  vec r;
+  std::memcpy(r.x, p, sizeof r.x);
+  return r;
+}
+inline void vstore(float* p, vec a) { std::memcpy(p, a.x, sizeof a.x); }
+inline vec vfma(vec a, vec b, vec c) {
+  for (int i = 0; i < W; ++i) c.x[i] = a.x[i] * b.x[i] + c.x[i];
+  return c;
+}
+inline vec vadd(vec a, vec b) {
+  for (int i = 0; i < W; ++i) a.x[i] += b.x[i];
+  return a;
+}
+inline vec vmul(vec a, vec b) {
+  for (int i = 0; i < W; ++i) a.x[i] *= b.x[i];
+  return a;
+}
+inline vec vmax(vec a, vec b) {
+  for (int i = 0; i < W; ++i) a.x[i] = std::max(a.x[i], b.x[i]);
+  return a;
+}
+inline vec vfloor(vec a) {
+  for (float& x : a.x) x = std::floor(x);
+  return a;
+}
+inline vec vpow2(vec n) {
+  vec r;
+  for (int i = 0; i < W; ++i) {
+    uint32_t bits = uint32_t(int32_t(n.x[i]) + 127) << 23;
+    std::memcpy(&r.x[i], &bits, sizeof bits);
+  }
+  return r;
+}
+#endif
+
+// The W lanes of a added in a fixed tree (lane i + lane i + W/2, then the same on the half), in registers.
+#if defined(__AVX512F__)
+inline __m256 half_sum(vec a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 half_sum(vec a) { return a; }
+#endif
+
+inline float hsum(vec a) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  __m256 eight = half_sum(a);
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+#else
+  for (int width = W / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) a.x[i] += a.x[i + width];
+  return a.x[0];
+#endif
+}
+
+inline float hmax(vec a) {
+  float lanes[W];
+  vstore(lanes, a);
+  float top = lanes[0];
+  for (int i = 1; i < W; ++i) top = std::max(top, lanes[i]);
+  return top;
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+    float value = float(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -value : value;
+  }
+  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+// One cache row (a key or value of one head) as float32: where it lies (float32), else converted into `out`.
+inline const float* load_row(const void* cache, int type, int64_t offset, int head_dim, float* out) {
+  if (type == F32) return static_cast<const float*>(cache) + offset;
+  const uint16_t* row = static_cast<const uint16_t*>(cache) + offset;
+  if (type == BF16) {
+    for (int d = 0; d < head_dim; ++d) out[d] = bits_to_float(uint32_t(row[d]) << 16);
+  } else {
+    for (int d = 0; d < head_dim; ++d) out[d] = half_to_float(row[d]);
+  }
+  return out;
+}
+
+inline float dot(const float* a, const float* b, int n) {  // n a multiple of W
+  vec acc = vzero();
+  for (int d = 0; d < n; d += W) acc = vfma(vload(a + d), vload(b + d), acc);
+  return hsum(acc);
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), W at a time: Cody-Waite reduction to r in
+// [-ln2/2, ln2/2] and a degree-6 polynomial (relative error about 2e-7).
+inline vec vexp(vec x) {
+  x = vmax(x, vset(-87.0f));
+  vec n = vfloor(vfma(x, vset(1.44269504088896341f), vset(0.5f)));
+  vec r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vec p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vadd(vfma(vmul(p, r), r, r), vset(1.0f));
+  return vmul(p, vpow2(n));
+}
+
+// softcap * tanh(s / softcap), tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|).
+inline float soft_cap(float s, float cap) {
+  float y = s / cap, lanes[W];
+  vstore(lanes, vexp(vset(-2.0f * std::fabs(y))));
+  float t = (1.0f - lanes[0]) / (1.0f + lanes[0]);
+  return cap * (y < 0 ? -t : t);
+}
+
+struct Problem {
+  const float* q;  // [tokens, heads, head_dim]
+  const void* k_cache;  // [slots, kv_heads, head_dim]
+  const void* v_cache;
+  int cache_type, heads, kv_heads, head_dim;
+  const int32_t* query_start;  // [seqs + 1]
+  const int32_t* context;  // [seqs]: context length after the step (its new tokens last)
+  const int32_t* block_tables;  // [seqs, max_blocks]
+  int max_blocks, block_size, window;
+  float scale, softcap;
+  float* out;  // [tokens, heads, head_dim]
+};
+
+struct Item {
+  int seq, kv_head, first_query, queries;
+};
+
+struct Scratch {
+  std::vector<float> scores, acc, key, inverse;
+  std::vector<int64_t> q_row;  // each row's [token, head] index
+  std::vector<int> from, to;  // each row's first and last key
+};
+
+void run_item(const Problem& p, const Item& item, Scratch& scratch) {
+  const int per_kv = p.heads / p.kv_heads, dim = p.head_dim;
+  const int rows = item.queries * per_kv;
+  const int new_tokens = p.query_start[item.seq + 1] - p.query_start[item.seq];
+  const int first_pos = p.context[item.seq] - new_tokens + item.first_query;  // position of the first query
+  const int32_t* table = p.block_tables + int64_t(item.seq) * p.max_blocks;
+  scratch.q_row.resize(rows);
+  scratch.from.resize(rows);
+  scratch.to.resize(rows);
+  scratch.inverse.resize(rows);
+  for (int row = 0; row < rows; ++row) {  // row = query * per_kv + its head's place in the group
+    int query = row / per_kv, pos = first_pos + query;
+    scratch.q_row[row] = int64_t(p.query_start[item.seq] + item.first_query + query) * p.heads +
+                         item.kv_head * per_kv + row % per_kv;
+    scratch.from[row] = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
+    scratch.to[row] = pos;
+  }
+  // keys [lo, hi] the block reads: the first query's first visible key to the last query's own position;
+  // a row's scores are stored from its own first key on, padded to whole vectors
+  const int lo = scratch.from[0], hi = scratch.to[rows - 1];
+  const int stride = (hi - lo + 1 + W - 1) / W * W;
+  scratch.scores.resize(size_t(rows) * stride);
+  scratch.acc.assign(size_t(rows) * dim, 0.0f);
+  scratch.key.resize(dim);
+  float* scores = scratch.scores.data();
+  float* acc = scratch.acc.data();
+  float* converted = scratch.key.data();
+  const int* from = scratch.from.data();
+  const int* to = scratch.to.data();
+  auto slot_offset = [&](int j) {
+    int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
+    return (slot * p.kv_heads + item.kv_head) * dim;
+  };
+  // scores, each row over the keys it sees
+  for (int j = lo; j <= hi; ++j) {
+    const float* key = load_row(p.k_cache, p.cache_type, slot_offset(j), dim, converted);
+    for (int row = 0; row < rows; ++row) {
+      if (j < from[row] || j > to[row]) continue;
+      float s = dot(p.q + scratch.q_row[row] * dim, key, dim) * p.scale;
+      scores[size_t(row) * stride + (j - from[row])] = p.softcap > 0 ? soft_cap(s, p.softcap) : s;
+    }
+  }
+  // softmax numerators in place, and each row's sum: W keys at a time from the row's first key, the
+  // last vector's keys past the row's last masked to zero
+  for (int row = 0; row < rows; ++row) {
+    float* s = scores + size_t(row) * stride;
+    const int count = to[row] - from[row] + 1, whole = (count + W - 1) / W * W;
+    for (int j = count; j < whole; ++j) s[j] = -INFINITY;
+    vec most = vload(s);
+    for (int j = W; j < whole; j += W) most = vmax(most, vload(s + j));
+    vec sum = vzero(), shift = vset(hmax(most));
+    for (int j = 0; j < whole; j += W) {
+      vec e = vexp(vadd(vload(s + j), vmul(shift, vset(-1.0f))));
+      vstore(s + j, e);
+      sum = vadd(sum, e);
+    }
+    for (int j = count; j < whole; ++j) s[j] = 0.0f;
+    scratch.inverse[row] = 1.0f / hsum(sum);
+  }
+  // the values, key by key in ascending order
+  for (int j = lo; j <= hi; ++j) {
+    const float* value = load_row(p.v_cache, p.cache_type, slot_offset(j), dim, converted);
+    for (int row = 0; row < rows; ++row) {
+      if (j < from[row] || j > to[row]) continue;
+      vec weight = vset(scores[size_t(row) * stride + (j - from[row])]);
+      float* a = acc + size_t(row) * dim;
+      for (int d = 0; d < dim; d += W) vstore(a + d, vfma(weight, vload(value + d), vload(a + d)));
+    }
+  }
+  for (int row = 0; row < rows; ++row) {
+    float* o = p.out + scratch.q_row[row] * dim;
+    const float* a = acc + size_t(row) * dim;
+    vec inverse = vset(scratch.inverse[row]);
+    for (int d = 0; d < dim; d += W) vstore(o + d, vmul(vload(a + d), inverse));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The vector width of this build: head_dim must be a multiple of it.
+int paged_attention_width() { return W; }
+
+// Returns 0, or 1 where the shapes are not supported (the caller keeps its own path): head_dim a
+// multiple of the vector width, heads a multiple of kv_heads, a known cache type.
+int paged_attention(const float* q, int heads, int head_dim, const void* k_cache, const void* v_cache,
+                    int cache_type, int kv_heads, const int32_t* query_start, const int32_t* context,
+                    int seqs, const int32_t* block_tables, int max_blocks, int block_size, int window,
+                    float scale, float softcap, float* out, int threads) {
+  if (head_dim % W != 0 || kv_heads <= 0 || heads % kv_heads != 0 || cache_type < F32 || cache_type > F16)
+    return 1;
+  Problem p{q, k_cache, v_cache, cache_type, heads, kv_heads, head_dim, query_start, context, block_tables,
+            max_blocks, block_size, window, scale, softcap, out};
+  std::vector<Item> items;
+  for (int b = 0; b < seqs; ++b) {
+    int new_tokens = query_start[b + 1] - query_start[b];
+    if (context[b] <= 0 || new_tokens <= 0) continue;
+    for (int h = 0; h < kv_heads; ++h)
+      for (int first = 0; first < new_tokens; first += QUERY_BLOCK)
+        items.push_back({b, h, first, std::min(QUERY_BLOCK, new_tokens - first)});
+  }
+  // the items over the most keys first, so that a prompt's last blocks do not finish alone
+  auto keys = [&](const Item& item) {
+    return context[item.seq] - (query_start[item.seq + 1] - query_start[item.seq]) + item.first_query;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    Scratch scratch;
+    for (size_t i = next++; i < items.size(); i = next++) run_item(p, items[i], scratch);
+  };
+  int helpers = std::max(0, std::min<int>(threads, int(items.size())) - 1);
+  std::vector<std::thread> pool;
+  pool.reserve(helpers);
+  for (int t = 0; t < helpers; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  return 0;
+}
+
+}  // extern "C"
