@@ -87,6 +87,12 @@ class DataPlaneConfig:
         " limited by CPU quota rather than a cpuset, set it to the limit; pods that share a machine's cores need a"
         " share each: a team's threads spin between ops, and pods spinning against each other on the same cores"
         " run many times slower)", 0, metavar="N")
+    # False: the model keeps its plain projections and no adapter slot exists; adapter requests are refused.
+    enable_lora: bool = option(
+        "serve adapters (default: on); --no-enable-lora starts a pod of the base model only: no LoRA layers, no"
+        " adapter slots, no LoRA work in any step, and every request or load naming an adapter is refused with"
+        " FAILED_PRECONDITION (--max-loras, --max-cpu-loras and --max-lora-rank are then unused)", True,
+        group=ADAPTERS)
     max_loras: int = option("adapter slots on the compute device", defaults.MAX_LORAS, group=ADAPTERS)
     max_cpu_loras: int = option("adapters held in host memory", defaults.MAX_CPU_LORAS, group=ADAPTERS)
     max_lora_rank: int = option("largest adapter rank accepted", defaults.MAX_LORA_RANK, group=ADAPTERS)
@@ -170,11 +176,10 @@ class DataPlaneConfig:
         "step time that prefill work may fill a step up to beside its running decodes, which always get their token"
         " (default 0.0: relative, see --itl-growth; with nothing decoding a step prefills up to"
         " --max-num-batched-tokens)", 0.0, metavar="SECONDS", group=STEPS)
-    # A step that also prefills lasts at most this many times its decodes alone (a graph pod: the eager step
-    # that prefills beside them); 0 = up to the device's throughput knee instead (engine/step_cost.py).
+    # A step that also prefills lasts at most this many times its decodes alone; 0 = up to the device's
+    # throughput knee instead (engine/step_cost.py).
     itl_growth: float = option(
-        "a step that prefills new prompts beside running streams lasts at most FACTOR times their decodes alone (on"
-        " a pod replaying CUDA graphs for decode steps, FACTOR times the eager step that prefills beside them), by"
+        "a step that prefills new prompts beside running streams lasts at most FACTOR times their decodes alone, by"
         " the step-time model the pod fits to its own steps (default"
         f" {DEFAULT_ITL_GROWTH}: streams' inter-token gaps grow by about that while prompts arrive, except in steps"
         " that make up for an admitted request that would otherwise get its first token after its promise); 0 ="
@@ -196,13 +201,16 @@ class DataPlaneConfig:
     # step, on CPU DEFAULT_CPU_KV_CACHE_BYTES.
     kv_cache_bytes: int = option(
         "bytes of KV cache (default 0: on CUDA what --gpu-memory-utilization leaves after a profile run of the"
-        " largest step with an adapter in every slot; on CPU"
+        " largest step with an adapter in every slot and, unless --enforce-eager, the CUDA graphs' memory pool"
+        " and decode workspace; on CPU"
         f" {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB)", 0, group=MEMORY)
     gpu_memory_utilization: float = option(
-        "fraction of GPU memory the pod may use (model, adapters, activations, KV cache)", 0.9, group=MEMORY)
+        "fraction of GPU memory the pod may use (model, adapters, activations, CUDA graphs, KV cache)", 0.9,
+        group=MEMORY)
     enforce_eager: bool = option(
-        "run every step eagerly on CUDA (default: decode steps replay CUDA graphs captured at start-up per"
-        " batch-size bucket)", False, group=MEMORY)
+        "run every step eagerly on CUDA (default: every step is padded to a bucket and replays a CUDA graph"
+        " captured at start-up: decode-only steps per batch size, steps with prompt tokens per token count, up"
+        " to --max-num-batched-tokens)", False, group=MEMORY)
     # full KV blocks kept and reused by prompts that begin alike
     prefix_caching: bool = option(
         "keep full KV blocks and reuse them for later prompts that begin with the same tokens under the same adapter"

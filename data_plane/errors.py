@@ -9,8 +9,8 @@ from __future__ import annotations
 from conventions.errors import LorafleetError
 
 __all__ = ["AdapterBusy", "AdapterNotFound", "CapacityExceeded", "ControlPlaneUnavailable", "DeadlineExceeded",
-           "DigestMismatch", "InvalidAdapter", "InvalidRequest", "LorafleetError", "ModelLoadError", "NotReady",
-           "Overloaded", "QueueFull", "ShuttingDown", "SourceDenied", "SourceUnavailable", "StaleCommand",
+           "DigestMismatch", "InvalidAdapter", "InvalidRequest", "LoraDisabled", "LorafleetError", "ModelLoadError",
+           "NotReady", "Overloaded", "QueueFull", "ShuttingDown", "SourceDenied", "SourceUnavailable", "StaleCommand",
            "StepFailed"]
 
 
@@ -29,6 +29,12 @@ class AdapterNotFound(LorafleetError):
     """No adapter of that name is known to the pod."""
 
     status = "NOT_FOUND"
+
+
+class LoraDisabled(LorafleetError):
+    """The pod was started without LoRA (--no-enable-lora): it serves the base model only."""
+
+    status = "FAILED_PRECONDITION"
 
 
 class InvalidAdapter(LorafleetError):

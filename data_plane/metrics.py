@@ -105,6 +105,12 @@ class _StateCollector:
         preemptions = CounterMetricFamily("lorafleet_preemptions", "Sequences preempted for lack of KV blocks.")
         preemptions.add_metric([], s.preemptions)
         yield preemptions
+        eager = CounterMetricFamily("lorafleet_engine_eager_steps",
+                                    "Steps a pod replaying CUDA graphs ran eagerly: no captured shape (batch-size or "
+                                    "token-count bucket) fits them. 0 on pods that run every step eagerly by design "
+                                    "(CPU, --enforce-eager).")
+        eager.add_metric([], s.eager_steps)
+        yield eager
         if s.prefix is not None:
             p = s.prefix
             yield GaugeMetricFamily("lorafleet_prefix_cache_blocks", "Full KV blocks the prefix cache can find.",

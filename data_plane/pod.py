@@ -15,6 +15,7 @@ from data_plane.engine.engine import Engine, EngineLimits, Resolver
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.scheduler import Policy, ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.engine.step_runner import decode_buckets, token_buckets
 from data_plane.engine.threads import model_thread
 from data_plane.engine.warm_up import warm_up
 from data_plane.errors import AdapterNotFound
@@ -60,7 +61,7 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     lora = LoraRuntime(model, config.max_loras, config.max_cpu_loras, config.max_lora_rank,
                        config.max_num_batched_tokens, roots,
                        AdapterLimits(config.max_lora_rank, config.max_adapter_bytes, config.allow_pickle_adapters),
-                       fetcher)
+                       fetcher, enabled=config.enable_lora)
     if device.type == "cpu":  # probed on threads like the model thread's; the team ends with the thread
         with model_thread(config.resolved_compute_threads) as probing:
             probing.submit(use_row_rule, model, lora, config).result()
@@ -78,7 +79,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                     prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads)
     warm_up(engine)  # every kernel and buffer a step needs built, the step-time model's prior timed
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
-                                    "max_loras": config.max_loras, "device": config.device})
+                                    "max_loras": lora.cache.max_loras, "lora": config.enable_lora,
+                                    "device": config.device})
     return engine
 
 
@@ -132,8 +134,9 @@ def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneCo
 
 def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> int:
     """KV-cache blocks in --kv-cache-bytes; when that is 0, on CUDA in what --gpu-memory-utilization of the
-    device leaves after a profile run of the largest step (``profile_peak_bytes``), on CPU in
-    DEFAULT_CPU_KV_CACHE_BYTES. Raises RuntimeError when fewer than 4 blocks fit."""
+    device leaves after a profile run of the largest step (``profile_largest_step``) and, where steps replay
+    CUDA graphs, what their pool will hold (``graph_pool_bytes``), on CPU in DEFAULT_CPU_KV_CACHE_BYTES.
+    Raises RuntimeError when fewer than 4 blocks fit."""
     c = model.config
     per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
                                         model.embed_tokens.weight.dtype)
@@ -141,27 +144,31 @@ def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlan
     if not budget and config.device != "cuda":
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     elif not budget:
-        peak = profile_peak_bytes(model, lora, config)
+        peak, step = profile_largest_step(model, lora, config)
+        graphs = 0 if config.enforce_eager else graph_pool_bytes(model, config, step)
         free, total = torch.cuda.mem_get_info()
         other = total - free - torch.cuda.memory_reserved()  # the CUDA context, other processes
-        budget = int(config.gpu_memory_utilization * total - peak - other)
+        budget = int(config.gpu_memory_utilization * total - peak - graphs - other)
         sizes = {"device_gib": round(total / 2**30, 2), "profile_peak_gib": round(peak / 2**30, 2),
-                 "outside_torch_gib": round(other / 2**30, 2)}
+                 "graph_pool_gib": round(graphs / 2**30, 3), "outside_torch_gib": round(other / 2**30, 2)}
     blocks = budget // per_block
     if blocks < 4:
         raise RuntimeError(f"only {budget / 2**30:.2f} GiB is left for the KV cache ({blocks} blocks of "
                            f"{per_block} bytes); lower --max-loras/--max-lora-rank/--max-num-batched-tokens, raise "
-                           "--gpu-memory-utilization, or give --kv-cache-bytes")
+                           "--gpu-memory-utilization, give --kv-cache-bytes, or run without CUDA graphs "
+                           "(--enforce-eager)")
     log.info("kv cache sized", extra={"blocks": blocks, "block_bytes": per_block,
                                       "kv_cache_gib": round(blocks * per_block / 2**30, 3), **sizes})
     return blocks
 
 
-def profile_peak_bytes(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig, rank: int = 8) -> int:
-    """The CUDA memory the pod's largest step needs at its peak, weights and adapter slots included: a
-    step of --max-num-batched-tokens tokens over as many sequences as sample in one step (up to
-    --max-num-seqs), with a dummy adapter in every slot and the sequences spread over the slots, every
-    one sampling with temperature, top-k, top-p and the most log-probabilities (the sampler's scratch)."""
+def profile_largest_step(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig,
+                         rank: int = 8) -> tuple[int, int]:
+    """(the CUDA memory the pod's largest step needs at its peak, weights and adapter slots included; the
+    part of it the step itself allocates): a step of --max-num-batched-tokens tokens over as many sequences
+    as sample in one step (up to --max-num-seqs), with a dummy adapter in every slot and the sequences spread
+    over the slots (the base model's on a pod without LoRA), every one sampling with temperature, top-k,
+    top-p and the most log-probabilities (the sampler's scratch)."""
     cache = lora.cache
     cache.fill_with_dummies(min(rank, lora.limits.max_rank))
     tokens = config.max_num_batched_tokens
@@ -173,15 +180,35 @@ def profile_peak_bytes(model: LlamaForCausalLM, lora: LoraRuntime, config: DataP
     batch = []
     for i, n in enumerate(sizes):
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
-        seq = Sequence(f"profile-{i}", None, [0] * n, params, n + 1, slot=i % cache.max_loras)
+        slot = i % cache.max_loras if cache.max_loras else -1
+        seq = Sequence(f"profile-{i}", None, [0] * n, params, n + 1, slot=slot)
         blocks.allocate(seq, n)
         batch.append(ScheduledSeq(seq, n))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     runner.run(batch)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del runner, blocks
     cache.clear_free_slots()
     torch.cuda.empty_cache()
-    return peak
+    return peak, peak - before
+
+
+def graph_pool_bytes(model: LlamaForCausalLM, config: DataPlaneConfig, step_bytes: int) -> int:
+    """What the CUDA graphs' one pool will hold, estimated before the KV cache takes the rest of the device:
+    the largest captured step's intermediates (``step_bytes``, measured on the profile step of the same
+    tokens; graphs captured later reuse them), the decode workspace of that step's sequences (the attention
+    splits' partials, allocated inside the graph), and every graph's output (kept by its graph). The capture
+    logs what the pool took."""
+    from kernels.attention_unified import default_tiles  # Triton: the `cuda` extra
+
+    c = model.config
+    dtype = model.embed_tokens.weight.dtype
+    seqs = config.max_num_seqs + 1  # the largest mixed step's (step_runner.mixed_seqs)
+    splits = default_tiles(c.head_dim, dtype).max_splits
+    workspace = seqs * c.num_heads * splits * (c.head_dim + 2) * 4 + seqs * c.num_kv_heads * 4  # float32, int32
+    tokens = sum(decode_buckets(config.max_num_seqs)) + sum(token_buckets(config.max_num_batched_tokens))
+    outputs = tokens * c.hidden_size * dtype.itemsize * (2 if config.enable_lora else 1)  # with and without LoRA
+    return step_bytes + workspace + outputs

@@ -54,7 +54,8 @@ class AdapterLoader:
     async def ensure(self, name: str) -> None:
         """Makes ``name`` resident or loading, without waiting for the load. Its source is resolved
         first, so an unknown name raises here (AdapterNotFound) before the caller queues anything;
-        a load that fails later is reported to ``on_end``."""
+        a load that fails later is reported to ``on_end``. On a pod without LoRA raises LoraDisabled."""
+        self._lora.require(name)
         check_adapter_name(name)  # a name no request could use must not reach a resolver or take a cache entry
         if self._resident_or_loading(name):
             return
@@ -65,6 +66,7 @@ class AdapterLoader:
     async def load(self, name: str, source: str, sha256: str = "") -> Residency:
         """Reads, validates and caches an adapter (admin Load); idempotent for the same weights.
         A load of ``name`` already in flight is joined instead of started again."""
+        self._lora.require(name)
         task = self._loading.get(name)
         if task is None:
             check_adapter_name(name)
@@ -74,6 +76,7 @@ class AdapterLoader:
     async def prefetch(self, name: str, source: str, sha256: str) -> bool:
         """Downloads ``name``'s remote source into the disk tier, in a worker thread, without loading
         it (the control plane asks this ahead of demand); whether it downloaded."""
+        self._lora.require(name)
         check_adapter_name(name)
         return await asyncio.to_thread(self._lora.prefetch, name, source, sha256)
 

@@ -94,7 +94,8 @@ class Engine:
                  precision: str | None = None, prefix_report_size: int = 0, compute_threads: int | None = None) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
-        decode steps replay CUDA graphs captured by ``warm_up.warm_up`` (on a CUDA model); ``prefix_caching``:
+        every step is padded to a bucket and replays a CUDA graph captured by ``warm_up.warm_up`` (on a CUDA
+        model); ``prefix_caching``:
         full KV blocks are kept and reused by requests whose prompts begin alike, keyed also by
         ``precision`` (default: the weights' dtype) and each adapter's content; ``prefix_report_size``: how
         many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching);
@@ -116,7 +117,7 @@ class Engine:
         self.model_lock = asyncio.Lock()
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens, limits.itl_growth,
-                              graphs=self.runner.replays_graphs, row_tile=model.row_tile)
+                              row_tile=model.row_tile)
         self.scheduler = Scheduler(SchedulerLimits(limits.max_num_seqs, limits.max_num_batched_tokens),
                                    self.blocks, lora.cache, self.adapters.is_resident, weights, policy,
                                    self._prefix_salt, self.costs.prefill_budget, step_time=self.costs.predict)
@@ -463,6 +464,7 @@ class Engine:
             waiting=self.scheduler.num_waiting, kv_usage=self.blocks.usage,
             preemptions=self.scheduler.num_preemptions, prefix=self._prefix_state(),
             disk=self.lora.downloads.tier.usage() if self.lora.downloads is not None else None,
+            eager_steps=self.runner.step_runner.eager_steps,
         )
 
     def routing_prefixes(self) -> list[int]:

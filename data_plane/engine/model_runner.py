@@ -13,7 +13,7 @@ from data_plane.engine.sampler import SamplingBatch, sample
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import TokenOut
 from data_plane.engine.step_inputs import SeqStep, StepInputBuilder, StepInputs
-from data_plane.engine.step_runner import EagerRunner, GraphRunner, StepRunner, decode_buckets
+from data_plane.engine.step_runner import EagerRunner, GraphRunner, StepRunner, decode_buckets, token_buckets
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model.attention import KVCache
 from data_plane.model.llama import LlamaForCausalLM
@@ -23,15 +23,18 @@ from kernels.lora_meta import LoraMetaBuilder
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, lora: LoraRuntime | None, kv_cache: KVCache, blocks: BlockManager,
                  max_seqs: int, max_tokens: int, graphs: bool = False) -> None:
-        """``graphs``: decode steps padded to buckets and replayed from CUDA graphs (on CUDA), captured by
-        ``capture_graphs``; else every step runs eagerly, unpadded."""
+        """``lora``: None, or a runtime with LoRA off, for a model without LoRA layers; ``graphs``: every step
+        padded to a bucket and replayed from CUDA graphs (on CUDA), captured by ``capture_graphs``; else every
+        step runs eagerly, unpadded."""
         self.model = model
-        self.lora = lora
+        self.lora = lora = lora if lora is not None and lora.enabled else None
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
         meta = dict(lora_meta=LoraMetaBuilder, max_loras=lora.cache.max_loras, max_rank=lora.limits.max_rank,
                     lora_partial_rows=lora.partial_rows) if lora is not None else {}
-        self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs, max_tokens, self.device, **meta)
+        # A step with prompt tokens is padded to one sequence more than a step holds (step_runner.mixed_seqs).
+        self.inputs = StepInputBuilder(blocks, kv_cache, max_seqs + 1 if graphs else max_seqs, max_tokens,
+                                       self.device, **meta)
         self.masks = TokenMasks(max_seqs, model.config.vocab_size, self.device)
         self.rows = PersistentBatch(blocks.table.shape[0])  # each running sequence's fixed state, by its row
         # A graph's attention covers the longest context a sequence can have: the model's, the cache's, or
@@ -39,11 +42,9 @@ class ModelRunner:
         max_context = min(model.config.max_position_embeddings,
                           min(kv_cache.num_blocks, blocks.max_blocks_per_seq) * kv_cache.block_size)
         self.step_runner: StepRunner = (
-            GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), max_context,
-                        capture=self.device.type == "cuda")
+            GraphRunner(model, kv_cache, self.inputs, decode_buckets(max_seqs), token_buckets(max_tokens),
+                        max_context, capture=self.device.type == "cuda")
             if graphs else EagerRunner(model, kv_cache))
-        # decode-only steps replayed from graphs, so a step with prompt tokens runs eagerly beside them
-        self.replays_graphs = graphs and self.device.type == "cuda"
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -78,8 +79,7 @@ class ModelRunner:
                 sampled_rows.append(row)
                 counters.append(num_tokens)
                 sampled_positions.append(k)
-        decode_only = len(token_ids) == len(steps)
-        inputs = self.inputs.build(steps, token_ids, self.step_runner.padded_size(len(steps), decode_only))
+        inputs = self.inputs.build(steps, token_ids, *self.step_runner.padding(len(steps), len(token_ids)))
         sampling = self.rows.sampling(sampled_rows, counters, self.device) if sampled_rows else None
         return PreparedStep(inputs, order, sampling, sampled_positions)
 

@@ -26,6 +26,7 @@ class EngineState:
     preemptions: int  # sequences preempted for lack of KV blocks so far
     prefix: PrefixState | None = None  # the prefix cache's counts; None without prefix caching
     disk: DiskUsage | None = None  # the disk tier of downloaded adapters; None on a pod without one
+    eager_steps: int = 0  # steps a pod replaying CUDA graphs ran eagerly (no captured shape fits them) so far
 
 
 @dataclass(frozen=True)

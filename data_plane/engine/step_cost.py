@@ -2,23 +2,22 @@
 
 A step's time is modelled as linear in what it computes::
 
-    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·eager
-              + c6·row_tiles
+    seconds ≈ c0 + c1·decode_rows + c2·prefill_tokens + c3·prefill_seqs + c4·adapters + c5·row_tiles
 
-(``adapters``: distinct adapters in the step, each a LoRA segment; ``eager``: on a pod that replays
-CUDA graphs for decode-only steps, 1 for a step with prompt tokens, which runs eagerly, else 0;
-``row_tiles``: on a CPU pod, whose projections multiply fixed tiles of rows (``model.cpu_linear``),
-the tiles the step's rows fill). On a GPU decode rows are almost free next to the fixed cost (weights
-are read once per step) and prefill tokens cost compute; on a CPU both cost compute, by the tile.
-``c5`` is the eager step's launch cost, paid once per step, not per prompt. ``c6`` is a tile's
-projections: on the CPU pod (demo model, bfloat16 matmuls, 32-row tiles, 2-core EPYC) a step of 16
-decodes took 48 ms, with 16 prompt tokens beside them 65 ms, with 17 95 ms, with 48 99 ms, with 49
-136 ms. A pod without graphs, or without tiles, has the feature at 0 always, and its coefficient is
-0. The coefficients are not guessed: ``Engine.warm_up`` times a few steps of known shapes at start-up
-(the prior, kept for good so every coefficient stays identified: one and two prompts of the same
-length tell ``c3`` from ``c5``; a few prompt tokens beside the decodes tell ``c5`` from ``c2``; a
-prompt that fills a tile and one a token longer tell ``c6`` from ``c2``), and every served
-step adds its measured time; the fit is a least-squares solve over the prior and the most recent
+(``adapters``: distinct adapters in the step, each a LoRA segment; ``row_tiles``: on a CPU pod, whose
+projections multiply fixed tiles of rows (``model.cpu_linear``), the tiles the step's rows fill). On a
+GPU decode rows are almost free next to the fixed cost (weights are read once per step) and prefill
+tokens cost compute; on a CPU both cost compute, by the tile. ``c5`` is a tile's projections: on the
+CPU pod (demo model, bfloat16 matmuls, 32-row tiles, 2-core EPYC) a step of 16 decodes took 48 ms,
+with 16 prompt tokens beside them 65 ms, with 17 95 ms, with 48 99 ms, with 49 136 ms. A pod without
+tiles has the feature at 0 always, and its coefficient is 0. A GPU pod replays every step from a CUDA
+graph, prefill included (``step_runner``), so a step with prompt tokens has no launch cost of its own
+(when only decode-only steps were captured, the eager step that prefilled took several times a
+replayed decode step: 34.7 against 9.64 ms at batch 1 on an H100 with an 8B model). The coefficients
+are not guessed: ``Engine.warm_up`` times a few steps of known shapes at start-up (the prior, kept
+for good so every coefficient stays identified: one and two prompts of the same length tell ``c3``
+from ``c2``; a prompt that fills a tile and one a token longer tell ``c5`` from ``c2``), and every
+served step adds its measured time; the fit is a least-squares solve over the prior and the most recent
 steps, redone every few steps, with coefficients kept non-negative.
 
 The step budget (stall-free batching, after Sarathi-Serve): every running decode gets its token each
@@ -32,15 +31,7 @@ second tile and carries 33; beside 8 base-model decodes a prompt of an adapter p
 segment and its sequence, which on the CPU pod leave almost nothing of 1.4x, and carries the 24 tokens
 left in the decodes' tile (in runs of the same burst, steps of the 8-token floor took no less time
 than steps of 24 tokens: benchmarks/history/overload.md, "each prompt pays its own adapter and
-sequence"). On a pod that replays CUDA graphs for decode-only steps the base is instead the shortest
-step that prefills beside the same decodes, the eager one: its decodes alone plus the eager step's and
-one sequence's cost (``c5 + c3``). There ``c5`` is the eager step's launch cost (an H100 with an 8B model:
-a batch-1 decode step took several times as long eagerly as replayed; benchmarks/RESULTS.md, "GPU
-evaluation, first run"). Measured against the decodes alone, no prompt token would fit there, and every
-step beside running streams would be an eager step of ``MIN_PREFILL_TOKENS``: longer gaps and prefill
-starved. Measured against the shortest prefilling step, such a step carries prompt tokens worth 40% of
-it; the gaps while prompts arrive are then that eager step's length, not 1.4x a replayed decode step.
-``--target-itl`` gives an absolute target in seconds instead. The target is set by the decodes (their
+sequence"). ``--target-itl`` gives an absolute target in seconds instead. The target is set by the decodes (their
 rows and adapters); the prefill pays from it for its tokens, each prefilling sequence, and each adapter
 its prompts bring that the decodes have not got (a LoRA segment of its own: on the CPU pod with the demo
 model, a prompt of an adapter beside base-model decodes took over the 1.4x that counting the
@@ -54,10 +45,10 @@ admission estimate got wrong is made up by a few longer steps instead of a broke
 
 ``--itl-growth 0`` chooses throughput instead: a step that prefills may last up to the device's
 throughput knee (or 1.4× its decodes alone when that is longer). A step pays its fixed part once
-whatever it computes (``fixed``: the fixed cost, one prefilling sequence, one adapter, and on a graph
-pod the eager step), so a step of ``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which
-reaches ``KNEE_EFFICIENCY`` of the device's peak rate ``1 / per_token`` when the step lasts
-``fixed / (1 - KNEE_EFFICIENCY)`` (with row tiles, a token's cost includes its share of a tile).
+whatever it computes (``fixed``: the fixed cost, one prefilling sequence, one adapter), so a step of
+``n`` prompt tokens prefills at ``n / (fixed + n·per_token)``, which reaches ``KNEE_EFFICIENCY`` of the
+device's peak rate ``1 / per_token`` when the step lasts ``fixed / (1 - KNEE_EFFICIENCY)`` (with row
+tiles, a token's cost includes its share of a tile).
 Where the fixed part is most of a decode step (a small model, or a GPU reading its weights once per
 step), that is several times the decodes alone: more prompt tokens per second, longer gaps for
 running streams while prompts arrive (benchmarks/history/overload.md, "the step target at the device's
@@ -74,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# How many times its decodes alone (on a graph pod, the eager step beside them) a step that prefills may last.
+# How many times its decodes alone a step that prefills may last.
 DEFAULT_ITL_GROWTH = 1.4
 # Under --itl-growth 0: the step whose prefill runs at this fraction of the device's peak prefill rate.
 KNEE_EFFICIENCY = 0.8
@@ -84,6 +75,7 @@ MIN_PREFILL_TOKENS = 8
 _WINDOW = 512  # recent steps the fit uses
 _REFIT_EVERY = 16  # steps between solves
 _PRIOR_WEIGHT = 4.0  # a warm-up step counts as this many served ones
+TILE = 5  # the row tiles' feature (StepShape.features)
 
 
 @dataclass(frozen=True)
@@ -95,28 +87,24 @@ class StepShape:
     prefill_seqs: int = 0
     adapters: int = 0
 
-    def features(self, graphs: bool = False, row_tile: int = 0) -> tuple[float, ...]:
-        """The model's features; ``graphs``: the pod replays CUDA graphs for decode-only steps, so a step
-        with prompt tokens runs eagerly; ``row_tile``: the rows its projections multiply at once (0: not
-        tiled). A step with any sequence fills at least one tile."""
-        eager = float(graphs and (self.prefill_seqs > 0 or self.prefill_tokens > 0))
+    def features(self, row_tile: int = 0) -> tuple[float, ...]:
+        """The model's features; ``row_tile``: the rows its projections multiply at once (0: not tiled). A
+        step with any sequence fills at least one tile."""
         rows = self.decode_rows + self.prefill_tokens
         tiles = max(-(-rows // row_tile), int(rows > 0 or self.prefill_seqs > 0)) if row_tile else 0
         return (1.0, float(self.decode_rows), float(self.prefill_tokens), float(self.prefill_seqs),
-                float(self.adapters), eager, float(tiles))
+                float(self.adapters), float(tiles))
 
 
 class StepCost:
     """The fitted step-time model, and the prefill budget it implies under a target."""
 
     def __init__(self, target_itl_s: float = 0.0, max_batched_tokens: int = 1 << 30,
-                 itl_growth: float = DEFAULT_ITL_GROWTH, graphs: bool = False, row_tile: int = 0) -> None:
+                 itl_growth: float = DEFAULT_ITL_GROWTH, row_tile: int = 0) -> None:
         """``target_itl_s``: the step time prefill may fill up to (0: ``itl_growth`` × the step's decodes
-        alone, on a graph pod × the shortest step that prefills beside them, or with ``itl_growth`` 0 up
-        to the device's throughput knee; see the module's notes);
+        alone, or with ``itl_growth`` 0 up to the device's throughput knee; see the module's notes);
         ``max_batched_tokens``: the most tokens one step holds (decodes and prefill together);
-        ``graphs``: the pod replays CUDA graphs for decode-only steps; ``row_tile``: the rows its
-        projections multiply at once, 0 where not tiled (both: ``StepShape.features``)."""
+        ``row_tile``: the rows its projections multiply at once, 0 where not tiled (``StepShape.features``)."""
         if not 0 <= target_itl_s < math.inf:
             raise ValueError(f"target_itl_s must be a number of seconds >= 0 (0 = relative, by itl_growth), "
                              f"got {target_itl_s}")
@@ -124,14 +112,13 @@ class StepCost:
             raise ValueError(f"itl_growth must be a factor > 1, or 0 for the throughput knee, got {itl_growth}")
         self.target_itl_s = target_itl_s
         self.itl_growth = itl_growth
-        self.graphs = graphs
         self.row_tile = row_tile
         self._budgets: dict[tuple[int, int, bool, int, int], int] = {}  # prefill_budget's answers since the last fit
         self._max_tokens = max_batched_tokens
         self._prior: list[tuple[tuple[float, ...], float]] = []
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=_WINDOW)
         self._since_fit = 0
-        self.coef: np.ndarray | None = None  # [7] seconds per feature; None until something was timed
+        self.coef: np.ndarray | None = None  # [6] seconds per feature; None until something was timed
 
     # ---- fitting -----------------------------------------------------------------------------
     def observe_prior(self, shape: StepShape, seconds: float) -> None:
@@ -147,7 +134,7 @@ class StepCost:
             self._fit()
 
     def _features(self, shape: StepShape) -> tuple[float, ...]:
-        return shape.features(self.graphs, self.row_tile)
+        return shape.features(self.row_tile)
 
     def _fit(self) -> None:
         self._since_fit = 0
@@ -155,7 +142,7 @@ class StepCost:
         rows = [*self._prior, *self._recent]
         if not rows:
             return
-        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 7]
+        x = np.array([f for f, _ in rows], dtype=np.float64)  # [n, 6]
         y = np.array([s for _, s in rows], dtype=np.float64)  # [n]
         w = np.sqrt(np.array([_PRIOR_WEIGHT] * len(self._prior) + [1.0] * len(self._recent)))
         self.coef = _nonnegative_least_squares(x * w[:, None], y * w)
@@ -175,9 +162,7 @@ class StepCost:
         if self.target_itl_s:
             target = max(self.target_itl_s, decodes)
         elif self.itl_growth:
-            # On a graph pod a step with prompt tokens runs eagerly: the shortest such step is the base.
-            base = StepShape(decode_rows, 0, 1, adapters) if self.graphs else StepShape(decode_rows, adapters=adapters)
-            target = self.itl_growth * self.predict(base)
+            target = self.itl_growth * decodes
         else:
             target = knee
         return max(target, knee) if rush else target
@@ -187,7 +172,7 @@ class StepCost:
         its fixed part (a step that prefills, one prefilling sequence, one adapter) over
         ``1 - KNEE_EFFICIENCY``. A row tile is not part of it: tiles are paid by the rows, so at the
         peak rate a token costs its own part and its share of a tile (``c2 + c6 / row_tile``)."""
-        tile = float(self.coef[6]) if self.coef is not None and self.row_tile else 0.0
+        tile = float(self.coef[TILE]) if self.coef is not None and self.row_tile else 0.0
         return (self.predict(StepShape(0, 0, 1, 1)) - tile) / (1.0 - KNEE_EFFICIENCY)
 
     def prefill_budget(self, decode_rows: int, adapters: int, rush: bool = False, prefill_seqs: int = 1,
@@ -212,7 +197,7 @@ class StepCost:
     def _floor_tokens(self, decode_rows: int) -> int:
         """The prompt tokens a step beside ``decode_rows`` decodes carries whatever its target: MIN_PREFILL_TOKENS,
         and on a tiled pod the rest of the row tile they end in, which the step pays for anyway."""
-        if not self.row_tile or self.coef[6] <= 0:
+        if not self.row_tile or self.coef[TILE] <= 0:
             return MIN_PREFILL_TOKENS
         return -(-(decode_rows + MIN_PREFILL_TOKENS) // self.row_tile) * self.row_tile - decode_rows
 
@@ -224,7 +209,7 @@ class StepCost:
         def within(tokens: int) -> bool:
             return self.predict(StepShape(decode_rows, tokens, prefill_seqs, adapters)) <= target
 
-        if not self.row_tile or self.coef[6] <= 0:
+        if not self.row_tile or self.coef[TILE] <= 0:
             per_token = float(self.coef[2])
             spare = target - self.predict(StepShape(decode_rows, 0, prefill_seqs, adapters))
             return room if per_token <= 0 else max(0, int(spare / per_token))
@@ -241,16 +226,13 @@ class StepCost:
         if self.coef is None:
             return "not measured"
         names = dict(enumerate(("fixed", "per decode row", "per prefill token", "per prefilling sequence",
-                                "per adapter", "per eager step beside graphs", f"per {self.row_tile}-row tile")))
-        if not self.graphs:
-            del names[5]
+                                "per adapter", f"per {self.row_tile}-row tile")))
         if not self.row_tile:
-            del names[6]
+            del names[TILE]
         if self.target_itl_s:
             target = f"--target-itl {self.target_itl_s:g} s"
         elif self.itl_growth:
-            base = "the shortest eager step beside its decodes" if self.graphs else "its decodes alone"
-            target = f"a step that prefills lasts at most {self.itl_growth:g}x {base} (--itl-growth)"
+            target = f"a step that prefills lasts at most {self.itl_growth:g}x its decodes alone (--itl-growth)"
         else:
             target = f"a step that prefills may last {self.knee_step_s() * 1e3:.3g} ms (the throughput knee)"
         return ", ".join(f"{name} {self.coef[i] * 1e3:.3g} ms" for i, name in names.items()) + "; " + target

@@ -9,7 +9,9 @@ table, updated with the entries appended since the last step (``BlockManager.tak
 
 A step may be padded to a larger sequence count (``pad_to``, for a CUDA graph captured at that size):
 padding sequences have one token each, context length 0 (attention writes zeros), no adapter, and
-write their keys and values to the cache's pad slot.
+write their keys and values to the cache's pad slot. A step with prompt tokens is padded to a token
+count as well (``pad_tokens``): the first padding sequence then holds every padding token (none, one,
+or a chunk with no context, whose rows attention writes as zeros too) and the others none.
 """
 
 from __future__ import annotations
@@ -104,15 +106,23 @@ class StepInputBuilder:
         self._slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # index_copy_ takes int64
         self._arange = torch.arange(max_tokens)  # [max_tokens] on the host: 0, 1, ...
 
-    def build(self, seqs: Sequence[SeqStep], token_ids: Sequence[int], pad_to: int | None = None) -> StepInputs:
+    def build(self, seqs: Sequence[SeqStep], token_ids: Sequence[int], pad_to: int | None = None,
+              pad_tokens: int | None = None) -> StepInputs:
         """The inputs of a step over ``seqs``, whose tokens (``token_ids``: each sequence's new tokens, one
-        sequence after another) are laid out in that order."""
+        sequence after another) are laid out in that order; padded to ``pad_to`` sequences and, where
+        given, ``pad_tokens`` tokens (else one token a padding sequence)."""
         num_seqs = len(seqs)
         padded = max(pad_to or num_seqs, num_seqs)
         if padded > self.max_seqs:
             raise ValueError(f"step has {padded} sequences; the buffers hold {self.max_seqs}")
         per_seq = host_ints(chain.from_iterable((*seqs, *[_PAD] * (padded - num_seqs)))).view(padded, 5)
-        rows, starts, qlens, slots, samples = per_seq.unbind(1)  # [padded] each
+        rows, starts, qlens, slots, samples = per_seq.unbind(1)  # [padded] each (views of per_seq)
+        if pad_tokens is not None and pad_tokens != len(token_ids) + padded - num_seqs:
+            if padded == num_seqs or pad_tokens < len(token_ids):
+                raise ValueError(f"cannot pad a step of {num_seqs} sequences and {len(token_ids)} tokens to "
+                                 f"{padded} sequences and {pad_tokens} tokens")
+            qlens[num_seqs:] = 0
+            qlens[num_seqs] = pad_tokens - len(token_ids)
         seq_lens = starts + qlens
         seq_lens[num_seqs:] = 0  # padding: no context
         query_start = torch.zeros(padded + 1, dtype=torch.int64)
@@ -121,13 +131,15 @@ class StepInputBuilder:
         if num_tokens > self.max_tokens:
             raise ValueError(f"step has {num_tokens} tokens; the buffers hold {self.max_tokens}")
         real_tokens = int(query_start[num_seqs])
-        if num_tokens == padded:  # one token a sequence (decodes): token t is sequence t's
+        # One token a sequence (decodes, padding included): token t is sequence t's.
+        one_each = num_tokens == padded and real_tokens == num_seqs
+        if one_each:
             positions = starts.clone()
         else:
             seq_of_token = torch.repeat_interleave(self._arange[:padded], qlens, output_size=num_tokens)  # [num_tokens]
             positions = starts[seq_of_token] + self._arange[:num_tokens] - query_start[seq_of_token]
         bs = self.block_size
-        token_rows = rows if num_tokens == padded else rows[seq_of_token]  # [num_tokens]
+        token_rows = rows if one_each else rows[seq_of_token]  # [num_tokens]
         slot_mapping = self.blocks.table[token_rows, positions // bs].long() * bs + positions % bs
         slot_mapping[real_tokens:] = self.kv_cache.pad_slot
         positions[real_tokens:] = 0
@@ -147,7 +159,7 @@ class StepInputBuilder:
         host("sample_rows")[: sample_rows.shape[0]] = sample_rows
         num_appends = self._stage_appends()
         # A step without adapter tokens builds no LoRA metadata: its forward runs (and replays) without LoRA.
-        lora = (self.lora.build(slots if num_tokens == padded else slots[seq_of_token])
+        lora = (self.lora.build(slots if one_each else slots[seq_of_token])
                 if self.lora is not None and bool((slots >= 0).any()) else None)
         self.buffer.upload()
 

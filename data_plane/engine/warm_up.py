@@ -1,5 +1,5 @@
 """Start-up work of an engine: every kernel and buffer a step needs built before requests wait, the
-decode CUDA graphs captured, and steps of a few shapes timed as the step-time model's prior."""
+CUDA graphs captured, and steps of a few shapes timed as the step-time model's prior."""
 
 from __future__ import annotations
 
@@ -21,17 +21,20 @@ def warm_up(engine: Engine, rank: int = 8) -> None:
     """Fills every adapter slot with a zero adapter and runs, on the model thread, a one-sequence
     decode step, a full decode batch and a full prefill chunk through every slot, so that no
     oneDNN kernel or buffer is first built while requests wait (CPU projections run in one row
-    tile, ``cpu_linear``: one kernel per weight shape); then captures the decode CUDA graphs, where
-    the engine uses them, and times the step-time model's prior (``time_steps``)."""
+    tile, ``cpu_linear``: one kernel per weight shape); then captures the CUDA graphs, where the engine
+    uses them, and times the step-time model's prior (``time_steps``). On a pod without LoRA every step
+    is of the base model."""
     cache = engine.lora.cache
     limits = engine.limits
     cache.fill_with_dummies(min(rank, engine.lora.limits.max_rank))
     n = min(limits.max_num_seqs, limits.num_kv_blocks)
-    decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=i % cache.max_loras) for i in range(n)]
+    decodes = [Sequence(f"warm-up-{i}", None, [0], SamplingParams(), 2, slot=_slot(i, cache.max_loras))
+               for i in range(n)]
     for size in sorted({1, n}):
         engine.run_alone([ScheduledSeq(seq, 1) for seq in decodes[:size]])
     chunk = min(limits.max_num_batched_tokens, limits.num_kv_blocks * limits.block_size, limits.max_model_len)
-    prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1, slot=0)
+    prefill = Sequence("warm-up-prefill", None, [0] * chunk, SamplingParams(), chunk + 1,
+                       slot=_slot(0, cache.max_loras))
     engine.run_alone([ScheduledSeq(prefill, chunk)])
     engine.on_model_thread(engine.runner.capture_graphs)
     time_steps(engine, decodes, min(chunk, 256), chunk)
@@ -43,12 +46,14 @@ def warm_up(engine: Engine, rank: int = 8) -> None:
 
 def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int) -> None:
     """Times steps of a few shapes, built and warmed already, as the step-time model's prior: decodes
-    with and without adapters, prefill in one and two sequences, decodes beside prefill, where decode
-    steps replay graphs or projections run in row tiles decodes beside a few prompt tokens, and with row
-    tiles a prompt beside one decode that fills a tile and one a token longer (steps of at most
-    ``chunk`` tokens, of at most ``max_num_seqs`` sequences)."""
+    with and without adapters, prefill in one and two sequences, decodes beside prefill, and where
+    projections run in row tiles decodes beside a few prompt tokens and a prompt beside one decode that
+    fills a tile and one a token longer (steps of at most ``chunk`` tokens, of at most ``max_num_seqs``
+    sequences)."""
+    slot = _slot(0, engine.lora.cache.max_loras)
+
     def prompt(name: str, length: int) -> Sequence:
-        return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=0)
+        return Sequence(name, None, [0] * length, SamplingParams(), length + 1, slot=slot)
 
     base = Sequence("warm-up-base", None, [0], SamplingParams(), 2)
     half = max(1, tokens // 2)
@@ -59,10 +64,9 @@ def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int)
                [ScheduledSeq(prompt("warm-up-p1", half), half), ScheduledSeq(prompt("warm-up-p2", half), half)],
                [*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-p", beside), beside)]]
     tile = engine.costs.row_tile
-    if engine.costs.graphs or tile:
-        # A few prompt tokens beside the decodes: the eager step's own cost apart from its tokens'. Where
-        # neither eager steps nor row tiles are modelled, a few tokens that cross a tile (model/cpu_linear.py)
-        # would be taken for a cost of every prefilling sequence.
+    if tile:
+        # A few prompt tokens beside the decodes, within their tile. Where row tiles are not modelled, a few
+        # tokens that cross a tile (model/cpu_linear.py) would be taken for a cost of every prefilling sequence.
         batches.append([*(ScheduledSeq(seq, 1) for seq in decodes[:-1]), ScheduledSeq(prompt("warm-up-f", few), few)])
     if tile and tile + 1 <= chunk:
         # A prompt that fills one decode's tile, and one a token longer that needs a second tile.
@@ -74,3 +78,9 @@ def time_steps(engine: Engine, decodes: list[Sequence], tokens: int, chunk: int)
         start = time.monotonic()
         if engine.run_alone(batch):
             engine.costs.observe_prior(step_shape(batch), time.monotonic() - start)
+
+
+def _slot(i: int, max_loras: int) -> int:
+    """The adapter slot of the ``i``-th warm-up sequence: the slots in turn; -1 (the base model) on a pod
+    without LoRA."""
+    return i % max_loras if max_loras else -1

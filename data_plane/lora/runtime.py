@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from data_plane.errors import InvalidAdapter
+from data_plane.errors import InvalidAdapter, LoraDisabled
 from data_plane.lora.adapter_cache import AdapterCache
 from data_plane.lora.fetcher import AdapterFetcher, is_remote
 from data_plane.lora.layer import projection_shapes, wrap_with_lora
@@ -18,7 +18,12 @@ from kernels.lora_meta import LoraMeta, LoraMetaBuilder, partial_rows
 class LoraRuntime:
     def __init__(self, model: LlamaForCausalLM, max_loras: int, max_cpu_loras: int, max_rank: int,
                  max_tokens: int, adapter_roots: tuple[Path, ...], limits: AdapterLimits | None = None,
-                 fetcher: AdapterFetcher | None = None) -> None:
+                 fetcher: AdapterFetcher | None = None, enabled: bool = True) -> None:
+        """``enabled`` False (--no-enable-lora): the model keeps its plain projections, no slot is allocated,
+        and every adapter is refused (``require``): a pod of the base model only."""
+        self.enabled = enabled
+        if not enabled:
+            max_loras = max_cpu_loras = 0
         device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.roots = tuple(adapter_roots)
@@ -29,7 +34,7 @@ class LoraRuntime:
         self.downloads = fetcher
         # What each move between tiers takes here, as measured (the downloads' part kept by the fetcher).
         self.load_times = fetcher.times if fetcher is not None else LoadTimes()
-        self.layers = wrap_with_lora(model, max_loras, max_rank)
+        self.layers = wrap_with_lora(model, max_loras, max_rank) if enabled else {}
         self._shapes = projection_shapes(self.layers)
         self._pin = device.type == "cuda"  # adapters are read into page-locked memory for asynchronous slot copies
         self.cache = AdapterCache(self.layers, max_loras, max_cpu_loras, pin_host_memory=self._pin,
@@ -41,6 +46,13 @@ class LoraRuntime:
         # The split shrink's scratch (kernels.lora_shrink), on a GPU only: the CPU path never splits.
         self.partial_rows = partial_rows([(len(slices), in_features) for slices in self._shapes.values()
                                           for in_features, _ in list(slices.values())[:1]]) if self._pin else 0
+
+    def require(self, name: str) -> None:
+        """Raises LoraDisabled, saying what to do instead, on a pod started without LoRA."""
+        if not self.enabled:
+            raise LoraDisabled(f"adapter {name!r}: this pod was started with --no-enable-lora and serves the base "
+                               "model only; send the request without an adapter, or to a pod started with LoRA "
+                               "(--enable-lora, the default)")
 
     def read(self, name: str, source: str, sha256: str = "") -> LoraAdapter:
         """Reads and validates an adapter from a directory under the adapter roots, or from a remote

@@ -267,29 +267,21 @@ def test_a_first_token_that_waited_for_its_adapters_load_teaches_the_estimate_no
 
 
 def test_the_start_up_steps_time_what_the_pods_step_model_needs(demo_model_dir):
-    """A CPU pod (no CUDA graphs) has no eager-step feature; where its projections run in row tiles (as its
-    CPU's probe chose, ``row_rule``) it times a prompt that fills a decode's tile and one a token longer, and
-    where they run in one call over all rows it has no tile feature; a pod replaying graphs for decode-only
-    steps (and not tiled) times a few prompt tokens beside its decodes, to tell the eager step's cost from
-    a token's."""
-    from data_plane.engine.step_cost import MIN_PREFILL_TOKENS, StepCost
-    from data_plane.engine.warm_up import time_steps
+    """Where a CPU pod's projections run in row tiles (as its CPU's probe chose, ``row_rule``) it times a
+    prompt that fills a decode's tile and one a token longer; where they run in one call over all rows it
+    has no tile feature and times the six shapes every pod times. No pod has a cost for steps that prefill
+    beside decodes apart from their sequences and tokens: on a GPU those replay graphs too."""
+    from data_plane.engine.step_cost import TILE
 
     engine = build_engine(DataPlaneConfig(model=demo_model_dir, dtype="float32", max_num_seqs=4), PodMetrics())
     tile = engine.costs.row_tile
-    assert not engine.runner.replays_graphs and not engine.costs.graphs and tile == engine.model.row_tile
+    assert tile == engine.model.row_tile
     assert (tile > 0) is not engine.model.row_rule.projection.whole
     shapes = [features for features, _ in engine.costs._prior]
-    assert all(f[5] == 0.0 for f in shapes)
+    assert all(len(f) == TILE + 1 for f in shapes)
     if tile:
         filled, crossed = shapes[-2:]  # one decode beside a prompt of tile - 1 and of tile tokens
-        assert filled[1:3] == (1.0, tile - 1) and filled[6] == 1.0 and crossed[1:3] == (1.0, tile)
-        assert crossed[6] == 2.0
+        assert filled[1:3] == (1.0, tile - 1) and filled[TILE] == 1.0 and crossed[1:3] == (1.0, tile)
+        assert crossed[TILE] == 2.0
     else:
-        assert len(shapes) == 6 and all(f[6] == 0.0 for f in shapes)  # the six shapes every pod times
-    engine.costs = StepCost(graphs=True)  # as a CUDA pod's engine has it
-    decodes = [Sequence(f"d-{i}", None, [0], SamplingParams(), 2) for i in range(4)]
-    time_steps(engine, decodes, 64, 256)
-    shapes = [features for features, _ in engine.costs._prior]
-    assert shapes[-1][1:4] == (3.0, float(MIN_PREFILL_TOKENS), 1.0) and shapes[-1][5] == 1.0
-    assert len(shapes) == 7 and all(f[6] == 0.0 for f in shapes)  # the six shapes every pod times, and that one
+        assert len(shapes) == 6 and all(f[TILE] == 0.0 for f in shapes)  # the six shapes every pod times

@@ -9,19 +9,20 @@ from data_plane.engine.step_cost import (
     DEFAULT_ITL_GROWTH,
     KNEE_EFFICIENCY,
     MIN_PREFILL_TOKENS,
+    TILE,
     StepCost,
     StepShape,
 )
 
 # A device where a step costs 20 ms, 2 ms per decode row, 1 ms per prefill token, 3 ms per prefilling
-# sequence and 4 ms per adapter (a pod without CUDA graphs or row tiles: no eager-step or tile cost).
-TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.0, 0.0)
+# sequence and 4 ms per adapter (a pod without row tiles: no tile cost).
+TRUE = (0.020, 0.002, 0.001, 0.003, 0.004, 0.0)
 SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
           StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4)]
 
 
-def seconds(shape: StepShape, coef=TRUE, graphs: bool = False, row_tile: int = 0) -> float:
-    return sum(c * f for c, f in zip(coef, shape.features(graphs, row_tile), strict=True))
+def seconds(shape: StepShape, coef=TRUE, row_tile: int = 0) -> float:
+    return sum(c * f for c, f in zip(coef, shape.features(row_tile), strict=True))
 
 
 def fitted(target_itl_s: float = 0.0, max_batched_tokens: int = 1024,
@@ -88,28 +89,6 @@ def test_a_prompt_s_own_adapter_and_a_further_prefilling_sequence_are_paid_from_
     # all, less than the first took: a second never joins it
     assert costs.prefill_budget(1, 1) == MIN_PREFILL_TOKENS
     assert costs.prefill_budget(1, 1, prefill_seqs=2) == 4
-
-
-def test_where_prefilling_at_all_costs_more_than_the_growth_a_step_still_carries_a_share_of_prompt():
-    """A pod that replays CUDA graphs for decode-only steps runs a step with prompt tokens eagerly: on an H100
-    with an 8B model a batch-1 decode step took 9.64 ms replayed and 34.7 ms eagerly. That launch cost is
-    the prefilling sequence's fixed part; measured against the decodes alone no token would fit, and
-    every step beside running streams would be an eager step of MIN_PREFILL_TOKENS."""
-    gpu = (0.0094, 0.00008, 0.00003, 0.0, 0.0001, 0.025, 0.0)  # replayed step, per row, token, seq, adapter; eager
-    costs = StepCost(graphs=True)
-    for shape in [*SHAPES, StepShape(64, adapters=8), StepShape(63, 8, 1, 8)]:
-        costs.observe_prior(shape, seconds(shape, gpu, graphs=True))
-    # the launch cost is told apart from a prompt's own: paid once per step that prefills
-    assert costs.coef[5] == pytest.approx(0.025) and costs.coef[3] == pytest.approx(0.0, abs=1e-9)
-    assert "per eager step beside graphs 25 ms" in costs.summary()
-    assert "1.4x the shortest eager step beside its decodes" in costs.summary()
-    decodes = costs.predict(StepShape(64, adapters=8))
-    assert costs.predict(StepShape(64, 0, 1, 8)) > DEFAULT_ITL_GROWTH * decodes  # the old rule's dead end
-    budget = costs.prefill_budget(64, 8)
-    # 64 decodes over 8 adapters: 9.4 + 5.12 + 0.8 = 15.32 ms, 40.32 ms with the eager prefilling sequence;
-    # 1.4x that leaves 16.13 ms: 537 tokens at 0.03 ms
-    assert budget == 537
-    most_prefill_within(costs, 64, 8, DEFAULT_ITL_GROWTH * costs.predict(StepShape(64, 0, 1, 8)))
 
 
 def test_a_larger_growth_lets_a_step_prefill_more():
@@ -183,17 +162,16 @@ def test_a_rushed_step_prefills_up_to_the_knee_whatever_the_growth():
     assert fitted(target_itl_s=1.0).prefill_budget(8, 2, rush=True) == fitted(target_itl_s=1.0).prefill_budget(8, 2)
 
 
-def test_a_pod_without_graphs_has_no_eager_step_cost_whatever_its_prefill_steps_cost():
+def test_prefill_steps_that_cost_more_than_their_tokens_do_not_raise_what_a_step_may_prefill():
     """On a CPU pod a step with a few prompt tokens may cost far more than its decodes (its projections run
     in fixed row tiles: 31 decodes took 73 ms, with 8 prompt tokens 125 ms): that is not a cost of
     prefilling at all, and must not raise the step a prefill may fill."""
-    costs = StepCost()  # neither graphs nor row tiles modelled
+    costs = StepCost()  # row tiles not modelled
     tile = 0.050  # a second row tile, paid by any step past 32 rows, decode or prefill
     for shape, s in [(StepShape(1), 0.060), (StepShape(1, adapters=1), 0.062), (StepShape(32, adapters=4), 0.073),
                      (StepShape(0, 256, 1, 1), 0.060 + 7 * tile), (StepShape(0, 256, 2, 1), 0.061 + 7 * tile),
                      (StepShape(31, 128, 1, 4), 0.073 + 4 * tile), (StepShape(31, 8, 1, 4), 0.073 + tile)]:
         costs.observe_prior(shape, s)
-    assert costs.coef[5] == 0.0
     decodes = costs.predict(StepShape(31, adapters=4))
     assert costs.predict(StepShape(31, 0, 1, 4)) < DEFAULT_ITL_GROWTH * decodes
     most_prefill_within(costs, 31, 4, DEFAULT_ITL_GROWTH * decodes)
@@ -203,7 +181,7 @@ def test_a_pod_without_graphs_has_no_eager_step_cost_whatever_its_prefill_steps_
 # A CPU pod whose projections run in 32-row tiles: a step costs 10 ms, 0.5 ms per decode row, 0.2 ms per
 # prompt token, 30 ms per tile of rows (measured on the demo pod: 16 decodes 48 ms, with 16 prompt tokens
 # 65 ms, with 17 95 ms).
-TILED = (0.010, 0.0005, 0.0002, 0.0, 0.001, 0.0, 0.030)
+TILED = (0.010, 0.0005, 0.0002, 0.0, 0.001, 0.030)
 TILED_SHAPES = [StepShape(1), StepShape(1, adapters=1), StepShape(32, adapters=4), StepShape(0, 256, 1, 1),
                 StepShape(0, 256, 2, 1), StepShape(31, 128, 1, 4), StepShape(31, 8, 1, 4), StepShape(1, 31, 1, 1),
                 StepShape(1, 32, 1, 1)]
@@ -217,11 +195,11 @@ def tiled(itl_growth: float = DEFAULT_ITL_GROWTH) -> StepCost:
 
 
 def test_row_tiles_are_counted_from_the_rows_and_a_step_with_a_sequence_fills_one():
-    assert StepShape(16, 16, 1).features(row_tile=32)[6] == 1.0
-    assert StepShape(16, 17, 1).features(row_tile=32)[6] == 2.0
-    assert StepShape(0, 0, 1, 1).features(row_tile=32)[6] == 1.0  # the knee's fixed part pays a tile
-    assert StepShape(0).features(row_tile=32)[6] == 0.0
-    assert StepShape(40, 40, 1).features()[6] == 0.0  # not tiled (a GPU pod)
+    assert StepShape(16, 16, 1).features(row_tile=32)[TILE] == 1.0
+    assert StepShape(16, 17, 1).features(row_tile=32)[TILE] == 2.0
+    assert StepShape(0, 0, 1, 1).features(row_tile=32)[TILE] == 1.0  # the knee's fixed part pays a tile
+    assert StepShape(0).features(row_tile=32)[TILE] == 0.0
+    assert StepShape(40, 40, 1).features()[TILE] == 0.0  # not tiled (a GPU pod)
 
 
 def test_the_start_up_shapes_recover_a_tiled_pods_costs():
@@ -253,5 +231,5 @@ def test_with_row_tiles_the_knee_counts_a_tile_by_its_rows_not_as_a_fixed_cost()
     costs = tiled()
     assert costs.knee_step_s() == pytest.approx(0.011 / (1 - KNEE_EFFICIENCY))
     knee = costs.knee_step_s()
-    per_token = TILED[2] + TILED[6] / 32
+    per_token = TILED[2] + TILED[TILE] / 32
     assert (knee - 0.011) / per_token / knee == pytest.approx(KNEE_EFFICIENCY / per_token)
