@@ -238,3 +238,59 @@ def test_a_model_without_lora_builds_no_lora_metadata_and_captures_no_lora_graph
     monkeypatch.setattr(GraphRunner, "capture_graphs", lambda self, lora_slot: captured.append(lora_slot))
     runner.capture_graphs()
     assert captured == [None]  # the graphs without LoRA only
+
+
+def test_under_a_mixed_load_every_step_takes_a_captured_shape_and_no_step_is_eager(tiny_pod_files, monkeypatch):
+    """A pod on the graph path (here on CPU, its padded steps run eagerly): requests arriving while others
+    decode make steps of decodes beside prompt chunks; each takes a captured shape, and the pod's eager-step
+    counter (lorafleet_engine_eager_steps) stays 0."""
+    import asyncio
+
+    from data_plane.config import DataPlaneConfig
+    from data_plane.engine import engine as engine_module
+    from data_plane.engine.sequence import SamplingParams as Params
+    from data_plane.metrics import PodMetrics
+    from data_plane.pod import build_engine
+
+    graph_runner = engine_module.ModelRunner
+    monkeypatch.setattr(engine_module, "ModelRunner", lambda *args, graphs=False, **kwargs: graph_runner(
+        *args, graphs=True, **kwargs))
+    model_dir, root, _ = tiny_pod_files
+    config = DataPlaneConfig(model=model_dir, dtype="float32", adapter_roots=(root,), max_loras=2, max_cpu_loras=2,
+                             max_lora_rank=32, num_kv_blocks=96, max_num_seqs=6, max_num_batched_tokens=48,
+                             max_queue_delay=0)
+    metrics = PodMetrics()
+    engine = build_engine(config, metrics)
+    runner: GraphRunner = engine.runner.step_runner
+    assert isinstance(runner, GraphRunner)
+    shapes = []
+    forward = runner.forward
+
+    def recorded(inputs):
+        shapes.append(GraphShape(inputs.attn.seq_lens.shape[0], inputs.input_ids.shape[0], inputs.decode_only))
+        return forward(inputs)
+
+    monkeypatch.setattr(runner, "forward", recorded)
+    metrics.watch(engine.snapshot)
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.05 * i)  # arrive while earlier requests decode
+        prompt = [3 + (7 * i + j) % 200 for j in range(5 + 9 * i)]
+        params = Params(max_tokens=6, ignore_eos=True)
+        tokens = 0
+        async for step in engine.generate(prompt, params, [None, "fresh-r4"][i % 2]):
+            tokens += len(step.tokens)
+        return tokens
+
+    async def run():
+        engine.start()
+        try:
+            return await asyncio.gather(*(one(i) for i in range(6)))
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(run()) == [6] * 6
+    assert shapes and all(shape in runner.shapes for shape in shapes)
+    assert any(not shape.decode_only for shape in shapes) and any(shape.decode_only for shape in shapes)
+    assert engine.snapshot().eager_steps == 0 == runner.eager_steps
+    assert metrics.registry.get_sample_value("lorafleet_engine_eager_steps_total") == 0
