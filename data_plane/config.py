@@ -189,6 +189,11 @@ class DataPlaneConfig:
     scheduling_policy: str = option(
         "admission order of waiting requests: fair shares across adapters (the least-served adapter's oldest"
         " request next) or first come, first served", "fair", choices=("fair", "fcfs"), group=STEPS)
+    # The next step scheduled and launched while one runs (data_plane/engine/engine.py); False: synchronous.
+    async_scheduling: bool = option(
+        "schedule and launch each step while the one before it runs, its sampled tokens fed to the next step on"
+        " the device and read back while that step runs (default: on); --no-async-scheduling postprocesses each"
+        " step's tokens before scheduling the next. Both give the same tokens", True, group=STEPS)
     # (adapter, fair-share weight); others weigh 1
     adapter_weights: tuple[tuple[str, float], ...] = option(
         "an adapter's fair-share weight relative to the others' 1.0 (repeatable; default: none)", (),

@@ -76,7 +76,8 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
                     config.fair_share_weights, Policy(config.scheduling_policy),
                     cuda_graphs=device.type == "cuda" and not config.enforce_eager,
                     prefix_caching=config.prefix_caching, precision=model.precision_name,
-                    prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads)
+                    prefix_report_size=config.prefix_report_size, compute_threads=config.resolved_compute_threads,
+                    async_scheduling=config.async_scheduling)
     warm_up(engine)  # every kernel and buffer a step needs built, the step-time model's prior timed
     log.info("engine ready", extra={"model": str(model_dir), "kv_blocks": limits.num_kv_blocks,
                                     "max_loras": lora.cache.max_loras, "lora": config.enable_lora,

@@ -1,5 +1,6 @@
 """Nothing in a forward pass waits on the device: the model, its attention backends, the LoRA layers,
-the GPU LoRA backend, the fused layer ops, the step runners, the sampler and every Triton launcher call no
+the GPU LoRA backend, the fused layer ops, the step runners, the sampler, the model runner's step (which
+starts the tokens' copy to the host and returns) and every Triton launcher call no
 ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not
 capture such a call, and eagerly each one stalls the host until the GPU drains.)
 tests/kernels/test_forward_on_gpu_path.py runs the same path under the Triton interpreter and fails on the
@@ -27,7 +28,11 @@ FORWARD_PATH = {
     "kernels/lora_shrink.py": ["*"],
     "kernels/lora_expand.py": ["*"],
     "kernels/lora_launch.py": ["*"],
-    "data_plane/engine/sampler.py": ["sample", "_allowed", "_draw", "_nucleus", "_gumbel", "_mix32_"],
+    "data_plane/engine/sampler.py": ["sample", "_allowed", "_draw", "_nucleus", "_gumbel", "_mix32_", "_top_ids",
+                                     "Sampled.copy_to_host"],
+    # the step as the model thread runs it: the next step's input ids fed from this one's on the device, the
+    # forward, sampling, and the tokens' copy to the host started, not waited for (asynchronous scheduling)
+    "data_plane/engine/model_runner.py": ["ModelRunner.execute"],
     "data_plane/engine/step_runner.py": ["EagerRunner.forward", "GraphRunner.forward", "GraphRunner._bounded",
                                          "forward_batch"],
 }

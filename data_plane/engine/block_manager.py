@@ -92,12 +92,13 @@ class BlockManager:
         return len(matched) * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Records the sequence's full, computed blocks in the prefix cache (call after its progress
-        advanced); blocks whose content is cached already stay the sequence's own."""
+        """Records the sequence's full, computed blocks whose token ids the host holds (none pending) in the
+        prefix cache (call after its progress advanced, or a pending token settled); blocks whose content is
+        cached already stay the sequence's own."""
         if self.prefix is None:
             return
         bs = self.block_size
-        for i in range(len(seq.prefix_ids), min(seq.num_computed // bs, len(seq.block_table))):
+        for i in range(len(seq.prefix_ids), min(min(seq.num_computed, seq.num_known) // bs, len(seq.block_table))):
             parent = seq.prefix_ids[-1] if seq.prefix_ids else 0
             seq.prefix_ids.append(self.prefix.insert(parent, seq.cache_salt, seq.token_slice(i * bs, (i + 1) * bs),
                                                      seq.block_table[i]))

@@ -4,6 +4,18 @@ Scheduling and bookkeeping happen on the event loop; the forward pass runs on on
 under ``model_lock``. ``adapters`` (an AdapterLoader) loads, unloads and pins adapters off the
 step loop, and takes that lock for every cache operation that may copy into or clear adapter
 slots, so none races with a forward.
+
+Asynchronous scheduling (the default; ``async_scheduling=False`` keeps the synchronous loop): step N+1
+is scheduled while step N runs, and launched once N is (on CUDA once N's kernels are queued, on the CPU
+once N is computed); N's tokens are then read with one copy and postprocessed while N+1 runs. A step's
+postprocess records its progress when it launches (its sampled tokens joining their outputs as
+``PENDING``) and settles each token's id when it is read, so N+1 is scheduled on N's progress; a
+sequence that decodes a pending token reads it from N's sampled ids on the device. A sequence that N
+ends (a stop, EOS, its grammar's end) may still hold a slot in N+1: that output is dropped, never
+streamed or counted. A step waits for N's tokens instead when one of its constrained sequences decodes a
+pending token (its grammar mask needs the matcher to have consumed it), and when an adapter load waits
+for the model lock (the lock is let go between the two steps). Tokens are the same bits in both loops:
+a request's tokens do not depend on what shares its steps.
 """
 
 from __future__ import annotations
@@ -22,11 +34,11 @@ from data_plane.engine.admission import DelayEstimator, Load, lateness, promise_
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_share import account_of
 from data_plane.engine.grammar import GrammarCompiler
-from data_plane.engine.model_runner import ModelRunner
+from data_plane.engine.model_runner import ModelRunner, StepTokens
 from data_plane.engine.output import OutputText
 from data_plane.engine.prefix_report import PrefixReport
 from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
-from data_plane.engine.sequence import FinishReason, SamplingParams, Sequence, Timing, TokenOut
+from data_plane.engine.sequence import PENDING, FinishReason, SamplingParams, Sequence, Timing, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost, StepShape
 from data_plane.engine.threads import model_thread
@@ -87,11 +99,38 @@ class _Stream:
     queue: asyncio.Queue  # StepOutput | LorafleetError
 
 
+@dataclass
+class _Flight:
+    """A launched step whose tokens are not postprocessed yet."""
+
+    batch: list[ScheduledSeq]  # its items, each with a live sequence when it launched
+    execution: asyncio.Future  # the model thread's execute: its StepTokens once launched (CUDA) or computed (CPU)
+    shape: StepShape
+    started: float  # time.monotonic() at its launch
+
+
+class ModelLock(asyncio.Lock):
+    """The model lock, counting the tasks waiting for it: the asynchronous step loop keeps it from one step to
+    the next while steps are in flight, and lets it go between two steps when another task waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    async def acquire(self) -> bool:
+        self.waiting += 1
+        try:
+            return await super().acquire()
+        finally:
+            self.waiting -= 1
+
+
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, lora: LoraRuntime, limits: EngineLimits,
                  resolver: Resolver, metrics: PodMetrics, weights: Mapping[str | None, float] | None = None,
                  policy: Policy = Policy.FAIR, cuda_graphs: bool = False, prefix_caching: bool = True,
-                 precision: str | None = None, prefix_report_size: int = 0, compute_threads: int | None = None) -> None:
+                 precision: str | None = None, prefix_report_size: int = 0, compute_threads: int | None = None,
+                 async_scheduling: bool = True) -> None:
         """``weights``: each adapter's fair share of the steps relative to the others (default 1.0; None
         names the base model); ``policy``: the order waiting requests are admitted in; ``cuda_graphs``:
         every step is padded to a bucket and replays a CUDA graph captured by ``warm_up.warm_up`` (on a CUDA
@@ -100,7 +139,9 @@ class Engine:
         ``precision`` (default: the weights' dtype) and each adapter's content; ``prefix_report_size``: how
         many routing-prefix hashes ``prefix_report`` keeps for routers (0: none; needs prefix caching);
         ``compute_threads``: the torch threads the model thread computes on (None: torch's count for a new
-        thread; a pod passes its own and keeps its other threads on one, see ``threads``)."""
+        thread; a pod passes its own and keeps its other threads on one, see ``threads``); ``async_scheduling``:
+        the next step is scheduled and launched while one runs (the module's docstring), else each step's tokens
+        are postprocessed before the next is scheduled."""
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -114,7 +155,10 @@ class Engine:
             if self.blocks.prefix is not None and prefix_report_size > 0 else None
         self.runner = ModelRunner(model, lora, model.new_kv_cache(limits.num_kv_blocks, limits.block_size), self.blocks,
                                   limits.max_num_seqs, limits.max_num_batched_tokens, graphs=cuda_graphs)
-        self.model_lock = asyncio.Lock()
+        self.model_lock = ModelLock()
+        self.async_scheduling = async_scheduling
+        self._flights = 0  # steps launched and not yet completed; the loop holds the model lock while any are
+        self._last_step_end = 0.0  # time.monotonic() when the last step's tokens were read
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens, limits.itl_growth,
                               row_tile=model.row_tile)
@@ -314,22 +358,41 @@ class Engine:
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _loop(self) -> None:
+        flight: _Flight | None = None  # the step launched last, its tokens not yet postprocessed (asynchronous)
         while True:
             self._last_progress = time.monotonic()
             self._end_what_cannot_run(self._last_progress)
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []
+            if flight is not None and not (batch and await self._overlaps(flight, batch)):
+                await self._complete(flight)
+                flight = None
+                if not batch:  # what it ended or settled may let the scheduler take more now
+                    continue
             if not batch:
                 # a step that runs nothing may still have preempted: those may start at the next step, at once
                 if not self.scheduler.postprocess([], []):
                     await self._idle()
                 continue
-            start = time.monotonic()
-            shape = step_shape(batch)
-            self.delays.step_began(shape)
-            tokens = await self._run(batch)
-            self._postprocess(batch, tokens)
-            if tokens is not None:
-                self._record_step(shape, time.monotonic() - start)
+            launched = await self._launch(batch)
+            if flight is not None:
+                await self._complete(flight)
+            flight = launched
+            if flight is not None and not self.async_scheduling:
+                await self._complete(flight)
+                flight = None
+
+    async def _overlaps(self, flight: _Flight, batch: list[ScheduledSeq]) -> bool:
+        """Whether ``batch`` may launch before ``flight``'s tokens are read: no other task waits for the model
+        lock, none of its constrained sequences decodes a token still pending (the matcher must consume it
+        before the mask is made), and ``flight`` launched without error (awaited here: the next step's
+        inputs are written behind it)."""
+        if self.model_lock.waiting or any(item.seq.grammar is not None and item.seq.pending for item in batch):
+            return False
+        try:
+            await flight.execution
+        except Exception:  # noqa: BLE001 - _complete reports it and ends its requests
+            return False
+        return True
 
     def _end_what_cannot_run(self, now: float) -> None:
         """Ends waiting requests that can no longer run (pins changed, deadline passed) and loads again
@@ -352,29 +415,64 @@ class Engine:
         except TimeoutError:
             pass
 
-    async def _run(self, batch: list[ScheduledSeq]) -> list[TokenOut | None] | None:
-        """The step's forward and sampling on the model thread: per item of ``batch``, its next token or
-        None; None when no forward ran (every request in it ended while the lock was awaited, or the
-        forward failed, which ends them all)."""
+    async def _launch(self, batch: list[ScheduledSeq]) -> _Flight | None:
+        """Starts the step of ``batch`` on the model thread under the model lock, and records its progress
+        (the step's postprocess, first half: each sampled token joins its output as PENDING). Its inputs
+        are read here, on the loop, so that a request's end during the forward frees nothing it reads.
+        None when nothing was launched: every request in it ended while the lock was awaited, or its inputs
+        could not be built (which ends them all)."""
+        started = time.monotonic()
+        if not self._flights:
+            await self.model_lock.acquire()
+        self._flights += 1
+        live = [item for item in batch if not item.seq.is_finished]
         try:
-            async with self.model_lock:
-                # Requests may have ended while the lock was awaited; what is left is read into the
-                # step's inputs here, on the loop, so that an end during the forward frees nothing it reads.
-                live = [k for k, item in enumerate(batch) if not item.seq.is_finished]
-                if not live:
-                    return None
-                step = self.runner.prepare([batch[k] for k in live])
-                out = await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, step)
+            step = self.runner.prepare(live) if live else None
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
-            log.exception("forward pass failed; ending the %d requests in the step", len(batch))
-            for item in batch:
-                self.abort(item.seq.request_id, StepFailed(f"the forward pass failed ({type(e).__name__}: {e}); "
-                                                           "retry the request"))
+            self._fail(live, e)
+            step = None
+        if step is None:
+            self._landed()
+            self.scheduler.postprocess([], [])
             return None
-        tokens: list[TokenOut | None] = [None] * len(batch)
-        for k, tok in zip(live, out, strict=True):
-            tokens[k] = tok
-        return tokens
+        tokens: list[int | None] = [None] * len(live)
+        for k in step.sampled_positions:
+            tokens[k] = PENDING
+        shape = step_shape(live)
+        self.delays.step_began(shape)
+        self.scheduler.postprocess(live, tokens)
+        execution = asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, step)
+        return _Flight(live, execution, shape, started)
+
+    async def _complete(self, flight: _Flight) -> None:
+        """Reads ``flight``'s tokens (waiting for the device off the loop where they are not copied yet) and
+        postprocesses them; a failed step ends its requests."""
+        try:
+            result: StepTokens = await flight.execution
+            tokens = result.tokens() if result.ready() else \
+                await asyncio.get_running_loop().run_in_executor(None, result.tokens)
+        except Exception as e:  # noqa: BLE001 - one bad step must not stop the pod
+            self._fail(flight.batch, e)
+            tokens = None
+        self._landed()
+        if tokens is None:
+            return
+        now = time.monotonic()
+        took, self._last_step_end = now - max(flight.started, self._last_step_end), now
+        self._postprocess(flight.batch, tokens)
+        self._record_step(flight.shape, took)
+
+    def _landed(self) -> None:
+        """One step fewer in flight: the model lock goes back once none is."""
+        self._flights -= 1
+        if not self._flights:
+            self.model_lock.release()
+
+    def _fail(self, batch: list[ScheduledSeq], error: Exception) -> None:
+        log.error("forward pass failed; ending the %d requests in the step", len(batch), exc_info=error)
+        for item in batch:
+            self.abort(item.seq.request_id, StepFailed(f"the forward pass failed ({type(error).__name__}: {error}); "
+                                                       "retry the request"))
 
     def _record_step(self, shape: StepShape, took: float) -> None:
         self.metrics.step_duration.observe(took)
@@ -385,19 +483,20 @@ class Engine:
                       self.costs.predict(shape) * 1e3)
         self.metrics.prefill_budget.set(self.costs.prefill_budget(shape.decode_rows, shape.adapters))
 
-    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None] | None) -> None:
-        """The step's results: progress first (``Scheduler.postprocess``, its one writer), then each new
-        token streamed, and a sequence at a stop, its grammar's end or its length finished. ``tokens``:
-        None where no forward ran (the step's requests have all ended)."""
-        if tokens is None:
-            self.scheduler.postprocess([], [])
-            return
-        self.scheduler.postprocess(batch, [None if tok is None else tok.id for tok in tokens])
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None]) -> None:
+        """The step's tokens (the step's postprocess, second half): each settled in its sequence's output
+        (``Scheduler.settle``, the writer of its progress), streamed, and a sequence at a stop, its grammar's
+        end or its length finished. A sequence that ended since the step launched (aborted, or finished by
+        the step before, whose tokens were read after this one launched) has its token dropped: never
+        settled, streamed or counted."""
         now = time.monotonic()
+        delivered = 0
         for item, tok in zip(batch, tokens, strict=True):
             seq = item.seq
-            if tok is None or seq.is_finished:  # nothing sampled, or aborted while the step ran
+            if tok is None or seq.is_finished:  # nothing sampled, or ended since the step launched
                 continue
+            self.scheduler.settle(seq, tok.id)
+            delivered += 1
             self._record_latency(seq, now)
             stream = self._streams[seq.request_id]
             text, stopped = stream.text.push(tok.id)
@@ -405,7 +504,7 @@ class Engine:
             complete = seq.grammar is not None and seq.grammar.advance(tok.id)  # a constrained output is whole
             if stopped or complete or (tok.id in self.tokenizer.eos_token_ids and not seq.params.ignore_eos):
                 reason = FinishReason.STOP
-            elif seq.num_tokens >= seq.max_total:
+            elif seq.num_known >= seq.max_total:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 text += "" if stopped else stream.text.flush()
@@ -413,8 +512,9 @@ class Engine:
                 self.scheduler.finish(seq)
                 self.metrics.e2e.observe(now - seq.arrival)
                 self.delays.observe_service(now - seq.timing.first_scheduled)
-            stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids), len(seq.output_ids)))
-        self.metrics.generated_tokens.inc(sum(t is not None for t in tokens))
+            stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids),
+                                               seq.num_known - len(seq.prompt_ids)))
+        self.metrics.generated_tokens.inc(delivered)
 
     def _record_latency(self, seq: Sequence, now: float) -> None:
         timing = seq.timing

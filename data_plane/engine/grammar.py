@@ -5,9 +5,11 @@ The grammar engine is llguidance (benchmarks/RESULTS.md, "Grammar engines", says
 distinct constraint and kept in an LRU cache; each request gets its own copy of the compiled matcher
 (``GrammarState``), which the engine's postprocess advances by each token the request generates (its
 one writer, like the rest of a sequence's progress). ``TokenMasks.fill`` writes the next-token masks
-of a step's constrained rows in parallel native threads without the GIL, into one preallocated host
-buffer: the model runner calls it after launching the forward, so on a GPU the masks are computed while
-the device runs the step, and the sampler applies them on the device.
+of a step's constrained rows in parallel native threads without the GIL, into preallocated host
+buffers: the model runner calls it after launching the forward, so on a GPU the masks are computed while
+the device runs the step, and the sampler applies them on the device. A row's mask needs its matcher to
+have consumed every earlier token: the engine's asynchronous loop launches a step with a constrained
+sequence only once that sequence's last token is settled.
 
 Mask layout (llguidance's): row r, bit ``j % 32`` of int32 word ``j // 32`` is 1 when token ``j`` may
 come next. Rows that are not constrained are all ones.
@@ -136,21 +138,32 @@ class GrammarCompiler:
 
 
 class TokenMasks:
-    """The step's next-token masks: one preallocated host buffer (pinned on CUDA) of ``max_rows`` rows."""
+    """The step's next-token masks: two preallocated host buffers (pinned on CUDA) of ``max_rows`` rows, used
+    in turn, so a step fills one while the copy of the step before it may still be queued on the device."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         self.words = (vocab_size + 31) // 32
         self.device = device
-        self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32,
-                                pin_memory=device.type == "cuda")  # [max_rows, words]
+        on_cuda = device.type == "cuda"
+        self._hosts = [torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=on_cuda)
+                       for _ in range(2)]  # [max_rows, words] each
+        self._copied = [torch.cuda.Event() if on_cuda else None for _ in range(2)]  # each buffer's last copy has run
+        self._turn = 0
         self._executor = llguidance.LLExecutor(num_threads=2)
 
     def fill(self, rows: tuple[tuple[GrammarState, int], ...], num_rows: int) -> torch.Tensor:
         """[num_rows, words] int32 on the device: each listed row's mask, the others all ones. The copy is
-        asynchronous; the step's device->host copy of its tokens orders it before the buffer's next use."""
-        host = self._host[:num_rows]
+        asynchronous; the buffer is rewritten two fills later, once that copy has run."""
+        self._turn ^= 1
+        copied = self._copied[self._turn]
+        if copied is not None:  # the copy two steps back: long done unless the device is two steps behind
+            copied.synchronize()
+        host = self._hosts[self._turn][:num_rows]
         host.fill_(-1)
         if rows:
             self._executor.unsafe_compute_mask_ptr([(s.matcher, r) for s, r in rows], host.data_ptr(), self.words * 4,
                                                    num_rows)
-        return host.to(self.device, non_blocking=True)
+        out = host.to(self.device, non_blocking=True)
+        if copied is not None:
+            copied.record()
+        return out

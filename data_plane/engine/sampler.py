@@ -17,8 +17,12 @@ Contract:
   distribution sorted by probability (ties: lower id first) whose mass reaches top_p, the token that
   crosses it included (0 or 1: all; mass counted exactly in units of 2**-40); and draw from what is
   left. Logprobs are always of the model's own distribution, ``log_softmax(logits)``: the chosen
-  token's, and each row's top-n alternatives (most likely first), before any bias or mask.
+  token's, and each row's top-n alternatives (most likely first, equal logits in id order), before any
+  bias or mask.
 - ``Sampled.to_host()`` is the step's one device->host copy; it gives the engine's ``TokenOut`` list.
+  ``Sampled.copy_to_host()`` starts that copy without waiting for it (``HostTokens``): the engine's
+  asynchronous loop launches the next step, whose input ids are these ``ids`` on the device, before it
+  reads them.
 
 Draws are counter-based, so a request's tokens do not depend on what shares its step, on which row it
 runs, or on a recomputation after preemption. The draw for the token at position ``counter`` (the
@@ -217,14 +221,47 @@ class Sampled:
 
     def to_host(self) -> list[TokenOut]:
         """The tokens, one per row, after one device->host copy (float64 holds the ids exactly)."""
-        n = self.top_ids.shape[1]
+        return self.copy_to_host().tokens()
+
+    def copy_to_host(self) -> HostTokens:
+        """Starts the step's one device->host copy of the tokens and returns at once: on CUDA a non-blocking
+        copy into pinned memory that ``HostTokens.tokens`` waits for, so the host may launch the next step
+        meanwhile; on the CPU the tensors are the host's already."""
+        columns = [self.ids[:, None].double(), self.logprobs[:, None].double()]
+        if self.top_ids.shape[1]:
+            columns += [self.top_ids.double(), self.top_logprobs.double()]
+        packed = torch.cat(columns, dim=1)  # [rows, 2 + 2n]
+        if packed.device.type != "cuda":
+            return HostTokens(packed, self.num_logprobs, None)
+        host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return HostTokens(host, self.num_logprobs, copied)
+
+
+@dataclass(frozen=True)
+class HostTokens:
+    """A step's tokens on their way to the host: [rows, 2 + 2n] float64 (id, logprob, n top ids, n top
+    logprobs), readable once ``copied`` (None: at once) has run."""
+
+    packed: torch.Tensor
+    num_logprobs: tuple[int, ...]  # [rows] how many of the top alternatives each row returns
+    copied: torch.cuda.Event | None
+
+    def ready(self) -> bool:
+        """Whether ``tokens`` would return without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
+    def tokens(self) -> list[TokenOut]:
+        """The tokens, one per row, once the copy has run (waiting for it if need be)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        n = (self.packed.shape[1] - 2) // 2
         if n == 0:  # no row asked for alternatives
-            chosen = torch.stack([self.ids.double(), self.logprobs.double()], dim=1).tolist()  # [rows, 2]
-            return [TokenOut(int(token), logprob, ()) for token, logprob in chosen]
-        packed = torch.cat([self.ids[:, None].double(), self.logprobs[:, None].double(),
-                            self.top_ids.double(), self.top_logprobs.double()], dim=1)  # [rows, 2 + 2n]
+            return [TokenOut(int(token), logprob, ()) for token, logprob in self.packed.tolist()]
         out = []
-        for row, k in zip(packed.tolist(), self.num_logprobs, strict=True):
+        for row, k in zip(self.packed.tolist(), self.num_logprobs, strict=True):
             top = tuple((int(row[2 + j]), row[2 + n + j]) for j in range(k))
             out.append(TokenOut(int(row[0]), row[1], top))
         return out
@@ -256,8 +293,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, masks: torch.Tensor | Non
     # where a plain sum over the vocabulary splits a lone row across threads (another order, other bits).
     logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
     chosen = logprobs.gather(1, ids)[:, 0]  # [rows]
-    top_ids = logits.topk(min(batch.max_logprobs, vocab), dim=-1).indices  # [rows, max_logprobs]
+    top_ids = _top_ids(logits, min(batch.max_logprobs, vocab))  # [rows, max_logprobs]
     return Sampled(ids[:, 0], chosen, top_ids, logprobs.gather(1, top_ids), batch.num_logprobs)
+
+
+def _top_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """[rows, n] the ids of each row's ``n`` largest ``logits`` [rows, vocab] float32, largest first, equal
+    logits in id order. A plain topk breaks ties (common in bfloat16 logits) in an order that depends on how
+    many rows share the call; here each id's key is its logit's bits, made monotonic as an integer, above
+    its reversed id, so no two keys are equal."""
+    if n == 0:
+        return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+    vocab = logits.shape[1]
+    bits = logits.view(torch.int32).long()  # [rows, vocab]
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's magnitude bits reversed: monotonic
+    keys = (bits << 32) | (vocab - 1 - torch.arange(vocab, device=logits.device))  # [rows, vocab]
+    return (vocab - 1) - (keys.topk(n, dim=-1).values & _MASK32)
 
 
 def _allowed(masks: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ from data_plane.engine.admission import Ahead, Arrivals, Load
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_share import Account, FairShare, account_of
 from data_plane.engine.fair_share import Flow as Tenant  # a flow (fair_share.py), not a router tenant
-from data_plane.engine.sequence import Sequence, SequenceStatus
+from data_plane.engine.sequence import PENDING, Sequence, SequenceStatus
 from data_plane.engine.step_cost import StepShape
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -280,7 +280,9 @@ class Scheduler:
             uncomputed = seq.num_uncomputed
             if uncomputed > 1:
                 started.append(seq)
-            if uncomputed != 1 or budget <= 0:  # a spent budget takes no more decodes
+            # A spent budget takes no more decodes; a sequence whose pending last token reaches its length ends
+            # when that token is settled, and computes nothing more.
+            if uncomputed != 1 or budget <= 0 or seq.num_tokens >= seq.max_total:
                 continue
             if seq.num_computed < len(seq.block_table) * room:  # its token fits its last block: nothing to allocate
                 batch.append(ScheduledSeq(seq, 1))
@@ -481,10 +483,12 @@ class Scheduler:
     def postprocess(self, batch: list[ScheduledSeq], token_ids: list[int | None]) -> int:
         """Records what the step did to each sequence's progress, its one writer: a sequence preempted since
         the last postprocess holds no KV any more (it is recomputed from its first token); each scheduled
-        chunk, and the cached tokens found for it at admission, is now in the cache (its full blocks are
-        offered to the prefix cache); a sampled token (``token_ids``, one per item; None where the chunk
-        samples nothing) joins its output. Sequences that ended while the step ran are left as they are.
-        Returns how many preempted sequences it reset (they may be admitted again from the next step)."""
+        chunk, and the cached tokens found for it at admission, is now in the cache (its full blocks whose
+        ids are known are offered to the prefix cache); a sampled token (``token_ids``, one per item; None
+        where the chunk samples nothing) joins its output, as PENDING where its id is still on the device
+        (the engine records a step when it launches it, and settles its ids as they are read: ``settle``).
+        Sequences that ended while the step ran are left as they are. Returns how many preempted sequences it
+        reset (they may be admitted again from the next step)."""
         preempted = len(self._preempted)
         for seq in self._preempted:
             seq.num_computed = 0
@@ -494,10 +498,18 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.num_computed += item.num_cached + item.num_new
-            self.blocks.cache_full_blocks(seq)
             if token is not None:
                 seq.output_ids.append(token)
+                seq.pending += token == PENDING
+            self.blocks.cache_full_blocks(seq)
         return preempted
+
+    def settle(self, seq: Sequence, token_id: int) -> None:
+        """Writes the id of ``seq``'s oldest pending token, read from the device, in its place (the step's
+        postprocess, second half), and offers the blocks it completes to the prefix cache."""
+        seq.output_ids[len(seq.output_ids) - seq.pending] = token_id
+        seq.pending -= 1
+        self.blocks.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Frees everything ``seq`` holds; safe to call in any state, once or more."""

@@ -12,6 +12,9 @@ from data_plane.errors import InvalidRequest
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 MAX_CHOICES = 16
+# An output token sampled on the device whose id the host has not read yet (asynchronous scheduling: the
+# next step is scheduled on it before its id comes back); see ``Sequence.pending``.
+PENDING = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -103,6 +106,9 @@ class Sequence:
     tenant: str | None = None  # who the request is billed to (GenerateRequest.tenant); fair shares weigh it
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # How many of the last output_ids are PENDING: sampled by a step whose ids the host has not read yet. Each
+    # is appended by the step's postprocess at launch and settled (Scheduler.settle) when its id is read.
+    pending: int = 0
     # Tokens whose K/V are in the cache. One writer: the step's postprocess (Scheduler.postprocess), which
     # adds a step's chunk (and the cached tokens found at admission) and sets 0 after a preemption.
     num_computed: int = 0
@@ -138,6 +144,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host holds: the prompt and every output but the pending ones."""
+        return self.num_tokens - self.pending
 
     @property
     def num_uncomputed(self) -> int:

@@ -1,0 +1,176 @@
+"""Asynchronous scheduling gives the synchronous loop's tokens bit for bit: in every precision a CPU pod runs,
+one workload of many requests at once (greedy and drawn, log-probabilities, a stop string, a structured output,
+n > 1, short max_tokens, a cancelled stream) on a KV cache small enough to preempt, streams the same tokens,
+log-probabilities, texts, finish reasons and usage through both loops. The asynchronous loop really overlaps
+(steps decode tokens still on the device) and a request that a step ends may hold one slot in the step launched
+beside it, whose output is dropped: never streamed, never counted.
+
+The tiny Llama of ``conftest.TINY`` runs it, with a byte-level decoder on its word-level tokenizer (the grammar
+engine needs one): token ``w5`` is the text "w5".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections import Counter
+
+import pytest
+from tokenizers import Tokenizer, decoders
+
+from data_plane.config import DataPlaneConfig
+from data_plane.engine.choices import generate_choices
+from data_plane.engine.grammar import Constraint, ConstraintKind
+from data_plane.engine.sequence import FinishReason, SamplingParams
+from data_plane.metrics import PodMetrics
+from data_plane.pod import build_engine
+from tests.data_plane.conftest import ADAPTERS, TINY
+
+# every token is "w" and digits: a token beginning "w1", two to four beginning "w2", one beginning "w3", then EOS
+REGEX = "w1[0-9]*(w2[0-9]*){2,4}w3[0-9]*"
+CANCEL_AFTER = 3  # tokens the cancelled stream reads before it closes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_pod_files, tmp_path_factory):
+    """The tiny pod's model with a byte-level decoder: the grammar engine reads each token's bytes from it."""
+    source, root, _ = tiny_pod_files
+    target = tmp_path_factory.mktemp("tiny-decoded") / "model"
+    shutil.copytree(source, target)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(target / "tokenizer.json"))
+    return target, root
+
+
+def prompt(i: int, length: int) -> list[int]:
+    return [3 + (i * 37 + j * 11) % (TINY["vocab_size"] - 3) for j in range(length)]
+
+
+def workload(stop: str, cancel: bool = True) -> list[tuple[str, str | None, list[int], SamplingParams]]:
+    """(label, adapter, prompt ids, parameters) of every request, all sent at once; ``cancel``: with the stream
+    closed after CANCEL_AFTER tokens."""
+    adapters = [None, *ADAPTERS]
+    out = []
+    for i in range(6):  # greedy and drawn, with and without adapters, prompts of 3 to 45 tokens
+        params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2) if i % 2 else \
+            SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True, logprobs=1)
+        out.append((f"free-{i}", adapters[i % len(adapters)], prompt(i, 3 + 8 * i), params))
+    out += [
+        ("stop", None, prompt(10, 20), SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,), logprobs=3)),
+        ("short", adapters[1], prompt(11, 30), SamplingParams(max_tokens=2, ignore_eos=True)),
+        ("regex", adapters[2], prompt(12, 9), SamplingParams(
+            max_tokens=12, temperature=0.7, seed=5, logprobs=2, constraint=Constraint(ConstraintKind.REGEX, REGEX))),
+        ("choices", None, prompt(13, 40), SamplingParams(max_tokens=8, temperature=1.0, seed=9, ignore_eos=True, n=3)),
+    ]
+    if cancel:
+        out.append(("cancelled", adapters[3], prompt(14, 17), SamplingParams(max_tokens=12, ignore_eos=True)))
+    return out
+
+
+async def _answer(engine, label, adapter, ids, params) -> list[tuple]:
+    """Every message of the request's streams, choice by choice (their interleaving is timing): (choice, token
+    ids, logprobs and alternatives, text, finish reason, usage)."""
+    out = []
+    async with contextlib.aclosing(generate_choices(engine, ids, params, adapter, f"r-{label}", None)) as stream:
+        async for index, step in stream:
+            out.append((index, tuple((t.id, t.logprob, t.top) for t in step.tokens), step.text, step.finish_reason,
+                        step.prompt_tokens, step.completion_tokens))
+            if label == "cancelled" and len(out) == CANCEL_AFTER:
+                break
+    return sorted(out, key=lambda message: message[0])  # stable: each choice's messages keep their order
+
+
+def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv_blocks: int = 12,
+          cancel: bool = True) -> dict:
+    """The workload's answers on a pod of ``dtype`` and what the engine saw: preemptions, steps whose inputs
+    decoded a token still on the device, tokens counted, blocks in use at the end, and per request the
+    tokens its steps sampled (dropped ones included)."""
+    config = DataPlaneConfig(model=model_dir, dtype=dtype, adapter_roots=(root,), max_loras=len(ADAPTERS),
+                             max_cpu_loras=len(ADAPTERS), max_lora_rank=32, max_num_seqs=16,
+                             max_num_batched_tokens=32, block_size=16, num_kv_blocks=num_kv_blocks,
+                             max_queue_delay=0, async_scheduling=async_scheduling)
+
+    async def run():
+        metrics = PodMetrics()
+        engine = build_engine(config, metrics)
+        fed, sampled = [0], Counter()
+        prepare = engine.runner.prepare
+
+        def counting(batch):
+            step = prepare(batch)
+            fed[0] += step.feed is not None
+            sampled.update(batch[k].seq.request_id for k in step.sampled_positions)
+            return step
+
+        engine.runner.prepare = counting
+        engine.start()
+        try:
+            answers = await asyncio.gather(*(_answer(engine, *request) for request in workload(stop, cancel)))
+            for _ in range(100):  # the cancelled stream's blocks go back as its abort is seen
+                if engine.snapshot().running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            state = engine.snapshot()
+            counted = metrics.generated_tokens._value.get()
+            return dict(answers={request[0]: a for request, a in zip(workload(stop, cancel), answers, strict=True)},
+                        preemptions=state.preemptions, fed=fed[0], counted=counted, sampled=sampled,
+                        kv_usage=state.kv_usage, running=state.running)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def tokens_of(messages) -> list[int]:
+    return [t[0] for m in messages for t in m[1]]
+
+
+def stop_string(directory, root, dtype: str) -> str:
+    """A stop string the "stop" request meets mid-way in ``dtype``: the text of its fifth token, read from a run
+    without it (greedy: the same tokens up to there)."""
+    free = serve(directory, root, dtype, False, stop="unused", num_kv_blocks=64, cancel=False)["answers"]["stop"]
+    tokens = tokens_of(free)
+    assert len(tokens) == 16
+    return f"w{tokens[4]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16-matmul", "bfloat16"])
+def test_the_asynchronous_loop_streams_the_synchronous_loops_tokens_bit_for_bit(model_dir, dtype):
+    directory, root = model_dir
+    stop = stop_string(directory, root, dtype)
+    sync = serve(directory, root, dtype, False, stop)
+    overlapped = serve(directory, root, dtype, True, stop)
+    assert overlapped["answers"] == sync["answers"]
+    answers = sync["answers"]
+    # the workload does what it says, so that the comparison covers it
+    assert sync["preemptions"] > 0 and overlapped["preemptions"] > 0, "no request was preempted"
+    assert overlapped["fed"] > 0 and sync["fed"] == 0, "the asynchronous loop never decoded a token on the device"
+    assert answers["stop"][-1][3] is FinishReason.STOP and len(tokens_of(answers["stop"])) < 16
+    assert answers["regex"][-1][3] is FinishReason.STOP
+    assert answers["short"][-1][3] is FinishReason.LENGTH and len(tokens_of(answers["short"])) == 2
+    assert sorted({m[0] for m in answers["choices"]}) == [0, 1, 2]
+    assert len(answers["cancelled"]) == CANCEL_AFTER
+    for result in (sync, overlapped):  # nothing left running or holding blocks (the cancelled stream's freed)
+        assert result["running"] == 0 and result["kv_usage"] == 0.0
+
+
+def test_a_request_ended_by_a_step_has_its_slot_in_the_next_step_dropped(model_dir):
+    """A request that step N ends (its stop string) was scheduled into step N+1 before N's tokens were read:
+    the token that step samples for it is neither streamed nor counted."""
+    directory, root = model_dir
+    stop = stop_string(directory, root, "float32")
+    sync = serve(directory, root, "float32", False, stop, num_kv_blocks=64, cancel=False)
+    overlapped = serve(directory, root, "float32", True, stop, num_kv_blocks=64, cancel=False)
+    assert overlapped["answers"] == sync["answers"]
+    streamed = {label: len(tokens_of(messages)) for label, messages in overlapped["answers"].items()}
+    stop = overlapped["answers"]["stop"]
+    assert stop[-1][3] is FinishReason.STOP and stop[-1][5] == streamed["stop"]
+    # the stop request's steps sampled one token more than it streamed: the dropped slot
+    assert overlapped["sampled"]["r-stop"] == streamed["stop"] + 1
+    assert sync["sampled"]["r-stop"] == streamed["stop"]
+    # a request at its max_tokens is known to end with its pending token: it takes no slot after it
+    assert overlapped["sampled"]["r-short"] == streamed["short"] == 2
+    # only streamed tokens are counted
+    assert overlapped["counted"] == sync["counted"] == sum(streamed.values())
