@@ -14,9 +14,11 @@
    chunk, against the torch ops they replace and their bytes floor (gpu_fused.py);
 5. decode at batch 1 against the weight-read floor, with CUDA graphs on and off (``enforce_eager``);
 6. serving 8 and 64 distinct rank-16 adapters at batch 64 against base-only on the same pod, a pod
-   started with the least LoRA, and transformers + peft on the 64-adapter mix; (LoRA step - base step)
-   against the time to read those adapters once (gpu_pods.py);
-7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity;
+   started without LoRA (``--no-enable-lora``), and transformers + peft on the 64-adapter mix; (LoRA step -
+   base step) against the time to read those adapters once (gpu_pods.py); each serving pod's CUDA graphs
+   (how many, capture time and memory) and its eager steps (steps no captured shape fits: 0 expected);
+7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity, and
+   the steps it ran eagerly;
 8. an FP8 base (``--quantization fp8``) against the bf16 one: W8A8, weight-only and bf16 matmuls per projection
    shape, then decode at batch 1, prefill, base-only and 8-adapter throughput on two pods (gpu_fp8.py).
 
@@ -55,7 +57,15 @@ from gpu_checkpoint import (  # noqa: E402 (benchmarks/, beside this script)
     write_checkpoint,
 )
 from gpu_clock import Clock, copy_bandwidth, percentile  # noqa: E402
-from gpu_pods import drive, free_device, pod_config, poisson_arrivals, prompts, running_pod  # noqa: E402
+from gpu_pods import (  # noqa: E402
+    drive,
+    free_device,
+    graph_figures,
+    pod_config,
+    poisson_arrivals,
+    prompts,
+    running_pod,
+)
 from gpu_report import Report  # noqa: E402
 
 
@@ -180,25 +190,38 @@ async def serving_pod(args, sizes: Sizes, model_dir: Path, root: Path, found: di
         found["runs"]["64 adapters, peft's length"] = summary([await drive(
             engine, "as peft", requests(sizes.batch, sizes, SERVING, seed=200), sizes.peft_new_tokens)])
         rate = OPEN_LOOP_LOAD * found["runs"]["64 adapters"]["tok_s"] / sizes.new_tokens
+        eager_before = engine.snapshot().eager_steps
         run = await drive(engine, "open loop", requests(sizes.open_requests, sizes, SERVING, seed=300),
                           sizes.new_tokens, arrivals=poisson_arrivals(sizes.open_requests, rate))
+        found["graphs"]["serving pod"] = graph_figures(engine)
     found["runs"]["open loop"] = {"rate_rps": rate, "requests": sizes.open_requests, "new_tokens": sizes.new_tokens,
+                                  "eager_steps": found["graphs"]["serving pod"]["eager_steps"] - eager_before,
                                   **{f"{k}_p{q}_ms": percentile(getattr(run, k), q / 100) * 1e3
                                      for k in ("ttft", "itl") for q in (50, 99)}}
 
 
-async def no_lora_pod(report: Report, args, sizes: Sizes, model_dir: Path, found: dict) -> None:
-    """The same base-only load on a pod started with the least LoRA it takes."""
-    config, absent = pod_config(model_dir, args.device, args.dtype, max_loras=1, max_cpu_loras=1, max_lora_rank=1,
-                                max_num_seqs=sizes.batch, enable_lora=False)
-    if absent:
-        report.notes.append("the no-LoRA pod is the least LoRA a pod takes (1 slot of rank 1, no adapter loaded): "
-                            "DataPlaneConfig has no enable_lora")
+async def no_lora_pod(args, sizes: Sizes, model_dir: Path, found: dict) -> None:
+    """The same base-only load on a pod started without LoRA (no LoRA layers, no slots)."""
+    config, _ = pod_config(model_dir, args.device, args.dtype, max_num_seqs=sizes.batch, enable_lora=False)
     async with running_pod(config) as engine:
         await drive(engine, "warm-up", requests(sizes.batch, sizes, [None], seed=400), 4)
         runs = [await drive(engine, "no LoRA", requests(sizes.batch, sizes, [None], seed=401 + r), sizes.new_tokens)
                 for r in range(sizes.rounds)]
+        found["graphs"]["no-LoRA pod"] = graph_figures(engine)
     found["runs"]["no-LoRA pod, base only"] = summary(runs)
+
+
+def graph_rows(report: Report, graphs: dict) -> None:
+    """Each serving pod's CUDA graphs (count, capture time and memory) and the steps it ran eagerly."""
+    for pod, g in graphs.items():
+        report.row("graphs", f"{pod}: steps run eagerly (no captured shape fits them), warm-up and every run",
+                   g["eager_steps"], "", "", None, "0")
+        if g["capture_s"] is None:
+            report.notes.append(f"{pod}: no CUDA graphs captured (CPU, or --enforce-eager)")
+            continue
+        report.row("graphs", f"{pod}: capture of {g['graphs']} graphs, time", g["capture_s"], "s", "", None, "<= 30")
+        report.row("graphs", f"{pod}: capture of {g['graphs']} graphs, device memory", g["capture_mib"], "MiB", "",
+                   None, "<= 2048")
 
 
 def serving_rows(report: Report, runs: dict, sizes: Sizes, adapters_ms: float) -> None:
@@ -225,9 +248,10 @@ def serving_rows(report: Report, runs: dict, sizes: Sizes, adapters_ms: float) -
     if "open loop" in runs:
         o = runs["open loop"]
         report.row("latency", f"open loop, {o['rate_rps']:.3g} req/s x {o['requests']}: TTFT p50 / p99",
-                   f"{o['ttft_p50_ms']:.3g} / {o['ttft_p99_ms']:.3g}", "ms")
+                   f"{o['ttft_p50_ms']:.3g} / {o['ttft_p99_ms']:.3g}", "ms", "", None, "p99 <= 1000")
         report.row("latency", "open loop: inter-token p50 / p99", f"{o['itl_p50_ms']:.3g} / {o['itl_p99_ms']:.3g}",
-                   "ms")
+                   "ms", "p99 / p50", o["itl_p99_ms"] / o["itl_p50_ms"], "<= 1.5")
+        report.row("latency", "open loop: steps run eagerly", o["eager_steps"], "", "", None, "0")
 
 
 def parity_requests(sizes: Sizes) -> list[tuple[list[int], str | None]]:
@@ -309,8 +333,9 @@ def main() -> None:
         if written is not None:
             model_dir, root = written
             floor_ms = decode_weight_bytes(preset, dtype) / gbs / 1e6
-            found = {"parity": {}, "runs": {}}
+            found = {"parity": {}, "runs": {}, "graphs": {}}
             report.sections["serving"] = found["runs"]
+            report.sections["graphs"] = found["graphs"]
             # One event loop per pod: a stopped engine stays referenced until its loop is gone (the cancelled
             # step loop's traceback), and the next pod's KV cache takes what the device has free.
             for eager in (False, True) if "parity" not in args.skip else ():
@@ -319,7 +344,7 @@ def main() -> None:
             if "serving" not in args.skip:
                 report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
             if "no-lora" not in args.skip:
-                report.run("no-LoRA pod", asyncio.run, no_lora_pod(report, args, sizes, model_dir, found))
+                report.run("no-LoRA pod", asyncio.run, no_lora_pod(args, sizes, model_dir, found))
             if "fp8" not in args.skip:
                 from gpu_fp8 import section as fp8_section
 
@@ -328,6 +353,7 @@ def main() -> None:
                 report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
             report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms, always=True)
+            report.run("graphs table", graph_rows, report, found["graphs"], always=True)
     if args.device == "cpu":
         report.notes.append("CPU run: the Triton kernels ran under the interpreter (their times are not speeds), "
                             "and CUDA graphs do not apply")

@@ -1,8 +1,9 @@
 """The pods benchmarks/gpu.py starts in this process (``data_plane.pod.build_engine``, as the pod
 process builds its engine) and the request loads it sends through ``Engine.generate``.
 
-Fields that ``DataPlaneConfig`` may not have yet (``enforce_eager``, ``enable_lora``) are passed only
-when it has them; ``pod_config`` returns the ones it had to leave out, and gpu.py reports them.
+Fields that ``DataPlaneConfig`` may not have (OPTIONAL_FIELDS) are passed only when it has them;
+``pod_config`` returns the ones it had to leave out, and gpu.py reports them. ``graph_figures`` says what a
+pod's CUDA graphs took and how many of its steps ran eagerly.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from data_plane.engine.sequence import SamplingParams, TokenOut
 from data_plane.metrics import PodMetrics
 from data_plane.pod import build_engine
 
-# Fields of DataPlaneConfig that land with the pod's CUDA-graph runner and may be absent from this checkout.
-OPTIONAL_FIELDS = ("enforce_eager", "enable_lora")
+# Fields of DataPlaneConfig that may be absent from the checkout this runs in.
+OPTIONAL_FIELDS = ("enforce_eager",)
 
 
 def pod_config(model_dir: Path, device: str, dtype: str, **fields) -> tuple[DataPlaneConfig, list[str]]:
@@ -71,6 +72,18 @@ async def running_pod(config: DataPlaneConfig) -> AsyncIterator[Engine]:
         yield engine
     finally:
         await engine.stop()
+
+
+def graph_figures(engine: Engine) -> dict:
+    """A pod's CUDA graphs: how many were captured, in how many seconds, the device memory they hold (None
+    where none were captured: a CPU pod, --enforce-eager), and the steps it ran eagerly so far (no captured
+    shape fits them; lorafleet_engine_eager_steps)."""
+    runner = engine.runner.step_runner
+    captured = getattr(runner, "captured", None)
+    return {"eager_steps": engine.snapshot().eager_steps,
+            "graphs": captured.graphs if captured else 0,
+            "capture_s": captured.seconds if captured else None,
+            "capture_mib": captured.bytes / 2**20 if captured else None}
 
 
 @dataclass

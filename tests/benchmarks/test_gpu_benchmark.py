@@ -56,6 +56,10 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
         assert _finite(runs[label]["tok_s"]) and runs[label]["tok_s"] > 0, label
     assert _finite(*(runs[f"decode b1, enforce_eager={eager}"]["itl_p50_ms"] for eager in (False, True)))
     assert _finite(*(runs["open loop"][f"{k}_p{q}_ms"] for k in ("ttft", "itl") for q in (50, 99)))
+    # each serving pod reports its graphs and eager steps (a CPU pod runs every step eagerly by design: none counted)
+    assert set(data["graphs"]) == {"serving pod", "no-LoRA pod"} and runs["open loop"]["eager_steps"] == 0
+    assert all(g["eager_steps"] == 0 and g["capture_s"] is None for g in data["graphs"].values())
+    assert "| graphs | serving pod: steps run eagerly" in done.stdout
     # the printed table carries the same rows
     assert "| serving | 8 adapters / base only |" in done.stdout and "all checks passed" in done.stdout
 
