@@ -59,6 +59,11 @@ class PodPicker:
             else view.pods
         if not pods:
             raise NoPodAvailable("no data-plane pod is ready to serve; check `lorafleet pods` and the pods' logs")
+        if adapter:  # a pod started without LoRA (--no-enable-lora) has no adapter slot: the base model only
+            pods = [p for p in pods if p.slots_total > 0]
+            if not pods:
+                raise NoPodAvailable(f"no ready pod serves adapters (each was started with --no-enable-lora); send "
+                                     f"the request without adapter {adapter!r}, or start pods with LoRA")
         now = self._clock()
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
         # only the pods whose count moved since the view was read (most do not, in a large fleet)

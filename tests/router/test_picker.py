@@ -33,6 +33,18 @@ def test_before_the_first_read_and_with_no_pod_the_caller_is_told_why():
         picker.choose("zzz")
 
 
+def test_a_pod_without_adapter_slots_serves_only_the_base_model():
+    views = Views()
+    views.view = FleetView(frozenset({"a"}), (PodView("base-only", "b:1", slots_total=0),
+                                              PodView("lora", "l:1", slots_total=2, running=5)), 1.0)
+    picker = PodPicker(lambda: views.view)
+    assert [c.pod.id for c in picker.choose("a")] == ["lora"]  # however busy the other
+    assert {c.pod.id for c in picker.choose("")} == {"base-only", "lora"}
+    views.view = FleetView(frozenset({"a"}), (PodView("base-only", "b:1", slots_total=0),), 2.0)
+    with pytest.raises(NoPodAvailable, match="--no-enable-lora"):
+        picker.choose("a")
+
+
 def test_requests_in_flight_since_the_read_spread_the_base_model_over_pods():
     views = Views()
     views.read("p1", "p2", at=1.0)
