@@ -109,22 +109,26 @@ def set_precision(model: LlamaForCausalLM, setting: str, max_num_seqs: int) -> P
 
 def use_row_rule(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlaneConfig) -> row_rule.RowRule:
     """Probes which row tiles keep a row's bits on this CPU, in the model's own shapes, in steps up to the
-    pod's sizes, and its LoRA layers' at ranks up to --max-lora-rank (``row_rule.probe``), makes the model
-    and its LoRA layers use them, and returns them, logged (a warning where a path has no invariant tiling
-    here). Call it on the threads the steps compute on."""
+    pod's sizes, and its LoRA layers' at ranks up to --max-lora-rank (``row_rule.probe``: the native LoRA
+    kernel where it builds and keeps a row's bits, else tiles), makes the model and its LoRA layers use them,
+    and returns them, logged (a warning where a path has no invariant tiling here, or runs the torch path
+    for want of its native kernel). Call it on the threads the steps compute on."""
     c = model.config
     shapes = [row_rule.LoraShape(w.base.in_features, tuple(w.base.slices.values())) for w in lora.layers.values()]
     started = time.perf_counter()
     native = model.kv_cache_shape()[0] if config.cpu_attention == "native" else None
+    lora_dtype = next((w.lora_a.dtype for w in lora.layers.values()), None)  # the activations' (native LoRA)
     rule = row_rule.probe([w for w, _ in model.matmul_weights()], model.precision.matmul_dtype, model.head_weight,
                           shapes, config.max_lora_rank, c.head_dim, c.num_heads // c.num_kv_heads,
-                          config.max_num_batched_tokens, config.max_num_seqs, native)
+                          config.max_num_batched_tokens, config.max_num_seqs, native, lora_dtype)
     model.use_row_rule(rule)
     for layer in lora.layers.values():
-        layer.backend.use_row_tile(rule.lora_rows)
+        layer.backend.use_row_tile(rule.lora_rows, native=rule.lora_native)
     extra = {"row_rule": rule.describe(), "probe_s": round(time.perf_counter() - started, 3)}
     if rule.native_note:
         log.warning("attention runs tiled: %s", rule.native_note, extra=extra)
+    if rule.lora_note:
+        log.warning("LoRA runs in row tiles: %s", rule.lora_note, extra=extra)
     if rule.broken:
         log.warning("no row tiling keeps every row's bits on this CPU: a request's tokens may depend on what "
                     "shares its step", extra=extra)

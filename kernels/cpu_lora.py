@@ -1,5 +1,6 @@
-"""The CPU LoRA path: per adapter segment, a batched matmul over fixed row tiles for the shrink and one
-per adapted slice for the expand.
+"""The CPU LoRA path in torch: per adapter segment, a batched matmul over fixed row tiles for the shrink and
+one per adapted slice for the expand. A pod runs it where the native kernel (``kernels.native_lora``, one
+call per layer, reading this module's packed slots) does not build or does not keep a row's bits.
 
 Every slot with a rank on the layer gets, once when it changes, its A of every adapted slice stacked
 and each adapted slice's B on its own, in float32 and in the orientation the slots hold them (so a

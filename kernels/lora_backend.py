@@ -3,9 +3,10 @@ layer is built, called once per forward.
 
 - ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
-  magnitude): batched matmuls per adapter segment over fixed row tiles (one shrink, one expand per
-  adapted slice), on a packed copy of the slots (``kernels.cpu_lora``), so that a row's delta does
-  not depend on what shares its step.
+  magnitude): one C++ call per layer where the pod's start-up probe chose it (``kernels.native_lora``),
+  else batched matmuls per adapter segment over fixed row tiles (one shrink, one expand per adapted
+  slice, ``kernels.cpu_lora``); both on a packed copy of the slots, so that a row's delta does not
+  depend on what shares its step.
 
 Both have the semantics documented in ``kernels.reference``, so one layer code runs on either.
 """
@@ -13,13 +14,14 @@ Both have the semantics documented in ``kernels.reference``, so one layer code r
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kernels import cpu_lora
+from kernels import cpu_lora, native_lora
 from kernels.lora_meta import LoraMeta
 
 
@@ -47,9 +49,10 @@ class LoraBackend(Protocol):
     def slot_changed(self, slot: int) -> None:
         """The layer rewrote ``slot``: the next ``apply`` reads its new weights."""
 
-    def use_row_tile(self, row_tile: int) -> None:
-        """A CPU path's rows go ``row_tile`` at a time from the next ``apply`` on (the rule a pod probes at
-        start-up, ``data_plane.model.row_rule``); paths that do not tile rows ignore it."""
+    def use_row_tile(self, row_tile: int, native: bool = False) -> None:
+        """A CPU path's rows go ``row_tile`` at a time from the next ``apply`` on, or by the native kernel
+        where ``native`` (the rule a pod probes at start-up, ``data_plane.model.row_rule``); paths that do
+        not tile rows ignore it."""
 
 
 def lora_backend(slots: LoraSlots) -> LoraBackend:
@@ -76,42 +79,67 @@ class TritonBackend:
     def slot_changed(self, slot: int) -> None:
         pass
 
-    def use_row_tile(self, row_tile: int) -> None:
+    def use_row_tile(self, row_tile: int, native: bool = False) -> None:
         pass  # each kernel program reads its own rows: nothing is tiled
 
 
 class CpuBackend:
-    """The CPU path (``kernels.cpu_lora``) on one thread, over a packed copy of the slots that follows
-    each changed slot before the next step reads it."""
+    """The CPU path over a packed copy of the slots that follows each changed slot before the next step
+    reads it: the native kernel (``kernels.native_lora``) on the calling thread's torch threads where
+    ``use_row_tile`` says so, else the torch path's tiles (``kernels.cpu_lora``) on one thread."""
 
     def __init__(self, slots: LoraSlots, row_tile: int = cpu_lora.ROW_TILE) -> None:
         self.slots = slots
-        self.row_tile = row_tile  # rows of every tile of the CPU path (``cpu_lora.ROW_TILES``)
+        self.row_tile = row_tile  # rows of every tile of the torch path (``cpu_lora.ROW_TILES``)
+        self.native: ctypes.CDLL | None = None  # the native kernel, where it runs the layer
         self._pack: cpu_lora.SegmentPack | None = None  # None: not built yet
+        self._table: native_lora.SlotTable | None = None  # the native kernel's view of the pack
         self._stale_slots: set[int] = set()  # slots changed since the pack was last brought up to date
 
     def slot_changed(self, slot: int) -> None:
         self._stale_slots.add(slot)
 
-    def use_row_tile(self, row_tile: int) -> None:
-        """Tiles of ``row_tile`` rows from the next ``apply`` on (the pack is rebuilt for them)."""
-        self.row_tile, self._pack = row_tile, None
+    def use_row_tile(self, row_tile: int, native: bool = False) -> None:
+        """Tiles of ``row_tile`` rows from the next ``apply`` on (the pack is rebuilt for them), or the
+        native kernel where ``native``: raises RuntimeError where it does not build here."""
+        lib = native_lora.kernel() if native else None
+        if native and lib is None:
+            raise RuntimeError(native_lora.unusable(self.slots.lora_a.dtype))
+        self.row_tile, self.native, self._pack, self._table = row_tile, lib, None, None
         self._stale_slots.clear()
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
+        if self.native is not None:
+            native_lora.lora_native(self.native, y, x, self.table(), meta, torch.get_num_threads())
+            return
         with intra_op_threads(1):
             cpu_lora.lora_segmented(y, x, self.pack(), meta)
 
     def pack(self) -> cpu_lora.SegmentPack:
         """The packed copy of the slots as they are now."""
         sl = self.slots
+        stale = sorted(self._stale_slots)
         if self._pack is None:
             self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, self.row_tile)
         else:
-            for slot in sorted(self._stale_slots):
+            for slot in stale:
                 cpu_lora.update_slot(self._pack, sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
         self._stale_slots.clear()
+        if self._table is not None:
+            for slot in stale:
+                self._table.set_slot(slot, self._pack.slots.get(slot))
         return self._pack
+
+    def table(self) -> native_lora.SlotTable:
+        """The pack as the native kernel reads it, as the slots are now."""
+        if self._table is None or self._pack is None:
+            pack = self.pack()
+            self._table = native_lora.SlotTable.empty(self.slots.lora_a.shape[1], self.slots.lora_a.shape[0])
+            for slot, packed in pack.slots.items():
+                self._table.set_slot(slot, packed)
+        else:
+            self.pack()
+        return self._table
 
 
 @contextlib.contextmanager

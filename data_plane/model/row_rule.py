@@ -13,6 +13,11 @@ of the tile (the shrink now computes at least ``cpu_lora.SHRINK_COLUMNS`` column
 there), while attention needed no padding and a float32 projection held in one call of any multiple of
 4 rows.
 
+The native kernels sum each row in an order fixed by the row alone, so they need no tiles: attention
+(``native_attention``) and LoRA (``kernels.native_lora``, one call per layer) run natively where their
+kernel builds here and a check of its own (``_native_breaks``, ``_native_lora_breaks``) finds every row the
+same bits alone and beside others; elsewhere the torch paths' tiles are probed.
+
 So the pod does not trust a rule measured elsewhere: ``probe`` runs each path's own code on this machine,
 in the model's shapes, over every candidate tile (the cheapest first), and keeps the first under which
 every row came out the same bits alone, at each place of its tile, beside other rows and in a call of
@@ -31,7 +36,8 @@ import torch
 
 from data_plane.model import cpu_linear, native_attention, tiled_attention
 from data_plane.model.attention import AttentionInputs
-from kernels import cpu_lora
+from kernels import cpu_lora, native_lora
+from kernels.lora_meta import LoraMetaBuilder
 
 
 @dataclass(frozen=True)
@@ -73,16 +79,21 @@ class RowRule:
     broken: tuple[str, ...] = ()  # paths for which no candidate held (each with what broke it)
     attention_native: bool = False  # attention by the native kernel, in place (``native_attention``)
     native_note: str = ""  # why not, where it was asked for
+    lora_native: bool = False  # LoRA by the native kernel, one call per layer (``kernels.native_lora``)
+    lora_note: str = ""  # why not, where it was asked for
 
     def describe(self) -> str:
         """One line for the pod's log and GetState."""
+        if self.lora_native:
+            lora = "LoRA native, per row"
+        else:
+            lora = f"LoRA {self.lora_rows}-row tiles" + (f" ({self.lora_note})" if self.lora_note else "")
         if self.attention_native:
             attention = "native, in place"
         else:
             attention = (f"a multiple of {self.attention_rows} query rows" if self.attention_rows > 1
                          else "query rows unpadded") + (f" ({self.native_note})" if self.native_note else "")
-        text = (f"projections {self.projection.describe()}, head {self.head.describe()}, LoRA {self.lora_rows}-row "
-                f"tiles, attention {attention}")
+        text = f"projections {self.projection.describe()}, head {self.head.describe()}, {lora}, attention {attention}"
         return text + (f"; NOT INVARIANT: {'; '.join(self.broken)}" if self.broken else "")
 
 
@@ -96,14 +107,17 @@ class LoraShape:
 
 def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: torch.Tensor,
           lora: Sequence[LoraShape], max_rank: int, head_dim: int, per_kv: int, max_rows: int,
-          max_head_rows: int, native_cache: torch.dtype | None = None) -> RowRule:
+          max_head_rows: int, native_cache: torch.dtype | None = None,
+          lora_dtype: torch.dtype | None = None) -> RowRule:
     """The cheapest rule under which every path keeps a row's bits on this CPU: ``projections`` (one [out,
     in] weight per shape) with operands in ``matmul_dtype`` in steps of up to ``max_rows`` rows, the output
     ``head`` [vocab, hidden] in its own dtype for up to ``max_head_rows`` rows, the LoRA layers ``lora`` at
     ranks up to ``max_rank``, attention with ``head_dim`` and ``per_kv`` query heads per key/value head: by
     the native kernel over a cache of ``native_cache`` rows where that is given and the kernel builds, takes
-    the cache and keeps a query's bits (``_native_breaks``), else tiled. Deterministic inputs. Run it on the
-    threads the steps compute on (the LoRA path on one, as it runs)."""
+    the cache and keeps a query's bits (``_native_breaks``), else tiled; LoRA by the native kernel where
+    ``lora_dtype`` (the layers' activations) is given and the kernel builds, takes it and keeps a row's bits
+    (``_native_lora_breaks``), else in tiles. Deterministic inputs. Run it on the threads the steps compute on
+    (the torch LoRA path on one, as it runs)."""
     broken: list[str] = []
 
     def first(path: str, candidates: Sequence, breaks: Callable, label: Callable = "{} rows".format):
@@ -120,20 +134,27 @@ def probe(projections: Sequence[torch.Tensor], matmul_dtype: torch.dtype, head: 
                        lambda tiling: _projection_breaks(projections, matmul_dtype, tiling, max_rows), Tiling.describe)
     head_tiling = first("output head", PROJECTION_TILINGS[head.dtype],
                         lambda tiling: _projection_breaks([head], head.dtype, tiling, max_head_rows), Tiling.describe)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lora_rows = first("LoRA", LORA_ROWS, lambda rows: _lora_breaks(lora, max_rank, rows))
-    finally:
-        torch.set_num_threads(before)
+    lora_note = "" if lora_dtype is None else native_lora.unusable(lora_dtype)
+    if lora_dtype is not None and not lora_note:
+        failure = _native_lora_breaks(lora, max_rank, lora_dtype)
+        lora_note = "" if failure is None else f"the native LoRA kernel gave a row other bits: {failure}"
+    lora_native, lora_rows = lora_dtype is not None and not lora_note, LORA_ROWS[0]
+    if not lora_native:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            lora_rows = first("LoRA", LORA_ROWS, lambda rows: _lora_breaks(lora, max_rank, rows))
+        finally:
+            torch.set_num_threads(before)
+    lora_rule = {"lora_native": lora_native, "lora_note": lora_note}
     note = "" if native_cache is None else native_attention.unusable(native_cache, head_dim)
     if native_cache is not None and not note:
         failure = _native_breaks(native_cache, head_dim, per_kv)
         if failure is None:
-            return RowRule(projection, head_tiling, lora_rows, ATTENTION_ROWS[0], tuple(broken), True)
+            return RowRule(projection, head_tiling, lora_rows, ATTENTION_ROWS[0], tuple(broken), True, **lora_rule)
         note = f"the native kernel gave a query other bits: {failure}"
     attention = first("attention", ATTENTION_ROWS, lambda rows: _attention_breaks(head_dim, per_kv, rows))
-    return RowRule(projection, head_tiling, lora_rows, attention, tuple(broken), False, note)
+    return RowRule(projection, head_tiling, lora_rows, attention, tuple(broken), False, note, **lora_rule)
 
 
 def _inputs(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -214,6 +235,55 @@ def _lora_breaks(lora: Sequence[LoraShape], max_rank: int, rows: int) -> str | N
         if failure:
             return f"in {layer.in_features}, out {list(layer.outs)}, ranks {list(ranks)}: {failure}"
     return None
+
+
+def _native_lora_breaks(lora: Sequence[LoraShape], max_rank: int, dtype: torch.dtype) -> str | None:
+    """Where the native LoRA kernel gave a row other bits alone than in a step of three slots' runs of 70
+    rows and base rows (on this thread's torch threads: a step that large may use them all), or a delta far
+    from the torch path's; None where none did. Each layer at a few ranks (tails of every vector width), on
+    the first slice and on each, beside the largest rank."""
+    lib = native_lora.kernel()
+    rows, threads = 70, torch.get_num_threads()
+    for layer in set(lora):
+        largest = _slot(layer, (max_rank,) * len(layer.outs))
+        for r in sorted({1, 3, 17, max_rank}):
+            packed = [_slot(layer, (r,) + (0,) * (len(layer.outs) - 1)), _slot(layer, (r,) * len(layer.outs)), largest]
+            table = native_lora.SlotTable.empty(len(packed), len(layer.outs))
+            for slot, p in enumerate(packed):
+                table.set_slot(slot, p)
+            x = _inputs(3 * rows + 5, layer.in_features, r, dtype)
+            slots = [0] * rows + [1] * rows + [2] * rows + [-1] * 5
+            width = sum(layer.outs)
+            together = _native_delta(lib, table, x, slots, width, threads)
+            where = f"in {layer.in_features}, out {list(layer.outs)}, rank {r}"
+            for row in (0, rows // 2 + 1, rows + 3, 3 * rows - 1):
+                alone = _native_delta(lib, table, x[row : row + 1], slots[row : row + 1], width, 1)
+                if not torch.equal(alone, together[row : row + 1]):
+                    return f"{where}: row {row} alone against a step of {len(slots)} rows"
+            if together[3 * rows :].any():
+                return f"{where}: a row without an adapter changed"
+            picked = [0, rows + 3, 2 * rows + 5]  # a row of each slot
+            expected = torch.cat([_delta(x[row : row + 1], packed[row // rows], width) for row in picked])
+            if not torch.allclose(together[picked].float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max()):
+                return f"{where}: deltas far from the torch path's"
+    return None
+
+
+def _native_delta(lib, table: native_lora.SlotTable, x: torch.Tensor, slots: list[int], width: int,
+                  threads: int) -> torch.Tensor:
+    """[rows, width]: the native kernel's deltas of a step of rows ``x`` of ``slots`` on ``threads`` threads."""
+    y = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    meta = LoraMetaBuilder(len(slots), table.table.shape[0], "cpu").build(slots)
+    native_lora.lora_native(lib, y, x, table, meta, threads)
+    return y
+
+
+def _delta(x: torch.Tensor, packed: cpu_lora.PackedSlot, width: int) -> torch.Tensor:
+    """[rows, width] float32: each slice's ``(x @ A_s.T) @ B_s.T`` of ``packed`` by torch, zero elsewhere."""
+    y = torch.zeros(x.shape[0], width)
+    for s in packed.slices:
+        y[:, s.lo : s.hi] = (x.float() @ packed.a[s.first : s.last].T) @ s.b.T
+    return y
 
 
 def _slot(layer: LoraShape, ranks: tuple[int, ...]) -> cpu_lora.PackedSlot:

@@ -104,6 +104,9 @@ def test_a_cpu_pod_runs_and_reports_the_row_tiles_it_probed_on_its_cpu(tiny_pod_
         projections = [(m.packed.rows, m.packed.whole) for m in engine.model.modules() if isinstance(m, Projection)]
         assert projections and set(projections) == {(rule.projection.rows, rule.projection.whole)}
         assert {layer.backend.row_tile for layer in engine.lora.layers.values()} == {rule.lora_rows}
+        # the native LoRA kernel builds and keeps a row's bits on a CI machine, and every layer runs it
+        assert rule.lora_native and "LoRA native, per row" in rule.describe(), rule.describe()
+        assert all(layer.backend.native is not None for layer in engine.lora.layers.values())
         if attention == "native":
             assert rule.attention_native and isinstance(engine.model.attention, NativeAttention)
             assert "attention native, in place" in rule.describe()

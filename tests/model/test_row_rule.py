@@ -32,7 +32,8 @@ def _probe(name: str, matmul_dtype: torch.dtype, weights_dtype: torch.dtype = to
     lora = [row_rule.LoraShape(hidden, (q, kv, kv)), row_rule.LoraShape(q, (hidden,)),
             row_rule.LoraShape(hidden, (inter, inter)), row_rule.LoraShape(inter, (hidden,))]
     return row_rule.probe(projections, matmul_dtype, weight(vocab, hidden), lora, max_rank, head_dim, heads // kv_heads,
-                          POD.max_num_batched_tokens, POD.max_num_seqs, weights_dtype if native else None)
+                          POD.max_num_batched_tokens, POD.max_num_seqs, weights_dtype if native else None,
+                          weights_dtype if native else None)
 
 
 POD = DataPlaneConfig(model=None)  # a pod's default step sizes
@@ -40,7 +41,7 @@ PRECISIONS = {"float32": (torch.float32, torch.float32), "bfloat16-matmul": (tor
               "bfloat16": (torch.bfloat16, torch.bfloat16)}
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "tiled-attention"])
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-tiles"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("shapes", list(SHAPES))
 def test_every_cpu_path_has_a_tiling_that_keeps_a_rows_bits_on_this_cpu(shapes, precision, native):
@@ -50,6 +51,7 @@ def test_every_cpu_path_has_a_tiling_that_keeps_a_rows_bits_on_this_cpu(shapes, 
     rule = _probe(shapes, matmul_dtype, weights_dtype, native)
     assert not rule.broken, f"on this CPU ({_cpu()}): {rule.describe()}"
     assert rule.attention_native == native, rule.describe()  # the kernel builds and keeps a query's bits here
+    assert rule.lora_native == native, rule.describe()  # the LoRA kernel builds and keeps a row's bits here
     assert rule.projection in row_rule.PROJECTION_TILINGS[matmul_dtype]
     assert rule.head in row_rule.PROJECTION_TILINGS[weights_dtype]
     assert rule.lora_rows in cpu_lora.ROW_TILES
@@ -80,6 +82,29 @@ def test_attention_stays_tiled_where_the_native_kernel_cannot_serve_and_the_rule
     monkeypatch.setattr(row_rule, "_native_breaks", lambda dtype, head_dim, per_kv: "a decode moved")
     rule = _probe("tiny", torch.float32, native=True)
     assert not rule.attention_native and "the native kernel gave a query other bits: a decode moved" in rule.describe()
+
+
+def test_lora_stays_in_tiles_where_the_native_kernel_cannot_serve_and_the_rule_says_why(monkeypatch):
+    monkeypatch.setattr(row_rule.native_lora, "unusable", lambda dtype: "no compiler here")
+    rule = _probe("tiny", torch.float32, native=True)
+    assert not rule.lora_native and not rule.broken and rule.lora_rows in cpu_lora.ROW_TILES
+    assert f"LoRA {rule.lora_rows}-row tiles (no compiler here)" in rule.describe()
+    monkeypatch.undo()
+    monkeypatch.setattr(row_rule, "_native_lora_breaks", lambda lora, max_rank, dtype: "a row moved")
+    rule = _probe("tiny", torch.float32, native=True)
+    assert not rule.lora_native and "the native LoRA kernel gave a row other bits: a row moved" in rule.describe()
+
+
+def test_the_native_lora_check_notices_a_kernel_that_reads_other_rows(monkeypatch):
+    real = row_rule.native_lora.lora_native
+
+    def leaky(lib, y, x, slots, meta, threads):  # adds the step's first row to every row: bits depend on the step
+        real(lib, y, x, slots, meta, threads)
+        y += y[:1].clone()
+
+    monkeypatch.setattr(row_rule.native_lora, "lora_native", leaky)
+    failure = row_rule._native_lora_breaks([row_rule.LoraShape(64, (64, 32, 32))], 8, torch.float32)
+    assert failure is not None and "alone against a step" in failure
 
 
 def _cpu() -> str:
