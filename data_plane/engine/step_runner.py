@@ -133,7 +133,7 @@ class GraphRunner:
                 return None, None
             size = next(b for b in self.decode_sizes if b >= num_seqs)
             return size, size
-        if num_tokens > self.token_sizes[-1]:
+        if not self.token_sizes or num_tokens > self.token_sizes[-1]:
             return None, None
         tokens = next(b for b in self.token_sizes if b >= num_tokens)
         return mixed_seqs(tokens, self.decode_sizes[-1]), tokens

@@ -90,6 +90,7 @@ def test_token_buckets_double_up_to_512_then_grow_by_256_up_to_the_step_bound():
     assert token_buckets(1000) == [2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1000]
     assert token_buckets(100) == [2, 4, 8, 16, 32, 64, 100]
     assert token_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(1) == []  # a step of one token is a decode
 
 
 def test_a_step_takes_the_smallest_shape_that_holds_it(runners):
