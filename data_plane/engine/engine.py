@@ -159,6 +159,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._flights = 0  # steps launched and not yet completed; the loop holds the model lock while any are
         self._last_step_end = 0.0  # time.monotonic() when the last step's tokens were read
+        self._last_shape = StepShape(0, 0, 0, 0)  # the shape of the step launched last
         self.adapters = AdapterLoader(lora, resolver, metrics, self.model_lock, self._adapter_load_ended)
         self.costs = StepCost(limits.target_itl_s, limits.max_num_batched_tokens, limits.itl_growth,
                               row_tile=model.row_tile)
@@ -438,7 +439,7 @@ class Engine:
         tokens: list[int | None] = [None] * len(live)
         for k in step.sampled_positions:
             tokens[k] = PENDING
-        shape = step_shape(live)
+        shape = self._last_shape = step_shape(live)
         self.delays.step_began(shape)
         self.scheduler.postprocess(live, tokens)
         execution = asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, step)
@@ -461,6 +462,8 @@ class Engine:
         took, self._last_step_end = now - max(flight.started, self._last_step_end), now
         self._postprocess(flight.batch, tokens)
         self._record_step(flight.shape, took)
+        if self._flights:  # the step launched after it runs on from now, as admission's estimate sees it
+            self.delays.step_began(self._last_shape)
 
     def _landed(self) -> None:
         """One step fewer in flight: the model lock goes back once none is."""

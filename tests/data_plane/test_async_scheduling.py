@@ -48,9 +48,11 @@ def prompt(i: int, length: int) -> list[int]:
     return [3 + (i * 37 + j * 11) % (TINY["vocab_size"] - 3) for j in range(length)]
 
 
-def workload(stop: str, cancel: bool = True) -> list[tuple[str, str | None, list[int], SamplingParams]]:
+def workload(stop: str, cancel: bool = True, constrained: bool = True) -> list[tuple[str, str | None, list[int],
+                                                                                  SamplingParams]]:
     """(label, adapter, prompt ids, parameters) of every request, all sent at once; ``cancel``: with the stream
-    closed after CANCEL_AFTER tokens."""
+    closed after CANCEL_AFTER tokens; ``constrained``: with the structured output (whose steps wait for the
+    tokens before them)."""
     adapters = [None, *ADAPTERS]
     out = []
     for i in range(6):  # greedy and drawn, with and without adapters, prompts of 3 to 45 tokens
@@ -60,10 +62,11 @@ def workload(stop: str, cancel: bool = True) -> list[tuple[str, str | None, list
     out += [
         ("stop", None, prompt(10, 20), SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,), logprobs=3)),
         ("short", adapters[1], prompt(11, 30), SamplingParams(max_tokens=2, ignore_eos=True)),
-        ("regex", adapters[2], prompt(12, 9), SamplingParams(
-            max_tokens=12, temperature=0.7, seed=5, logprobs=2, constraint=Constraint(ConstraintKind.REGEX, REGEX))),
         ("choices", None, prompt(13, 40), SamplingParams(max_tokens=8, temperature=1.0, seed=9, ignore_eos=True, n=3)),
     ]
+    if constrained:
+        out.append(("regex", adapters[2], prompt(12, 9), SamplingParams(
+            max_tokens=12, temperature=0.7, seed=5, logprobs=2, constraint=Constraint(ConstraintKind.REGEX, REGEX))))
     if cancel:
         out.append(("cancelled", adapters[3], prompt(14, 17), SamplingParams(max_tokens=12, ignore_eos=True)))
     return out
@@ -83,7 +86,7 @@ async def _answer(engine, label, adapter, ids, params) -> list[tuple]:
 
 
 def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv_blocks: int = 12,
-          cancel: bool = True) -> dict:
+          cancel: bool = True, constrained: bool = True) -> dict:
     """The workload's answers on a pod of ``dtype`` and what the engine saw: preemptions, steps whose inputs
     decoded a token still on the device, tokens counted, blocks in use at the end, and per request the
     tokens its steps sampled (dropped ones included)."""
@@ -107,14 +110,17 @@ def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv
         engine.runner.prepare = counting
         engine.start()
         try:
-            answers = await asyncio.gather(*(_answer(engine, *request) for request in workload(stop, cancel)))
+            for name in ADAPTERS:  # resident before the requests: none waits for its load, all compete for blocks
+                await engine.adapters.load(name, str(root / name))
+            requests = workload(stop, cancel, constrained)
+            answers = await asyncio.gather(*(_answer(engine, *request) for request in requests))
             for _ in range(100):  # the cancelled stream's blocks go back as its abort is seen
                 if engine.snapshot().running == 0:
                     break
                 await asyncio.sleep(0.01)
             state = engine.snapshot()
             counted = metrics.generated_tokens._value.get()
-            return dict(answers={request[0]: a for request, a in zip(workload(stop, cancel), answers, strict=True)},
+            return dict(answers={request[0]: a for request, a in zip(requests, answers, strict=True)},
                         preemptions=state.preemptions, fed=fed[0], counted=counted, sampled=sampled,
                         kv_usage=state.kv_usage, running=state.running)
         finally:
@@ -158,11 +164,12 @@ def test_the_asynchronous_loop_streams_the_synchronous_loops_tokens_bit_for_bit(
 
 def test_a_request_ended_by_a_step_has_its_slot_in_the_next_step_dropped(model_dir):
     """A request that step N ends (its stop string) was scheduled into step N+1 before N's tokens were read:
-    the token that step samples for it is neither streamed nor counted."""
+    the token that step samples for it is neither streamed nor counted. (No structured output here: a step
+    with a constrained sequence waits for the tokens before it, which would leave this one's slot out.)"""
     directory, root = model_dir
     stop = stop_string(directory, root, "float32")
-    sync = serve(directory, root, "float32", False, stop, num_kv_blocks=64, cancel=False)
-    overlapped = serve(directory, root, "float32", True, stop, num_kv_blocks=64, cancel=False)
+    sync = serve(directory, root, "float32", False, stop, num_kv_blocks=64, cancel=False, constrained=False)
+    overlapped = serve(directory, root, "float32", True, stop, num_kv_blocks=64, cancel=False, constrained=False)
     assert overlapped["answers"] == sync["answers"]
     streamed = {label: len(tokens_of(messages)) for label, messages in overlapped["answers"].items()}
     stop = overlapped["answers"]["stop"]
@@ -174,3 +181,30 @@ def test_a_request_ended_by_a_step_has_its_slot_in_the_next_step_dropped(model_d
     assert overlapped["sampled"]["r-short"] == streamed["short"] == 2
     # only streamed tokens are counted
     assert overlapped["counted"] == sync["counted"] == sum(streamed.values())
+
+
+def test_an_adapter_load_is_not_starved_by_steps_in_flight(model_dir):
+    """The asynchronous loop keeps the model lock from one step to the next while steps are in flight, and lets
+    it go between two steps as soon as a load waits: the load lands while a long stream still runs."""
+    directory, root = model_dir
+    config = DataPlaneConfig(model=directory, dtype="float32", adapter_roots=(root,), max_loras=2, max_cpu_loras=4,
+                             max_lora_rank=32, num_kv_blocks=64, max_queue_delay=0, async_scheduling=True)
+
+    async def run():
+        metrics = PodMetrics()
+        engine = build_engine(config, metrics)
+        engine.start()
+        try:
+            stream = engine.generate(prompt(0, 8), SamplingParams(max_tokens=400, ignore_eos=True))
+            await anext(stream)
+            name = next(iter(ADAPTERS))
+            await asyncio.wait_for(engine.adapters.load(name, str(root / name)), timeout=30)
+            generated = metrics.generated_tokens._value.get()  # when the load landed
+            rest = [out async for out in stream]
+            return generated, rest
+        finally:
+            await engine.stop()
+
+    generated, rest = asyncio.run(run())
+    assert rest[-1].finish_reason is FinishReason.LENGTH and rest[-1].completion_tokens == 400
+    assert generated < 300, f"the load waited for {generated} of the stream's 400 tokens"
