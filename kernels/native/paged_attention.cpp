@@ -217,6 +217,7 @@ struct Item {
 struct Scratch {
   std::vector<float> scores, acc, key, inverse;
   std::vector<int64_t> q_row;  // each row's [token, head] index
+  std::vector<int64_t> offsets;  // each key's row in the cache, from the block's first key
   std::vector<int> from, to;  // each row's first and last key
 };
 
@@ -249,13 +250,16 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   float* converted = scratch.key.data();
   const int* from = scratch.from.data();
   const int* to = scratch.to.data();
-  auto slot_offset = [&](int j) {
-    int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    return (slot * p.kv_heads + item.kv_head) * dim;
-  };
+  scratch.offsets.resize(hi - lo + 1);
+  for (int j = lo, block = lo / p.block_size, within = lo % p.block_size; j <= hi; ++j) {
+    int64_t slot = int64_t(table[block]) * p.block_size + within;
+    scratch.offsets[j - lo] = (slot * p.kv_heads + item.kv_head) * dim;
+    if (++within == p.block_size) within = 0, ++block;
+  }
+  const int64_t* offsets = scratch.offsets.data();  // offsets[j - lo] for key j
   // scores, each row over the keys it sees
   for (int j = lo; j <= hi; ++j) {
-    const float* key = load_row(p.k_cache, p.cache_type, slot_offset(j), dim, converted);
+    const float* key = load_row(p.k_cache, p.cache_type, offsets[j - lo], dim, converted);
     for (int row = 0; row < rows; ++row) {
       if (j < from[row] || j > to[row]) continue;
       float s = dot(p.q + scratch.q_row[row] * dim, key, dim) * p.scale;
@@ -281,7 +285,7 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   }
   // the values, key by key in ascending order
   for (int j = lo; j <= hi; ++j) {
-    const float* value = load_row(p.v_cache, p.cache_type, slot_offset(j), dim, converted);
+    const float* value = load_row(p.v_cache, p.cache_type, offsets[j - lo], dim, converted);
     for (int row = 0; row < rows; ++row) {
       if (j < from[row] || j > to[row]) continue;
       vec weight = vset(scores[size_t(row) * stride + (j - from[row])]);
