@@ -62,24 +62,26 @@ def replay(engine, batch: list[ScheduledSeq]):
     return engine.runner.run(batch)
 
 
-def demo_pod_config(seqs: int, adapter_dir: Path, dtype: str, compute_threads: int | None = None) -> DataPlaneConfig:
+def demo_pod_config(seqs: int, adapter_dir: Path, dtype: str, compute_threads: int | None = None,
+                    **settings) -> DataPlaneConfig:
     """A pod on the demo model for steps of up to ``seqs`` sequences, with room for the demo adapters and
     serve.py's random rank-16 one (written into ``adapter_dir``), all found under its adapter roots; its
-    model thread computes on ``compute_threads`` (None: as many as the calling thread)."""
+    model thread computes on ``compute_threads`` (None: as many as the calling thread); ``settings``: other
+    DataPlaneConfig fields."""
     model_dir = ensure_demo_model(quiet=True)
     write_random_adapter(adapter_dir / EXTRA_ADAPTER, json.loads((model_dir / "config.json").read_text()), 16,
                          dtype=torch.float32)
     roots = (demo_adapter_dir(DEMO_ADAPTERS[0]).parent, adapter_dir)
     return DataPlaneConfig(model=model_dir, max_num_seqs=seqs, max_loras=len(DEMO_ADAPTERS) + 1,
                            max_cpu_loras=32, adapter_roots=roots, dtype=dtype,
-                           compute_threads=compute_threads or torch.get_num_threads())
+                           compute_threads=compute_threads or torch.get_num_threads(), **settings)
 
 
-def build_demo_engine(seqs: int, adapter_dir: Path, dtype: str = "float32",
-                      compute_threads: int | None = None) -> tuple[Engine, list[int]]:
+def build_demo_engine(seqs: int, adapter_dir: Path, dtype: str = "float32", compute_threads: int | None = None,
+                      **settings) -> tuple[Engine, list[int]]:
     """The pod's engine of ``demo_pod_config``, every adapter of the mix resident; returns it with the
     slots of the mix: -1 (base) then each adapter's."""
-    config = demo_pod_config(seqs, adapter_dir, dtype, compute_threads)
+    config = demo_pod_config(seqs, adapter_dir, dtype, compute_threads, **settings)
     engine = build_engine(config, PodMetrics())
     slots = [-1]
     for name in (*DEMO_ADAPTERS, EXTRA_ADAPTER):

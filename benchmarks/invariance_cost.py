@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed runs per step kind")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--label", default="", help="the tree measured, for the table")
+    parser.add_argument("--cpu-attention", choices=("native", "tiled"), help="the pod's --cpu-attention (default: "
+                        "the pod's; a tree older than the option takes none)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time")
     args = parser.parse_args()
     if args.cpu_time:
@@ -52,7 +54,8 @@ def main() -> None:
     timer = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        engine, slots = build_demo_engine(32, Path(tmp), args.dtype)
+        settings = {"cpu_attention": args.cpu_attention} if args.cpu_attention else {}
+        engine, slots = build_demo_engine(32, Path(tmp), args.dtype, **settings)
         kinds = {f"decode {n}": decode_batch(engine, slots, n, CONTEXT) for n in (1, 8, 32)}
         first_free = 32 * -(-(CONTEXT + 1) // engine.limits.block_size)
         kinds[f"prefill {PREFILL}"] = prefill_batch(engine, slots[1], first_free)
@@ -70,7 +73,8 @@ def main() -> None:
     clock = "CPU time" if args.cpu_time else "wall time"
     print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {args.threads} threads ({clock}), torch "
           f"{torch.__version__}, load average {load_average()}; demo model, --dtype {args.dtype}"
-          f"{f' ({precision.value})' if precision is not None else ''}, {args.steps} runs per step\n")
+          f"{f' ({precision.value})' if precision is not None else ''}, {args.steps} runs per step; row rule: "
+          f"{getattr(engine.model.row_rule, 'describe', lambda: 'none (a tree before the probe)')()}\n")
     for kind, runs in times.items():
         print(f"| {args.label} | {args.dtype} | {kind} | {statistics.median(runs) * 1e3:.1f} | {min(runs) * 1e3:.1f} |")
 
