@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,16 +84,16 @@ class TritonBackend:
 
 
 class CpuBackend:
-    """The CPU path over a packed copy of the slots that follows each changed slot before the next step
-    reads it: the native kernel (``kernels.native_lora``) on the calling thread's torch threads where
+    """The CPU path over a copy of the slots packed for it that follows each changed slot before the next
+    step reads it: the native kernel (``kernels.native_lora``) on the calling thread's torch threads where
     ``use_row_tile`` says so, else the torch path's tiles (``kernels.cpu_lora``) on one thread."""
 
     def __init__(self, slots: LoraSlots, row_tile: int = cpu_lora.ROW_TILE) -> None:
         self.slots = slots
         self.row_tile = row_tile  # rows of every tile of the torch path (``cpu_lora.ROW_TILES``)
         self.native: ctypes.CDLL | None = None  # the native kernel, where it runs the layer
-        self._pack: cpu_lora.SegmentPack | None = None  # None: not built yet
-        self._table: native_lora.SlotTable | None = None  # the native kernel's view of the pack
+        self._pack: cpu_lora.SegmentPack | None = None  # the torch path's copy of the slots; None: not built yet
+        self._table: native_lora.SlotTable | None = None  # the native kernel's; None: not built yet
         self._stale_slots: set[int] = set()  # slots changed since the pack was last brought up to date
 
     def slot_changed(self, slot: int) -> None:
@@ -116,29 +116,26 @@ class CpuBackend:
             cpu_lora.lora_segmented(y, x, self.pack(), meta)
 
     def pack(self) -> cpu_lora.SegmentPack:
-        """The packed copy of the slots as they are now."""
+        """The torch path's packed copy of the slots as they are now."""
         sl = self.slots
-        stale = sorted(self._stale_slots)
         if self._pack is None:
             self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, self.row_tile)
         else:
-            for slot in stale:
+            for slot in sorted(self._stale_slots):
                 cpu_lora.update_slot(self._pack, sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
         self._stale_slots.clear()
-        if self._table is not None:
-            for slot in stale:
-                self._table.set_slot(slot, self._pack.slots.get(slot))
         return self._pack
 
     def table(self) -> native_lora.SlotTable:
-        """The pack as the native kernel reads it, as the slots are now."""
-        if self._table is None or self._pack is None:
-            pack = self.pack()
-            self._table = native_lora.SlotTable.empty(self.slots.lora_a.shape[1], self.slots.lora_a.shape[0])
-            for slot, packed in pack.slots.items():
-                self._table.set_slot(slot, packed)
-        else:
-            self.pack()
+        """The native kernel's copy of the slots as they are now."""
+        sl = self.slots
+        stale: Iterable[int] = sorted(self._stale_slots)
+        if self._table is None:
+            self._table = native_lora.SlotTable.empty(sl.lora_a.shape[1], sl.lora_a.shape[0])
+            stale = range(sl.lora_a.shape[1])
+        for slot in stale:
+            self._table.update(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
+        self._stale_slots.clear()
         return self._table
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import native_build
-from kernels.cpu_lora import PackedSlot
+from kernels.cpu_lora import PackedSlot, SegmentPack, update_slot
 from kernels.lora_meta import LoraMeta
 
 LIBRARY = "lora"
@@ -66,6 +66,14 @@ class SlotTable:
     @classmethod
     def empty(cls, max_loras: int, max_slices: int) -> SlotTable:
         return cls(torch.zeros(max_loras, SLOT_FIELDS + SLICE_FIELDS * max_slices, dtype=torch.int64))
+
+    def update(self, lora_a: torch.Tensor, lora_b: torch.Tensor, host_ranks: list[list[int]],
+               slice_offsets: list[int], slot: int) -> None:
+        """Copies ``slot`` of a layer's slot buffers in (arguments as for ``cpu_lora.update_slot``); the torch
+        path's packed B is dropped once transposed, so the table holds one copy of the slot."""
+        pack = SegmentPack()
+        update_slot(pack, lora_a, lora_b, host_ranks, slice_offsets, slot)
+        self.set_slot(slot, pack.slots.get(slot))
 
     def set_slot(self, slot: int, packed: PackedSlot | None) -> None:
         """Points ``slot``'s entry at ``packed`` (None: the slot adapts nothing on this layer)."""
