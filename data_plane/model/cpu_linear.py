@@ -62,6 +62,32 @@ class CpuWeight:
     reordered: bool
     whole: bool = False  # one call over all rows, padded to a multiple of ``rows``, instead of a call per tile
 
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` in ``x``'s dtype, in tiles of ``rows`` rows (``whole``: in one call, padded
+        to a multiple of them) with operands in ``dtype``, so that each row's result depends on that row alone
+        where the CPU's probe found it so (``row_rule``). ``weight`` is the plain weight this copy was made of
+        (its bias is added in float32 where the operands are bfloat16)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        rows, tile = x.shape[0], self.rows
+        xin = x.to(self.dtype)
+        if rows % tile:
+            xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
+        fused_bias = bias if bias is not None and bias.dtype == self.dtype else None
+        if self.whole or xin.shape[0] == tile:
+            out = self._tile(xin, fused_bias)
+        else:
+            out = torch.cat([self._tile(t, fused_bias) for t in xin.split(tile)])
+        out = out[:rows].to(x.dtype)
+        if bias is not None and fused_bias is None:  # bfloat16 operands for float32 rows: the bias in float32
+            out = out.add_(bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _tile(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.reordered:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
 
 def onednn_serves(dtype: torch.dtype) -> bool:
     """Whether this torch's oneDNN reorders weights and runs matmuls in ``dtype`` on this CPU (natively or
@@ -95,33 +121,9 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | Non
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: CpuWeight | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in ``x``'s dtype. With ``packed`` (on CPU), in tiles of ``packed.rows``
-    rows (``packed.whole``: in one call, padded to a multiple of them) with operands in ``packed.dtype``,
-    so that each row's result depends on that row alone where the CPU's probe found it so (``row_rule``);
-    without, one plain matmul."""
-    if packed is None or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    rows, tile = x.shape[0], packed.rows
-    xin = x.to(packed.dtype)
-    if rows % tile:
-        xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
-    fused_bias = bias if bias is not None and bias.dtype == packed.dtype else None
-    if packed.whole or xin.shape[0] == tile:
-        out = _tile(xin, packed, fused_bias)
-    else:
-        out = torch.cat([_tile(t, packed, fused_bias) for t in xin.split(tile)])
-    out = out[:rows].to(x.dtype)
-    if bias is not None and fused_bias is None:  # bfloat16 operands for float32 rows: the bias in float32
-        out = out.add_(bias)
-    return out.reshape(*shape[:-1], out.shape[-1])
-
-
-def _tile(x: torch.Tensor, packed: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if packed.reordered:
-        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
-    return F.linear(x, packed.weight, bias)
+    """``x @ weight.T + bias``: through ``packed`` where given (a CPU weight's fixed-tile copy), else one
+    plain matmul."""
+    return F.linear(x, weight, bias) if packed is None else packed(x, weight, bias)
 
 
 @dataclass(frozen=True)

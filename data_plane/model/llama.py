@@ -8,8 +8,9 @@ layers see them as one layer with several output slices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +22,12 @@ from data_plane.model.attention_backends import attention_backend
 from data_plane.model.config import ModelConfig
 from data_plane.model.layer_ops import LayerOps, layer_ops
 from data_plane.model.precision import Precision
+from data_plane.model.quantization import Fp8Matmul
 from data_plane.model.rope import RotaryEmbedding
 from data_plane.model.row_rule import RowRule
 
-if TYPE_CHECKING:
-    from data_plane.model.quantization import Fp8Matmul
+# A projection's way of computing ``x @ weight.T + bias`` (``Projection.matmul``).
+LinearPath = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,27 @@ class Projection(nn.Module):
         self.out_features = sum(self.slices.values())
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
-        self.packed: cpu_linear.CpuWeight | None = None  # fixed-tile copy of weight on CPU (see cpu_linear)
-        # Where ``weight`` is FP8 (e4m3) on the device: its per-row scales and the matmul chosen at load
-        # (quantization.py). A CPU pod dequantizes FP8 weights at load and leaves this None.
-        self.quantized: Fp8Matmul | None = None
+        # How ``x @ weight.T + bias`` is computed, chosen once where the weights become final, never per call:
+        # a plain matmul; on CPU a fixed-tile copy of the weight (``packed``, cpu_linear); where the weight is
+        # FP8 (e4m3) on the device, its scales and the matmul chosen at load (``quantized``, quantization.py;
+        # a CPU pod dequantizes FP8 weights at load instead).
+        self.matmul: LinearPath = F.linear
+
+    @property
+    def packed(self) -> cpu_linear.CpuWeight | None:
+        return self.matmul if isinstance(self.matmul, cpu_linear.CpuWeight) else None
+
+    @packed.setter
+    def packed(self, value: cpu_linear.CpuWeight | None) -> None:
+        self.matmul = value or F.linear
+
+    @property
+    def quantized(self) -> Fp8Matmul | None:
+        return self.matmul if isinstance(self.matmul, Fp8Matmul) else None
+
+    @quantized.setter
+    def quantized(self, value: Fp8Matmul | None) -> None:
+        self.matmul = value or F.linear
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,9 +91,7 @@ class Projection(nn.Module):
         return offsets
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized(x, self.weight, self.bias)
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -199,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_parameter("lm_head", None)
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self._packed_head: cpu_linear.CpuWeight | None = None
+        self._head_matmul: LinearPath = F.linear  # on CPU a fixed-tile copy of the head (``prepack_cpu_weights``)
         self.attention: AttentionBackend = attention_backend("cpu", self.windows)
         self.ops: LayerOps = layer_ops("cpu")
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
@@ -245,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] in float32
-        logits = cpu_linear.linear(hidden, self.head_weight, None, self._packed_head).float()
+        logits = self._head_matmul(hidden, self.head_weight, None).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -262,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Projection) and module.quantized is None:
                 module.packed = cpu_linear.pack(module.weight, matmul_dtype, rows, whole)
         rows, whole = (rule.head.rows, rule.head.whole) if rule else (None, False)
-        self._packed_head = cpu_linear.pack(self.head_weight, None, rows, whole)
+        self._head_matmul = cpu_linear.pack(self.head_weight, None, rows, whole)
 
     def use_row_rule(self, rule: RowRule) -> None:
         """On CPU, runs the projections, the head and attention in ``rule``'s tiles from now on (the rule a

@@ -71,7 +71,7 @@ def test_a_float32_cpu_model_gets_packed_weights_and_the_same_logits(tiny_dir):
     packed = run_chunks(model, ids, [20, 1, 16])  # a prefill chunk and decode-sized steps
     for p in projections:
         p.packed = None
-    model._packed_head = None
+    model._head_matmul = torch.nn.functional.linear
     plain = run_chunks(model, ids, [20, 1, 16])
     torch.testing.assert_close(packed, plain, rtol=0, atol=logits_atol(longest_sum(model.config), magnitude(plain)))
 
@@ -146,7 +146,7 @@ def test_the_named_precision_is_the_one_every_matmul_runs_in(tiny_dir, setting):
     packs = [m.packed for m in model.modules() if isinstance(m, Projection)]
     assert {p.dtype for p in packs} == {precision.matmul_dtype}
     # logits stay in the weights' precision: float32 unless the user named bfloat16
-    assert model._packed_head.dtype == precision.weights_dtype
+    assert model._head_matmul.dtype == precision.weights_dtype
     logits = run_chunks(model, list(range(3, 40)), [20, 1, 16])
     assert logits.dtype == torch.float32 and logits.isfinite().all()
 
