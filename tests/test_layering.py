@@ -154,3 +154,34 @@ def test_a_circle_is_reported(tmp_path):
     (tmp_path / "router" / "a.py").write_text("from router.b import f\n")
     (tmp_path / "router" / "b.py").write_text("def f():\n    from router import a\n")
     assert import_circles(tmp_path) == [["router.a", "router.b"]]
+
+
+def device_branches(root: Path = ROOT) -> list[str]:
+    """``module:line`` of each ``forward`` (or ``__call__`` of a model part) in the model, LoRA layers and
+    kernels that asks which device a tensor is on: device choices are made once, where a pod builds its
+    engine (attention backend, linear path, LoRA backend), never per call."""
+    found = []
+    for path in _sources(root):
+        module = _module_name(path, root)
+        if not module.startswith(("data_plane.model", "data_plane.lora", "kernels")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in ("forward", "__call__"):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Attribute) and inner.attr in ("is_cuda", "is_cpu") or (
+                            isinstance(inner, ast.Attribute) and inner.attr == "type"
+                            and isinstance(inner.value, ast.Attribute) and inner.value.attr == "device"):
+                        found.append(f"{module}:{inner.lineno}")
+    return found
+
+
+def test_no_forward_branches_on_the_device():
+    assert device_branches() == []
+
+
+def test_a_device_branch_in_a_forward_is_reported(tmp_path):
+    package = tmp_path / "data_plane" / "model"
+    package.mkdir(parents=True)
+    (package / "layer.py").write_text("class Layer:\n    def forward(self, x):\n"
+                                      "        return x if x.device.type == 'cpu' else x * 2\n")
+    assert device_branches(tmp_path) == ["data_plane.model.layer:3"]
