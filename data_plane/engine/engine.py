@@ -441,7 +441,7 @@ class Engine:
             tokens[k] = PENDING
         shape = self._last_shape = step_shape(live)
         self.delays.step_began(shape)
-        self.scheduler.postprocess(live, tokens)
+        self.scheduler.postprocess(live, tokens, ran=False)
         execution = asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, step)
         return _Flight(live, execution, shape, started)
 
@@ -488,17 +488,19 @@ class Engine:
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[TokenOut | None]) -> None:
         """The step's tokens (the step's postprocess, second half): each settled in its sequence's output
-        (``Scheduler.settle``, the writer of its progress), streamed, and a sequence at a stop, its grammar's
-        end or its length finished. A sequence that ended since the step launched (aborted, or finished by
-        the step before, whose tokens were read after this one launched) has its token dropped: never
-        settled, streamed or counted."""
+        with its computed blocks (``Scheduler.settle``, the writer of its progress), streamed, and a sequence
+        at a stop, its grammar's end or its length finished. A sequence that ended since the step launched
+        (aborted, or finished by the step before, whose tokens were read after this one launched) has its
+        token dropped: never settled, streamed or counted."""
         now = time.monotonic()
         delivered = 0
         for item, tok in zip(batch, tokens, strict=True):
             seq = item.seq
-            if tok is None or seq.is_finished:  # nothing sampled, or ended since the step launched
+            if seq.is_finished:  # ended since the step launched
                 continue
-            self.scheduler.settle(seq, tok.id)
+            self.scheduler.settle(seq, None if tok is None else tok.id)
+            if tok is None:  # a prompt chunk that samples nothing
+                continue
             delivered += 1
             self._record_latency(seq, now)
             stream = self._streams[seq.request_id]

@@ -480,13 +480,14 @@ class Scheduler:
         self._preempt(seq)
         return False
 
-    def postprocess(self, batch: list[ScheduledSeq], token_ids: list[int | None]) -> int:
+    def postprocess(self, batch: list[ScheduledSeq], token_ids: list[int | None], ran: bool = True) -> int:
         """Records what the step did to each sequence's progress, its one writer: a sequence preempted since
         the last postprocess holds no KV any more (it is recomputed from its first token); each scheduled
-        chunk, and the cached tokens found for it at admission, is now in the cache (its full blocks whose
-        ids are known are offered to the prefix cache); a sampled token (``token_ids``, one per item; None
-        where the chunk samples nothing) joins its output, as PENDING where its id is still on the device
-        (the engine records a step when it launches it, and settles its ids as they are read: ``settle``).
+        chunk, and the cached tokens found for it at admission, is now in the cache; a sampled token
+        (``token_ids``, one per item; None where the chunk samples nothing) joins its output, as PENDING where
+        its id is still on the device. ``ran``: the step has run, so its full blocks whose ids are known are
+        offered to the prefix cache; the engine records a step when it launches it (False) and settles it once
+        its tokens are read (``settle``), so that a step that fails offers nothing it never computed.
         Sequences that ended while the step ran are left as they are. Returns how many preempted sequences it
         reset (they may be admitted again from the next step)."""
         preempted = len(self._preempted)
@@ -501,14 +502,17 @@ class Scheduler:
             if token is not None:
                 seq.output_ids.append(token)
                 seq.pending += token == PENDING
-            self.blocks.cache_full_blocks(seq)
+            if ran:
+                self.blocks.cache_full_blocks(seq)
         return preempted
 
-    def settle(self, seq: Sequence, token_id: int) -> None:
-        """Writes the id of ``seq``'s oldest pending token, read from the device, in its place (the step's
-        postprocess, second half), and offers the blocks it completes to the prefix cache."""
-        seq.output_ids[len(seq.output_ids) - seq.pending] = token_id
-        seq.pending -= 1
+    def settle(self, seq: Sequence, token_id: int | None) -> None:
+        """The second half of a launched step's postprocess for ``seq``, once the step has run: the id of its
+        oldest pending token, read from the device, written in its place (None: the step sampled nothing for
+        it), and its full blocks whose ids are known offered to the prefix cache."""
+        if token_id is not None:
+            seq.output_ids[len(seq.output_ids) - seq.pending] = token_id
+            seq.pending -= 1
         self.blocks.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -23,6 +23,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.engine.choices import generate_choices
 from data_plane.engine.grammar import Constraint, ConstraintKind
 from data_plane.engine.sequence import FinishReason, SamplingParams
+from data_plane.errors import StepFailed
 from data_plane.metrics import PodMetrics
 from data_plane.pod import build_engine
 from tests.data_plane.conftest import ADAPTERS, TINY
@@ -208,3 +209,37 @@ def test_an_adapter_load_is_not_starved_by_steps_in_flight(model_dir):
     generated, rest = asyncio.run(run())
     assert rest[-1].finish_reason is FinishReason.LENGTH and rest[-1].completion_tokens == 400
     assert generated < 300, f"the load waited for {generated} of the stream's 400 tokens"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_ends_its_requests_and_offers_the_prefix_cache_nothing_it_never_computed(model_dir,
+                                                                                           async_scheduling):
+    directory, root = model_dir
+    config = DataPlaneConfig(model=directory, dtype="float32", adapter_roots=(root,), max_loras=1, max_cpu_loras=1,
+                             max_lora_rank=32, num_kv_blocks=64, max_queue_delay=0, async_scheduling=async_scheduling)
+    ids = prompt(3, 40)  # two full blocks of 16
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def run():
+        engine = build_engine(config, PodMetrics())
+        execute, calls = engine.runner.execute, []
+
+        def failing_once(step):
+            calls.append(step)
+            if len(calls) == 1:
+                raise RuntimeError("device lost")
+            return execute(step)
+
+        engine.runner.execute = failing_once
+        engine.start()
+        try:
+            with pytest.raises(StepFailed, match="device lost"):
+                [out async for out in engine.generate(ids, params)]
+            again = [t.id async for out in engine.generate(ids, params) for t in out.tokens]
+            return again, engine.snapshot().prefix
+        finally:
+            await engine.stop()
+
+    again, prefix = asyncio.run(run())
+    assert len(again) == 4
+    assert prefix.hit_tokens == 0, "the failed prefill's blocks were offered to the prefix cache"
