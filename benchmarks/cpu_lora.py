@@ -53,11 +53,11 @@ def mixes(adapters: int) -> dict[str, list[tuple[int | None, int, int]]]:
     }
 
 
-def timed(engine, steps) -> float:
-    """Seconds of one replay of ``steps``, on the calling thread (the model thread)."""
-    started = time.perf_counter()
+def timed(engine, steps, clock=time.perf_counter) -> float:
+    """Seconds of one replay of ``steps`` by ``clock``, on the calling thread (the model thread)."""
+    started = clock()
     replay(engine, steps)
-    return time.perf_counter() - started
+    return clock() - started
 
 
 NATIVE = "native"  # a --tiles entry: the native kernel instead of the torch path's tiles
@@ -67,13 +67,14 @@ def tile_arg(value: str) -> int | str:
     return value if value == NATIVE else int(value)
 
 
-def measure(tiles: list[int | str], steps: int, dtype: str) -> dict:
+def measure(tiles: list[int | str], steps: int, dtype: str, cpu_time: bool = False) -> dict:
     """Median ms per mix: its base-only step, and its step with each LoRA path and the shipped one, with
-    this process's pod code."""
+    this process's pod code; ``cpu_time``: on one compute thread, in its CPU time."""
     compute_on_one_thread(asyncio.new_event_loop())  # as a pod starts: the model thread's team is the only one
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        engine, slots = build_demo_engine(32, Path(tmp), dtype, available_cpus())
+        engine, slots = build_demo_engine(32, Path(tmp), dtype, 1 if cpu_time else available_cpus())
+        clock = time.thread_time if cpu_time else time.perf_counter
         rule = getattr(engine.model, "row_rule", None)  # the path the pod probed (trees before it: the module's)
         shipped = rule.lora_rows if rule is not None else cpu_lora.ROW_TILE
         if getattr(rule, "lora_native", False):
@@ -89,7 +90,7 @@ def measure(tiles: list[int | str], steps: int, dtype: str) -> dict:
                 for _ in range(steps if measured else 1):
                     for key, (tile, steps_of) in runs.items():
                         use_tile(engine, tile)
-                        seconds = engine.on_model_thread(timed, engine, steps_of)
+                        seconds = engine.on_model_thread(timed, engine, steps_of, clock)
                         if measured:
                             times.setdefault(key, []).append(seconds)
         finally:
@@ -113,11 +114,12 @@ def use_tile(engine, tile: int | str) -> None:
             layer.backend.use_row_tile(tile)
 
 
-def run_in(tree: Path, tiles: list[int | str], steps: int, dtype: str) -> dict:
+def run_in(tree: Path, tiles: list[int | str], steps: int, dtype: str, cpu_time: bool) -> dict:
     """``measure`` in a fresh process on the pod code of ``tree`` (this script's helpers, that tree's modules)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "protos")])}
     out = subprocess.run([sys.executable, __file__, "--measure", "--steps", str(steps), "--dtype", dtype,
-                          "--tiles", *map(str, tiles)], capture_output=True, text=True, check=True, env=env).stdout
+                          *(["--cpu-time"] if cpu_time else []), "--tiles", *map(str, tiles)],
+                         capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -127,24 +129,28 @@ def main() -> None:
     parser.add_argument("--tiles", type=tile_arg, nargs="*", default=[NATIVE, 8, 16],
                         help="LoRA paths to compare: native, or a row tile of the torch path")
     parser.add_argument("--dtype", default="auto", help="the pod's precision (--dtype)")
+    parser.add_argument("--cpu-time", action="store_true", help="one compute thread, timed in its CPU time (which "
+                        "other jobs on a shared machine barely change)")
     parser.add_argument("--rounds", type=int, default=2, help="processes per version, alternated")
     parser.add_argument("--before-tree", type=Path, help="a checkout of the earlier version to compare with")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one process's measurement
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.tiles, args.steps, args.dtype)))
+        print(json.dumps(measure(args.tiles, args.steps, args.dtype, args.cpu_time)))
         return
     trees = {"after": REPO, **({"before": args.before_tree.resolve()} if args.before_tree else {})}
     runs: dict[str, list[dict]] = {version: [] for version in trees}
     for _ in range(args.rounds):
         for version, tree in trees.items():
-            runs[version].append(run_in(tree, args.tiles if version == "after" else [], args.steps, args.dtype))
+            runs[version].append(run_in(tree, args.tiles if version == "after" else [], args.steps, args.dtype,
+                                        args.cpu_time))
 
     def ms(version: str, key: str) -> float:
         return statistics.median(run["ms"][key] for run in runs[version])
 
     after = runs["after"][0]
-    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {available_cpus()} compute threads, "
+    threads = "1 compute thread (its CPU time)" if args.cpu_time else f"{available_cpus()} compute threads"
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({cpu_flags()}), {threads}, "
           f"torch {torch.__version__}, load average {load_average()}; demo model, --dtype {args.dtype} "
           f"({after['precision']}), context {CONTEXT}; {args.rounds} processes per version, median of "
           f"{args.steps} interleaved steps each; shipped LoRA path {after['shipped']}"

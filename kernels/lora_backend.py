@@ -94,19 +94,24 @@ class CpuBackend:
         self.native: ctypes.CDLL | None = None  # the native kernel, where it runs the layer
         self._pack: cpu_lora.SegmentPack | None = None  # the torch path's copy of the slots; None: not built yet
         self._table: native_lora.SlotTable | None = None  # the native kernel's; None: not built yet
-        self._stale_slots: set[int] = set()  # slots changed since the pack was last brought up to date
+        # slots changed since the pack, and since the table, were last brought up to date
+        self._stale_pack: set[int] = set()
+        self._stale_table: set[int] = set()
 
     def slot_changed(self, slot: int) -> None:
-        self._stale_slots.add(slot)
+        self._stale_pack.add(slot)
+        self._stale_table.add(slot)
 
     def use_row_tile(self, row_tile: int, native: bool = False) -> None:
-        """Tiles of ``row_tile`` rows from the next ``apply`` on (the pack is rebuilt for them), or the
-        native kernel where ``native``: raises RuntimeError where it does not build here."""
+        """Tiles of ``row_tile`` rows from the next ``apply`` on (the pack is rebuilt for other tiles), or the
+        native kernel where ``native``: raises RuntimeError where it does not build here. A copy of the
+        slots that one path made is kept while the other runs (a pod picks one at start-up)."""
         lib = native_lora.kernel() if native else None
         if native and lib is None:
             raise RuntimeError(native_lora.unusable(self.slots.lora_a.dtype))
-        self.row_tile, self.native, self._pack, self._table = row_tile, lib, None, None
-        self._stale_slots.clear()
+        if row_tile != self.row_tile:
+            self._pack = None
+        self.row_tile, self.native = row_tile, lib
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
         if self.native is not None:
@@ -121,21 +126,21 @@ class CpuBackend:
         if self._pack is None:
             self._pack = cpu_lora.pack_segments(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, self.row_tile)
         else:
-            for slot in sorted(self._stale_slots):
+            for slot in sorted(self._stale_pack):
                 cpu_lora.update_slot(self._pack, sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
-        self._stale_slots.clear()
+        self._stale_pack.clear()
         return self._pack
 
     def table(self) -> native_lora.SlotTable:
         """The native kernel's copy of the slots as they are now."""
         sl = self.slots
-        stale: Iterable[int] = sorted(self._stale_slots)
+        stale: Iterable[int] = sorted(self._stale_table)
         if self._table is None:
             self._table = native_lora.SlotTable.empty(sl.lora_a.shape[1], sl.lora_a.shape[0])
             stale = range(sl.lora_a.shape[1])
         for slot in stale:
             self._table.update(sl.lora_a, sl.lora_b, sl.host_ranks, sl.host_offsets, slot)
-        self._stale_slots.clear()
+        self._stale_table.clear()
         return self._table
 
 
