@@ -5,8 +5,10 @@
 Each row loads the demo model as a pod would (``load_model``) in one precision: float32 and bfloat16
 unquantized; ``--quantization fp8`` (weights quantized per output channel at load) dequantized to float32
 or bfloat16, as a CPU pod runs it; and W8A8 (per-token e4m3 activations through torch's CPU ``_scaled_mm``),
-the numbers a GPU of compute capability 8.9+ computes. Prints the table; the text is written for this file
-and appears in no training set of the model.
+the numbers a GPU of compute capability 8.9+ computes. Rows "+kv-fp8" keep the KV cache in float8_e4m3fn
+(``--kv-cache-dtype fp8``) with the scales a pod calibrates at start-up (``kv_scales``; the demo checkpoint
+carries none), and for comparison with a scale of 1.0 in every layer (vLLM's default). Prints the table; the
+text is written for this file and appears in no training set of the model (nor in the calibration text).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_plane.model import load_model  # noqa: E402
+from data_plane.model.attention import KV_FP8  # noqa: E402
 from data_plane.model.demo_model import ensure_demo_model  # noqa: E402
+from data_plane.model.kv_scales import CALIBRATION_TEXT, use_fp8_kv_cache  # noqa: E402
 from data_plane.model.quantization import Fp8Compute  # noqa: E402
 from data_plane.model.tokenizer import Tokenizer  # noqa: E402
 from tests.model.conftest import run_chunks  # noqa: E402
@@ -46,11 +50,15 @@ on a long wooden paddle. Forty minutes later the crust was dark and the bread so
 base. The first customers were always the fishermen's wives, who bought two loaves each and asked whether the \
 boats had been seen from the lighthouse.
 """
-# (label, --dtype, --quantization, how FP8 projections compute)
-ROWS = [("float32", "float32", "auto", None), ("float32+fp8, dequantized", "float32", "fp8", None),
-        ("float32+fp8, W8A8", "float32", "fp8", Fp8Compute.W8A8),
-        ("bfloat16", "bfloat16", "auto", None), ("bfloat16+fp8, dequantized", "bfloat16", "fp8", None),
-        ("bfloat16+fp8, W8A8", "bfloat16", "fp8", Fp8Compute.W8A8)]
+# (label, --dtype, --quantization, how FP8 projections compute, --kv-cache-dtype)
+ROWS = [("float32", "float32", "auto", None, "auto"), ("float32+fp8, dequantized", "float32", "fp8", None, "auto"),
+        ("float32+fp8, W8A8", "float32", "fp8", Fp8Compute.W8A8, "auto"),
+        ("float32+kv-fp8", "float32", "auto", None, "fp8"),
+        ("bfloat16", "bfloat16", "auto", None, "auto"), ("bfloat16+fp8, dequantized", "bfloat16", "fp8", None, "auto"),
+        ("bfloat16+fp8, W8A8", "bfloat16", "fp8", Fp8Compute.W8A8, "auto"),
+        ("bfloat16+kv-fp8", "bfloat16", "auto", None, "fp8"),
+        ("bfloat16+kv-fp8, every scale 1.0 (vLLM's default)", "bfloat16", "auto", None, "fp8@1"),
+        ("bfloat16+fp8+kv-fp8, W8A8", "bfloat16", "fp8", Fp8Compute.W8A8, "fp8")]
 
 
 def perplexity(model, ids: list[int]) -> float:
@@ -65,10 +73,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_model(quiet=True)
-    ids = Tokenizer(model_dir).encode(TEXT)
+    tokenizer = Tokenizer(model_dir)
+    ids = tokenizer.encode(TEXT)
     found = {}
-    for label, dtype, quantization, compute in ROWS:
-        found[label] = perplexity(load_model(model_dir, dtype, quantization=quantization, fp8_compute=compute), ids)
+    for label, dtype, quantization, compute, kv_cache_dtype in ROWS:
+        model = load_model(model_dir, dtype, quantization=quantization, fp8_compute=compute)
+        if kv_cache_dtype == "fp8":
+            use_fp8_kv_cache(model, model_dir, tokenizer.encode(CALIBRATION_TEXT))
+        elif kv_cache_dtype == "fp8@1":
+            ones = (1.0,) * model.config.num_layers
+            model.use_kv_cache(KV_FP8, (ones, ones))
+        found[label] = perplexity(model, ids)
     print(f"demo model, {len(ids)} tokens of held-out text\n\n| weights, compute | perplexity | vs unquantized |\n"
           "|---|---|---|")
     for label, value in found.items():

@@ -7,7 +7,10 @@
 2. two pods of the same config on the same checkpoint, one unquantized and one with ``--quantization fp8``:
    decode at batch 1 (inter-token p50), a closed batch's prefill (time to the batch's last first token),
    base-only and 8-adapter closed batches (throughput), and the FP8 pod's greedy tokens against the bf16
-   pod's on the same prompts (how many agree: FP8 rounds the weights, so some differ).
+   pod's on the same prompts (how many agree: FP8 rounds the weights, so some differ);
+3. a third pod, the FP8 one with an FP8 KV cache too (``--kv-cache-dtype fp8``, scales calibrated at start-up),
+   the same figures in one round: its KV-cache blocks against the FP8 pod's (1 byte an element: twice as many),
+   decode at batch 1 and throughput over e4m3 keys and values, and its greedy tokens against the bf16 pod's.
 
 Targets (issue 43): decode at batch 1 <= 0.6x the bf16 step; base-only batch throughput >= 1.6x bf16;
 8 adapters / base >= 0.9 on the FP8 base. On a CPU the FP8 pod dequantizes its weights at load (its
@@ -83,12 +86,16 @@ def matmul_rows(clock: Clock, config: dict, dtype: torch.dtype, token_counts: li
 
 
 async def _pod_runs(model_dir: Path, root: Path, device: str, dtype: str, quantization: str, batch: int,
-                    prompt_tokens: int, new_tokens: int, decode_tokens: int, rounds: int) -> dict:
+                    prompt_tokens: int, new_tokens: int, decode_tokens: int, rounds: int,
+                    kv_cache_dtype: str = "auto") -> dict:
+    fields = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}
     config, _ = pod_config(model_dir, device, dtype, quantization=quantization, max_loras=len(ADAPTERS),
-                           max_cpu_loras=len(ADAPTERS), max_lora_rank=16, max_num_seqs=batch, adapter_roots=(root,))
+                           max_cpu_loras=len(ADAPTERS), max_lora_rank=16, max_num_seqs=batch, adapter_roots=(root,),
+                           **fields)
     found: dict = {}
     async with running_pod(config) as engine:
         found["precision"] = engine.precision
+        found["kv_blocks"] = engine.limits.num_kv_blocks
         mixes = {"base only": [None], "8 adapters": ADAPTERS}
         await drive(engine, "warm-up", [(p, ADAPTERS[i % 8]) for i, p in enumerate(
             prompts(batch, prompt_tokens, BOS_ID, seed=500))], 2)
@@ -116,16 +123,20 @@ async def _pod_runs(model_dir: Path, root: Path, device: str, dtype: str, quanti
 
 async def pod_rows(model_dir: Path, root: Path, device: str, dtype: str, batch: int, prompt_tokens: int,
                    new_tokens: int, decode_tokens: int, rounds: int) -> dict:
-    """The unquantized pod's figures and the FP8 pod's, each a dict (see ``_pod_runs``), and how many of the
-    FP8 pod's greedy tokens equal the unquantized pod's (up to the first that differs, per request)."""
+    """The unquantized pod's figures, the FP8 pod's and the FP8 pod's with an FP8 KV cache (one round), each a
+    dict (see ``_pod_runs``), and how many of the latter two's greedy tokens equal the unquantized pod's (up to
+    the first that differs, per request)."""
     found = {}
-    for label, quantization in (("unquantized", "auto"), ("fp8", "fp8")):
+    for label, quantization, kv, runs in (("unquantized", "auto", "auto", rounds), ("fp8", "fp8", "auto", rounds),
+                                          ("fp8+kv-fp8", "fp8", "fp8", 1)):
         found[label] = await _pod_runs(model_dir, root, device, dtype, quantization, batch, prompt_tokens,
-                                       new_tokens, decode_tokens, rounds)
-    agree = 0
-    for a, b in zip(found["unquantized"].pop("tokens"), found["fp8"].pop("tokens"), strict=True):
-        agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    found["agreeing_prefix_tokens"] = agree
+                                       new_tokens, decode_tokens, runs, kv)
+    unquantized = found["unquantized"].pop("tokens")
+    for label, key in (("fp8", "agreeing_prefix_tokens"), ("fp8+kv-fp8", "kv_fp8_agreeing_prefix_tokens")):
+        agree = 0
+        for a, b in zip(unquantized, found[label].pop("tokens"), strict=True):
+            agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        found[key] = agree
     found["compared_tokens"] = 8 * new_tokens
     return found
 
@@ -169,3 +180,15 @@ def section(report, args, sizes, preset: dict, model_dir: Path, root: Path, gbs:
                fp8["8 adapters"] / fp8["base only"], ">= 0.9")
     report.row("fp8", "greedy tokens as the unquantized pod's, up to each request's first difference",
                found["agreeing_prefix_tokens"], "tokens", f"{found['compared_tokens']} compared")
+    kv = found["fp8+kv-fp8"]
+    report.check(kv["precision"] == fp8["precision"] + "+kv-fp8",
+                 f"FP8-KV pod reports precision {kv['precision']!r} beside {fp8['precision']!r}")
+    where = f"{kv['precision']} pod / {fp8['precision']} pod"
+    report.row("fp8", "FP8 KV cache: KV-cache blocks", kv["kv_blocks"], "blocks", f"{where} ({fp8['kv_blocks']})",
+               kv["kv_blocks"] / fp8["kv_blocks"], ">= 1.9")
+    report.row("fp8", "FP8 KV cache: decode b1, inter-token p50", kv["decode_b1_ms"], "ms",
+               f"{where} ({fp8['decode_b1_ms']:.3g} ms)", kv["decode_b1_ms"] / fp8["decode_b1_ms"])
+    report.row("fp8", f"FP8 KV cache: base only, batch {sizes.batch} (1 round)", kv["base only"], "tok/s",
+               f"{where} ({fp8['base only']:.3g} tok/s)", kv["base only"] / fp8["base only"])
+    report.row("fp8", "FP8 KV cache: greedy tokens as the unquantized pod's, up to each request's first difference",
+               found["kv_fp8_agreeing_prefix_tokens"], "tokens", f"{found['compared_tokens']} compared")

@@ -20,6 +20,7 @@ from data_plane.lora.fetcher import FetchSettings
 from data_plane.lora.hub_source import HubSettings
 from data_plane.lora.s3_source import ADDRESSING_STYLES, S3Settings
 from data_plane.lora.source_policy import SourcePolicy, check_entry
+from data_plane.model.attention import KV_CACHE_DTYPES
 from data_plane.model.precision import AUTO, DTYPE_CHOICES, check_dtype
 from data_plane.model.quantization import QUANTIZATION_CHOICES
 
@@ -209,6 +210,14 @@ class DataPlaneConfig:
         " largest step with an adapter in every slot and, unless --enforce-eager, the CUDA graphs' memory pool"
         " and decode workspace; on CPU"
         f" {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB)", 0, group=MEMORY)
+    # An FP8 KV cache (data_plane/model/kv_scales.py): half the bytes of a bf16 one per token, a scale per layer.
+    kv_cache_dtype: str = option(
+        "the KV cache's dtype: auto keeps the model's; fp8 stores keys and values as float8_e4m3fn, 1 byte an"
+        " element, each layer's divided by its own k and v scale: the checkpoint's where it carries them"
+        " (compressed-tensors kv_cache_scheme, k_scale/v_scale per layer), else calibrated at start-up (a power of"
+        " two with 16x headroom over one prefill of a fixed text). Runs on cpu and on GPUs of compute capability"
+        " 8.9+; the pod's precision then reads e.g. bfloat16+kv-fp8", "auto", choices=KV_CACHE_DTYPES,
+        group=MEMORY)
     gpu_memory_utilization: float = option(
         "fraction of GPU memory the pod may use (model, adapters, activations, CUDA graphs, KV cache)", 0.9,
         group=MEMORY)
@@ -246,6 +255,9 @@ class DataPlaneConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         check_dtype(self.dtype, self.device)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.compute_threads < 0:
             raise ValueError(f"--compute-threads must be >= 0 (0 = every CPU this process may run on), "
                              f"got {self.compute_threads}")

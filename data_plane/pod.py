@@ -26,6 +26,7 @@ from data_plane.metrics import PodMetrics
 from data_plane.model import LlamaForCausalLM, cpu_linear, load_model, row_rule
 from data_plane.model.attention import KVCache
 from data_plane.model.demo_model import ensure_demo_model
+from data_plane.model.kv_scales import CALIBRATION_TEXT, use_fp8_kv_cache
 from data_plane.model.precision import AUTO, Precision, load_dtype
 from data_plane.model.tokenizer import Tokenizer
 
@@ -53,8 +54,10 @@ def build_engine(config: DataPlaneConfig, metrics: PodMetrics, resolver: Resolve
     model_dir = config.model or ensure_demo_model()
     device = torch.device(config.device)
     model = load_model(model_dir, load_dtype(config.dtype, config.device), device, config.quantization)
-    set_precision(model, config.dtype, config.max_num_seqs)
     tokenizer = Tokenizer(model_dir)
+    if config.kv_cache_dtype == "fp8":  # before the precision's log line, which names it
+        use_fp8_kv_cache(model, model_dir, tokenizer.encode(CALIBRATION_TEXT))
+    set_precision(model, config.dtype, config.max_num_seqs)
     roots = config.adapter_roots
     # One disk tier per pod: a pod clears unfinished downloads in its directory at start-up.
     fetcher = AdapterFetcher(config.fetch_settings(lorafleet_home() / "adapter-cache" / config.resolved_pod_id))
@@ -144,7 +147,7 @@ def kv_cache_blocks(model: LlamaForCausalLM, lora: LoraRuntime, config: DataPlan
     Raises RuntimeError when fewer than 4 blocks fit."""
     c = model.config
     per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
-                                        model.embed_tokens.weight.dtype)
+                                        model.kv_cache_shape()[0])  # 1 byte an element in FP8
     budget, sizes = config.kv_cache_bytes, {}
     if not budget and config.device != "cuda":
         budget = DEFAULT_CPU_KV_CACHE_BYTES

@@ -4,7 +4,8 @@ Layout (one layer of ``data_plane.model.attention.KVCache``; see ``kernels.paged
 the semantics)::
 
     q, out:           [num_tokens, num_heads, head_dim]      may be views, dense along head_dim
-    k_cache, v_cache: [num_slots, num_kv_heads, head_dim]    contiguous; slot = block * block_size + offset
+    k_cache, v_cache: [num_slots, num_kv_heads, head_dim]    contiguous; slot = block * block_size + offset;
+                                                             q's dtype, or float8_e4m3fn with a scale each
     block_tables:     [num_seqs, max_blocks] int32           rows may be further apart than max_blocks
     seq_lens:         [num_seqs] int32                       context length after this step
     query_start:      [num_seqs + 1] int32                   sequence b's queries are rows query_start[b]:[b + 1]
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_FP8 = torch.float8_e4m3fn  # an FP8 KV cache's dtype (``data_plane.model.attention.KV_FP8``)
 MAX_HEAD_DIM = 256
 
 
@@ -123,16 +125,17 @@ def check_inputs(
             f"{tuple(out.shape)} on {out.device}"
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[2] != head_dim or t.dtype != q.dtype or t.device != q.device:
+        if t.dim() != 3 or t.shape[2] != head_dim or t.dtype not in (q.dtype, KV_FP8) or t.device != q.device:
             raise ValueError(
-                f"{name} must be {q.dtype} [num_slots, num_kv_heads, {head_dim}] on {q.device} "
-                f"like q, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                f"{name} must be {q.dtype} (like q) or {KV_FP8} [num_slots, num_kv_heads, {head_dim}] on "
+                f"{q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (one layer of the KV cache)")
-    if v_cache.shape != k_cache.shape:
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must have one shape and dtype, got {k_cache.dtype} {tuple(k_cache.shape)} and "
+            f"{v_cache.dtype} {tuple(v_cache.shape)}"
         )
     num_slots, num_kv_heads = k_cache.shape[0], k_cache.shape[1]
     if num_kv_heads == 0 or num_heads % num_kv_heads:

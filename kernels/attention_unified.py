@@ -37,12 +37,14 @@ from kernels.segments import segment_walk
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, attend, qk_scale, cap,
+def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, attend, qk_scale, cap, k_scale, v_scale,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+            SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
     """One key tile of the online softmax: ``pos`` [BLOCK_N] key positions, of which only ``n_mask``
     are loaded (the cache elsewhere, freed blocks or poison, is never read); ``attend`` [rows, BLOCK_N]
-    says which scores count. Returns the updated (m_i, l_i, acc) of the rows of ``q``."""
+    says which scores count. Returns the updated (m_i, l_i, acc) of the rows of ``q``. An e4m3 cache's
+    tile (``KV_FP8``) is dequantized first, ``e4m3 · k_scale`` and ``e4m3 · v_scale`` in float32 rounded to
+    q's dtype (exact for the power-of-two scales a pod calibrates), then runs as a cache of q's dtype."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_PAD]
     block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0)
@@ -50,7 +52,10 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, attend,
     kv_rows = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, HEAD_PAD]
     k = tl.load(k_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
     v = tl.load(v_ptr + kv_rows, mask=n_mask[:, None] & d_mask, other=0.0)
-    if UPCAST or k_ptr.dtype.element_ty == tl.float32:
+    if KV_FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    if UPCAST or k.dtype == tl.float32:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))  # tensor cores in the input dtype, float32 accumulator
@@ -60,7 +65,7 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, attend,
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    if v_ptr.dtype.element_ty == tl.float32:
+    if v.dtype == tl.float32:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     elif UPCAST:
         # The probabilities rounded to the cache's dtype, as on the GPU.
@@ -83,11 +88,11 @@ def split_rule(span, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, MAX_SPLITS:
 @triton.jit
 def _decode_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, part_max_ptr,
                  part_sum_ptr, part_acc_ptr, counters_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                 qk_scale, cap, window, seq, split, kv_head,
+                 qk_scale, cap, k_scale, v_scale, window, seq, split, kv_head,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                  MAX_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                 UPCAST: tl.constexpr):  # fmt: skip
+                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
     token = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - token
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -116,7 +121,8 @@ def _decode_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
             pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
             n_mask = (pos >= lo) & (pos < split_hi)
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, n_mask[None, :],
-                                    qk_scale, cap, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, SOFTCAP, UPCAST)
+                                    qk_scale, cap, k_scale, v_scale, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+                                    SOFTCAP, UPCAST, KV_FP8)
 
         out_rows = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if num_splits == 1:
@@ -152,11 +158,12 @@ def _decode_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
 
 @triton.jit
 def _prefill_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, stride_qt,
-                  stride_qh, stride_ot, stride_oh, stride_bt, qk_scale, cap, window, num_seqs, item, kv_head,
+                  stride_qh, stride_ot, stride_oh, stride_bt, qk_scale, cap, k_scale, v_scale, window, num_seqs, item,
+                  kv_head,
                   SEQ_BLOCK: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  UPCAST: tl.constexpr):  # fmt: skip
+                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
     seq, first, end = segment_walk(query_start_ptr, num_seqs, item, SEQ_BLOCK, BLOCK_Q)
     q_start = tl.load(query_start_ptr + tl.maximum(seq, 0))
     q_len = tl.load(query_start_ptr + tl.maximum(seq, 0) + 1) - q_start
@@ -190,7 +197,8 @@ def _prefill_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, 
             if WINDOWED:
                 attend &= pos[None, :] > q_pos[:, None] - window
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, pos, n_mask, attend, qk_scale,
-                                    cap, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, SOFTCAP, UPCAST)
+                                    cap, k_scale, v_scale, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, SOFTCAP,
+                                    UPCAST, KV_FP8)
 
         # A row with no key (a sequence of length 0: padding of a CUDA-graph batch) is written as zeros.
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -218,6 +226,8 @@ def _unified_kernel(
     stride_bt,
     qk_scale,  # scale * log2(e), or scale / cap when soft-capping (attention_launch.score_scales)
     cap,  # softcap * log2(e) when soft-capping
+    k_scale,  # an e4m3 cache's scales (KV_FP8): a key is e4m3 * k_scale, a value e4m3 * v_scale
+    v_scale,
     window,
     num_seqs,
     SEQ_BLOCK: tl.constexpr,  # a power of two >= num_seqs
@@ -236,21 +246,22 @@ def _unified_kernel(
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in float32 (the interpreter misreads fp16/bf16 operands)
+    KV_FP8: tl.constexpr,  # the cache holds float8_e4m3fn
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     if item < num_seqs * MAX_SPLITS:
         _decode_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, part_max_ptr,
                      part_sum_ptr, part_acc_ptr, counters_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                     qk_scale, cap, window, item // MAX_SPLITS, item % MAX_SPLITS, kv_head,
+                     qk_scale, cap, k_scale, v_scale, window, item // MAX_SPLITS, item % MAX_SPLITS, kv_head,
                      NUM_KV_HEADS, GROUP, GROUP_ROWS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, DECODE_BLOCK_N, MIN_SPLIT,
-                     MAX_SPLITS, WINDOWED, SOFTCAP, UPCAST)  # fmt: skip
+                     MAX_SPLITS, WINDOWED, SOFTCAP, UPCAST, KV_FP8)  # fmt: skip
     else:
         _prefill_item(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, stride_qt,
-                      stride_qh, stride_ot, stride_oh, stride_bt, qk_scale, cap, window, num_seqs,
+                      stride_qh, stride_ot, stride_oh, stride_bt, qk_scale, cap, k_scale, v_scale, window, num_seqs,
                       item - num_seqs * MAX_SPLITS, kv_head,
                       SEQ_BLOCK, NUM_KV_HEADS, GROUP, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, BLOCK_N,
-                      WINDOWED, SOFTCAP, UPCAST)  # fmt: skip
+                      WINDOWED, SOFTCAP, UPCAST, KV_FP8)  # fmt: skip
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> AttentionTiles:
@@ -325,6 +336,8 @@ def unified_attention(
     softcap: float | None = None,
     tiles: AttentionTiles | None = None,
     workspace: AttentionWorkspace | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``kernels.paged_attention.paged_attention`` in one launch. ``workspace`` (from
     ``AttentionWorkspace.allocate`` for these shapes and the tiles' ``max_splits``; its counters zero)
@@ -361,11 +374,12 @@ def unified_attention(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start,
         workspace.part_max, workspace.part_sum, workspace.part_acc, workspace.counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *attention_launch.score_scales(scale, softcap), window or 0, shape.num_seqs,
+        *attention_launch.score_scales(scale, softcap), float(k_scale), float(v_scale), window or 0, shape.num_seqs,
         SEQ_BLOCK=triton.next_power_of_2(shape.num_seqs), NUM_KV_HEADS=shape.num_kv_heads, GROUP=shape.group,
         GROUP_ROWS=attention_launch.group_rows(shape.group), HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         DECODE_BLOCK_N=tiles.decode_block_n, MIN_SPLIT=tiles.min_split, MAX_SPLITS=tiles.max_splits,
         WINDOWED=window is not None, SOFTCAP=softcap is not None, UPCAST=not q.is_cuda,
+        KV_FP8=k_cache.dtype == attention_launch.KV_FP8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

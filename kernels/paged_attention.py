@@ -28,6 +28,8 @@ def paged_attention(
     max_seq_len: int,
     softcap: float | None = None,
     workspace: AttentionWorkspace | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of each sequence's new tokens over its paged context, in PyTorch terms::
 
@@ -40,6 +42,7 @@ def paged_attention(
                 for h in range(num_heads):
                     kv = h // (num_heads // num_kv_heads)
                     k, v = k_cache[slots, kv].float(), v_cache[slots, kv].float()   # [len(js), head_dim]
+                k, v = k * k_scale, v * v_scale                          # an e4m3 cache (else scales of 1)
                     s = scale * k @ q[t, h].float()
                     if softcap is not None:
                         s = softcap * torch.tanh(s / softcap)            # Gemma 2's soft-capping
@@ -50,7 +53,8 @@ def paged_attention(
     input dtype for float16/bfloat16 (the probabilities rounded to it before they weight the
     values), in float32 for float32; softmax and sums in float32, the output rounded once. Only
     the cache slots of attended positions are read (the rest may hold anything, NaN included);
-    rows of ``q`` and ``out`` past ``query_start[num_seqs]`` are neither read nor written.
+    rows of ``q`` and ``out`` past ``query_start[num_seqs]`` are neither read nor written. An FP8 cache
+    (float8_e4m3fn) is read as ``e4m3 · scale`` in float32, rounded to q's dtype for the dots.
 
     ``max_query_len`` and ``max_seq_len`` are host ints at least every sequence's query count
     and length (a CUDA graph passes the largest it allows); a step with ``max_query_len == 1``
@@ -63,4 +67,4 @@ def paged_attention(
     """
     unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, block_size=block_size,
                       scale=scale, window=window, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                      softcap=softcap, workspace=workspace)  # fmt: skip
+                      softcap=softcap, workspace=workspace, k_scale=k_scale, v_scale=v_scale)  # fmt: skip

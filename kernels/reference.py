@@ -94,6 +94,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """For sequence b with ``qlen = query_start[b+1] - query_start[b]`` and ``L = seq_lens[b]``,
     its query i sits at position ``p = L - qlen + i`` and attends the key positions j with
@@ -105,7 +107,9 @@ def paged_attention(
     math, rounded once to q's dtype. A sequence with L == 0 writes zeros to its query rows; rows
     of q past ``query_start[num_seqs]`` are neither read nor written, and neither are cache slots
     of positions no query attends. ``max_query_len`` and ``max_seq_len`` bound the per-sequence
-    values (unused here: the loop reads the lengths).
+    values (unused here: the loop reads the lengths). An FP8 cache (float8_e4m3fn, ``--kv-cache-dtype fp8``)
+    is dequantized first: keys ``k_cache.float() * k_scale``, values ``v_cache.float() * v_scale`` (each
+    rounded once in float32); then the same math.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -123,8 +127,8 @@ def paged_attention(
             continue
         blocks = block_tables[b, keys // block_size].long()
         slots = blocks * block_size + keys % block_size  # [n]
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        k = (k_cache[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        v = (v_cache[slots].float() * v_scale).repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         scores = scale * torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k)  # [num_heads, qlen, n]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)

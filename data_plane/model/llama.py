@@ -146,7 +146,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = batch.kv_cache
         out = batch.attention(q, k, v, cache.k[self.layer], cache.v[self.layer], self.window, self.scale,
-                              self.softcap)
+                              self.softcap, cache.k_scales[self.layer], cache.v_scales[self.layer])
         return self.o_proj(out, batch)
 
 
@@ -306,11 +306,18 @@ class LlamaForCausalLM(nn.Module):
         first = next(m for m in self.modules() if isinstance(m, Projection))
         return Precision.of(weights, first.packed.dtype if first.packed is not None else weights)
 
+    # The KV cache's dtype where it is not the weights' (float8_e4m3fn under --kv-cache-dtype fp8) and each
+    # layer's (k, v) scales for it (``use_kv_cache``; kv_scales.py).
+    kv_dtype: torch.dtype | None = None
+    kv_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
     @property
     def precision_name(self) -> str:
         """The precision as the pod reports it (log, metric, GetState, heartbeat) and keys its prefix cache
-        under: ``precision``'s value, with "+fp8" where the projections' weights are FP8."""
-        return self.precision.value + (f"+{self.quantization}" if self.quantization else "")
+        under: ``precision``'s value, with "+fp8" where the projections' weights are FP8 and "+kv-fp8" where
+        the KV cache is."""
+        name = self.precision.value + (f"+{self.quantization}" if self.quantization else "")
+        return name + ("+kv-fp8" if self.kv_dtype == torch.float8_e4m3fn else "")
 
     def matmul_weights(self) -> list[tuple[torch.Tensor, int]]:
         """One weight of each projection shape, each with how many weights of its shape a forward
@@ -320,9 +327,15 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_shape(self) -> tuple[torch.dtype, int]:
         """The KV cache's dtype and head dimension (what the native attention kernel must take)."""
-        return self.embed_tokens.weight.dtype, self.config.head_dim
+        return self.kv_dtype or self.embed_tokens.weight.dtype, self.config.head_dim
+
+    def use_kv_cache(self, dtype: torch.dtype, scales: tuple[tuple[float, ...], tuple[float, ...]]) -> None:
+        """Keeps the KV caches made from now on in ``dtype`` (float8_e4m3fn) with each layer's (k, v) ``scales``,
+        and runs attention with a backend that reads them."""
+        self.kv_dtype, self.kv_scales = dtype, scales
+        self.use_device(self.head_weight.device)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                       self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.kv_cache_shape()[0],
+                       self.embed_tokens.weight.device, self.kv_scales)

@@ -42,9 +42,11 @@ _TEXT_PREFIX = re.compile(r"^(language_model\.model\.|model\.language_model\.|la
 # A projection's module and what an FP8 checkpoint stores of it besides its weight.
 _PROJECTION = re.compile(r"(layers\.\d+\.(?:self_attn|mlp)\.)(q|k|v|o|gate|up|down|qkv|gate_up)_proj\."
                          r"(weight|weight_scale)")
-# Scales an FP8 checkpoint carries that a pod does not use: static input scales (activations are scaled per
-# token at run time) and KV-cache scales (the KV cache stays in the pod's dtype).
-_UNUSED_SCALES = re.compile(r".*\.(input_scale|k_scale|v_scale|q_scale|output_scale)$")
+# Scales an FP8 checkpoint carries that the weights do not use: static input scales (activations are scaled per
+# token at run time) and KV-cache scales (read by kv_scales.py under --kv-cache-dtype fp8, which any checkpoint,
+# quantized weights or not, may carry).
+_UNUSED_SCALES = re.compile(r".*\.(input_scale|q_scale)$")
+_KV_SCALES = re.compile(r".*\.(k_scale|v_scale|output_scale)$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -106,7 +108,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    if _IGNORED.match(hf_name) or (fp8 is not None and _UNUSED_SCALES.match(hf_name)):
+                    if (_IGNORED.match(hf_name) or _KV_SCALES.match(hf_name)
+                            or (fp8 is not None and _UNUSED_SCALES.match(hf_name))):
                         continue
                     tensor = f.get_tensor(hf_name)
                     if fp8 is not None and fp8.takes(hf_name):

@@ -10,8 +10,9 @@ row alone (the source says how), so a query's output is the same bits as a decod
 prompt chunk of any length, and beside any other sequences, on any CPU: nothing depends on a library's
 choice of kernel by shape, which is what ``row_rule`` has to probe for the tiled path.
 
-Used where the kernel builds on the machine and supports the cache (float32, bfloat16 or float16 rows,
-a head dimension that is a multiple of 16); elsewhere ``attention_backends`` keeps tiled attention.
+Used where the kernel builds on the machine and supports the cache (float32, bfloat16, float16 or e4m3 rows,
+the last times their layer's scale, a head dimension that is a multiple of 16); elsewhere
+``attention_backends`` keeps tiled attention.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.model.attention import AttentionInputs
+from data_plane.model.attention import KV_FP8, AttentionInputs, write_kv
 from kernels import native_build
 
 LIBRARY = "paged_attention"
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, KV_FP8: 3}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -36,7 +37,7 @@ def kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it does not build here (``native_build.why_not(LIBRARY)``)."""
     lib = native_build.library(LIBRARY)
     if lib is not None and lib.paged_attention.argtypes is None:
-        lib.paged_attention.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _F, _F, _P, _I]
+        lib.paged_attention.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _F, _F, _P, _I, _F, _F]
         lib.paged_attention.restype = _I
     return lib
 
@@ -66,9 +67,10 @@ class NativeStep:
     lib: ctypes.CDLL
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        write_kv(k_cache, self.slot_mapping, k, k_scale)
+        write_kv(v_cache, self.slot_mapping, v, v_scale)
         num_tokens, heads, head_dim = q.shape
         q32 = q.float().contiguous() if q.dtype != torch.float32 or not q.is_contiguous() else q
         out = torch.zeros(num_tokens, heads * head_dim)  # rows of no sequence (a padded step's) stay zero
@@ -76,7 +78,7 @@ class NativeStep:
             q32.data_ptr(), heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
             k_cache.shape[1], self.query_start.data_ptr(), self.context.data_ptr(), self.context.shape[0],
             self.block_tables.data_ptr(), self.block_tables.shape[1], self.block_size, window or 0, scale,
-            softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+            softcap or 0.0, out.data_ptr(), torch.get_num_threads(), k_scale, v_scale)
         if failed:
             raise ValueError(f"the native attention kernel does not take {heads} heads of {head_dim} over "
                              f"{k_cache.shape[1]} key/value heads in {k_cache.dtype}")

@@ -16,8 +16,10 @@ gate/up) gathers slices that each carry their own scale, so its scale is always 
 per-tensor scale is repeated over its slice's rows). ``--quantization fp8`` quantizes a bf16/fp32
 checkpoint's projection weights per output channel at load: scale = max|row| / 448, W8 = W / scale
 rounded to e4m3. A checkpoint's static input scales are not used: activations are scaled per token at
-run time (a row's scale is its own, so a row's result does not depend on the other rows of its step),
-and its KV-cache scales neither: the KV cache stays in the pod's dtype.
+run time (a row's scale is its own, so a row's result does not depend on the other rows of its step); its
+KV-cache scales serve an FP8 KV cache where the pod is given ``--kv-cache-dtype fp8`` (``kv_scales``), and a
+compressed-tensors checkpoint that quantizes only its KV cache (a ``kv_cache_scheme``, no config groups) has
+unquantized weights.
 
 How a quantized projection computes (``Fp8Compute``, chosen once at start-up for the device):
 
@@ -105,7 +107,8 @@ def scheme_of(model_dir: Path, setting: str = "auto") -> Fp8Scheme | None:
         raise ModelLoadError(f"{model_dir}/config.json: quantization_config is not an object")
     method = quant.get("quant_method")
     if method == "compressed-tensors":
-        return _compressed_tensors(quant, model_dir)
+        scheme = _compressed_tensors(quant, model_dir)
+        return scheme or (Fp8Scheme("--quantization fp8", "dynamic per token") if setting == "fp8" else None)
     if method in _PLAIN_FP8:
         return _plain_fp8(quant, method, model_dir)
     raise ModelLoadError(f"{model_dir}: the checkpoint is quantized with quant_method {method!r}, which this pod "
@@ -116,12 +119,13 @@ def _refuse(model_dir: Path, what: str) -> ModelLoadError:
     return ModelLoadError(f"{model_dir}/config.json: {what}; supported: {SUPPORTED}")
 
 
-def _compressed_tensors(quant: dict, model_dir: Path) -> Fp8Scheme:
+def _compressed_tensors(quant: dict, model_dir: Path) -> Fp8Scheme | None:
     sparsity = (quant.get("sparsity_config") or {}).get("format", "dense")
     if sparsity != "dense":
         raise _refuse(model_dir, f"compressed-tensors sparsity format {sparsity!r} is not read")
     groups = quant.get("config_groups") or {}
-    if not groups:
+    if not groups and quant.get("kv_cache_scheme"):
+        return None  # the KV cache's scales only (kv_scales.py): the weights are unquantized
         raise _refuse(model_dir, "compressed-tensors quantization_config has no config_groups")
     activations = set()
     for name, group in groups.items():

@@ -42,6 +42,8 @@ from typing import Protocol
 
 import torch
 
+from data_plane.model.attention import KV_FP8
+
 KEY_TILE = 64
 # Every matmul computes a multiple of this many query rows (query heads of a key/value head, times
 # queries); a decode's rows (its query heads per key/value head) are padded to it. 8 held on a 2-core AMD
@@ -153,11 +155,14 @@ def tiled_attention(
     scale: float,
     softcap: float | None = None,
     row_multiple: int = ROW_MULTIPLE,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     """``softmax(q·scale kᵀ, masked causally and to ``window``) v`` for every token over its own
     sequence's keys, query head h reading key/value head h // (num_heads // num_kv_heads); with
     ``softcap``, the scores are ``softcap·tanh(scores / softcap)`` before the mask. Every matmul computes a
-    multiple of ``row_multiple`` query rows."""
+    multiple of ``row_multiple`` query rows. An e4m3 cache's keys are read as ``e4m3 · k_scale``, its values as
+    ``e4m3 · v_scale`` (elementwise: a key's value is still its own)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     per_kv = num_heads // num_kv
@@ -177,6 +182,8 @@ def tiled_attention(
         index = g.head_major(num_kv)
         k = k_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
         v = v_rows.index_select(0, index).view(num_kv, n, keys, head_dim).float()
+        if k_cache.dtype == KV_FP8:
+            k, v = k.mul_(k_scale), v.mul_(v_scale)
         # A block over fewer keys than the group's is taken one sequence at a time.
         seqs = [slice(None)] if len(g.block_keys) == 1 else [slice(b, b + 1) for b in range(n)]
         attn = qg.new_empty(num_kv, n, rows, head_dim)

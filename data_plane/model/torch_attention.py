@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.model.attention import AttentionInputs
+from data_plane.model.attention import AttentionInputs, write_kv
 from data_plane.model.tiled_attention import ROW_MULTIPLE, AttentionGroup, build_groups, tiled_attention
 
 
@@ -32,10 +32,12 @@ class TiledAttention:
     row_multiple: int  # every matmul computes a multiple of this many query rows
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale, softcap, self.row_multiple)
+                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        write_kv(k_cache, self.slot_mapping, k, k_scale)
+        write_kv(v_cache, self.slot_mapping, v, v_scale)
+        return tiled_attention(q, k_cache, v_cache, self.groups, window, scale, softcap, self.row_multiple,
+                               k_scale, v_scale)
 
 
 class TorchAttention:

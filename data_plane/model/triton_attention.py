@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data_plane.model.attention import AttentionInputs
+from data_plane.model.attention import AttentionInputs, write_kv
 from kernels.attention_unified import AttentionWorkspace, default_tiles
 from kernels.paged_attention import paged_attention
 
@@ -36,14 +36,16 @@ class PagedAttention:
         return self.workspaces[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+                 v_cache: torch.Tensor, window: int | None, scale: float, softcap: float | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         a = self.inputs
-        k_cache.index_copy_(0, a.slot_mapping, k)
-        v_cache.index_copy_(0, a.slot_mapping, v)
+        write_kv(k_cache, a.slot_mapping, k, k_scale)
+        write_kv(v_cache, a.slot_mapping, v, v_scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [num_tokens, heads, head_dim]
         paged_attention(q, k_cache, v_cache, a.block_tables, a.seq_lens, a.query_start, out,
                         block_size=a.block_size, scale=scale, window=window, max_query_len=a.max_query_len,
-                        max_seq_len=a.max_seq_len, softcap=softcap, workspace=self._workspace(q, k_cache))
+                        max_seq_len=a.max_seq_len, softcap=softcap, workspace=self._workspace(q, k_cache),
+                        k_scale=k_scale, v_scale=v_scale)
         return out.view(q.shape[0], -1)
 
 

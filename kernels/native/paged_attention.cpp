@@ -13,9 +13,14 @@
 // (kernels/native_build.py), so a row's bits do not depend on which other rows, sequences or threads
 // share the call: the same query gives the same bits as a decode, as one token of a prompt chunk of any
 // length, and beside any batch. Items are independent and taken by the threads in any order.
+//
+// An FP8 cache (e4m3 bytes, --kv-cache-dtype fp8) holds each layer's keys divided by its k_scale and values by
+// its v_scale; a row is read as the exact float of each byte (a 256-entry table) times the scale, one
+// rounding per element, and then summed as any other row.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -27,7 +32,7 @@ namespace {
 
 constexpr int QUERY_BLOCK = 16;
 
-enum CacheType { F32 = 0, BF16 = 1, F16 = 2 };
+enum CacheType { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3 };
 
 // Vectors of W floats: AVX-512, else AVX2 with FMA, else a plain loop. The width is fixed per build (per
 // CPU), and with it a row's order of sums.
@@ -154,9 +159,37 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
-// One cache row (a key or value of one head) as float32: where it lies (float32), else converted into `out`.
-inline const float* load_row(const void* cache, int type, int64_t offset, int head_dim, float* out) {
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN. Every
+// value is exact in float.
+float e4m3_to_float(uint8_t byte) {
+  const int exponent = (byte >> 3) & 0xf, mantissa = byte & 0x7;
+  float value = exponent == 0xf && mantissa == 0x7 ? NAN
+                : exponent == 0 ? std::ldexp(float(mantissa), -9)  // subnormal: mantissa * 2^-6 / 8
+                                : std::ldexp(float(8 + mantissa), exponent - 10);  // (1 + mantissa / 8) * 2^(e - 7)
+  return byte & 0x80 ? -value : value;
+}
+
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = e4m3_to_float(uint8_t(b));
+    return t;
+  }();
+  return table;
+}
+
+inline int element_bytes(int type) { return type == F32 ? 4 : type == E4M3 ? 1 : 2; }
+
+// One cache row (a key or value of one head) as float32: where it lies (float32), else converted into `out`
+// (an e4m3 row's values times `scale`, the layer's scale of that cache).
+inline const float* load_row(const void* cache, int type, int64_t offset, int head_dim, float scale, float* out) {
   if (type == F32) return static_cast<const float*>(cache) + offset;
+  if (type == E4M3) {
+    const uint8_t* row = static_cast<const uint8_t*>(cache) + offset;
+    const float* table = e4m3_table().data();
+    for (int d = 0; d < head_dim; ++d) out[d] = table[row[d]] * scale;
+    return out;
+  }
   const uint16_t* row = static_cast<const uint16_t*>(cache) + offset;
   if (type == BF16) {
     for (int d = 0; d < head_dim; ++d) out[d] = bits_to_float(uint32_t(row[d]) << 16);
@@ -171,8 +204,8 @@ inline const float* load_row(const void* cache, int type, int64_t offset, int he
 constexpr int AHEAD = 12;
 
 inline void prefetch_row(const void* cache, int type, int64_t offset, int head_dim) {
-  const char* row = static_cast<const char*>(cache) + offset * (type == F32 ? 4 : 2);
-  for (int byte = 0; byte < head_dim * (type == F32 ? 4 : 2); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+  const char* row = static_cast<const char*>(cache) + offset * element_bytes(type);
+  for (int byte = 0; byte < head_dim * element_bytes(type); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
 }
 
 inline float dot(const float* a, const float* b, int n) {  // n a multiple of W
@@ -217,6 +250,7 @@ struct Problem {
   int max_blocks, block_size, window;
   float scale, softcap;
   float* out;  // [tokens, heads, head_dim]
+  float k_scale, v_scale;  // an e4m3 cache's dequantization scales (1 for the others)
 };
 
 struct Item {
@@ -269,7 +303,7 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   // scores, each row over the keys it sees
   for (int j = lo; j <= hi; ++j) {
     if (j + AHEAD <= hi) prefetch_row(p.k_cache, p.cache_type, offsets[j + AHEAD - lo], dim);
-    const float* key = load_row(p.k_cache, p.cache_type, offsets[j - lo], dim, converted);
+    const float* key = load_row(p.k_cache, p.cache_type, offsets[j - lo], dim, p.k_scale, converted);
     for (int row = 0; row < rows; ++row) {
       if (j < from[row] || j > to[row]) continue;
       float s = dot(p.q + scratch.q_row[row] * dim, key, dim) * p.scale;
@@ -296,7 +330,7 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   // the values, key by key in ascending order
   for (int j = lo; j <= hi; ++j) {
     if (j + AHEAD <= hi) prefetch_row(p.v_cache, p.cache_type, offsets[j + AHEAD - lo], dim);
-    const float* value = load_row(p.v_cache, p.cache_type, offsets[j - lo], dim, converted);
+    const float* value = load_row(p.v_cache, p.cache_type, offsets[j - lo], dim, p.v_scale, converted);
     for (int row = 0; row < rows; ++row) {
       if (j < from[row] || j > to[row]) continue;
       vec weight = vset(scores[size_t(row) * stride + (j - from[row])]);
@@ -320,15 +354,16 @@ extern "C" {
 int paged_attention_width() { return W; }
 
 // Returns 0, or 1 where the shapes are not supported (the caller keeps its own path): head_dim a
-// multiple of the vector width, heads a multiple of kv_heads, a known cache type.
+// multiple of the vector width, heads a multiple of kv_heads, a known cache type. k_scale and v_scale
+// multiply an e4m3 cache's keys and values (the others' are read as they are).
 int paged_attention(const float* q, int heads, int head_dim, const void* k_cache, const void* v_cache,
                     int cache_type, int kv_heads, const int32_t* query_start, const int32_t* context,
                     int seqs, const int32_t* block_tables, int max_blocks, int block_size, int window,
-                    float scale, float softcap, float* out, int threads) {
-  if (head_dim % W != 0 || kv_heads <= 0 || heads % kv_heads != 0 || cache_type < F32 || cache_type > F16)
+                    float scale, float softcap, float* out, int threads, float k_scale, float v_scale) {
+  if (head_dim % W != 0 || kv_heads <= 0 || heads % kv_heads != 0 || cache_type < F32 || cache_type > E4M3)
     return 1;
   Problem p{q, k_cache, v_cache, cache_type, heads, kv_heads, head_dim, query_start, context, block_tables,
-            max_blocks, block_size, window, scale, softcap, out};
+            max_blocks, block_size, window, scale, softcap, out, k_scale, v_scale};
   std::vector<Item> items;
   for (int b = 0; b < seqs; ++b) {
     int new_tokens = query_start[b + 1] - query_start[b];

@@ -85,10 +85,14 @@ def test_tiny_cpu_run_compares_an_fp8_base_with_the_unquantized_one(tiny_run):
         assert row["ok"] and _finite(row["ms"], row["floor_ms"], row["max_err"]), row
     pods = data["fp8_pods"]
     assert pods["fp8"]["precision"] == pods["unquantized"]["precision"] + "+fp8"
-    for pod in ("unquantized", "fp8"):
+    assert pods["fp8+kv-fp8"]["precision"] == pods["fp8"]["precision"] + "+kv-fp8"
+    for pod in ("unquantized", "fp8", "fp8+kv-fp8"):
         figures = pods[pod]
         assert _finite(figures["decode_b1_ms"], figures["prefill_s"], figures["base only"], figures["8 adapters"])
     assert 0 < pods["agreeing_prefix_tokens"] <= pods["compared_tokens"]
+    assert 0 < pods["kv_fp8_agreeing_prefix_tokens"] <= pods["compared_tokens"]
+    # the FP8 KV cache's elements are 1 byte: at least twice the FP8 pod's blocks in the same bytes (4x float32's)
+    assert pods["fp8+kv-fp8"]["kv_blocks"] >= 1.9 * pods["fp8"]["kv_blocks"]
 
 
 @pytest.fixture(scope="module")

@@ -43,15 +43,17 @@ async def _answer(engine, adapter, ids) -> list[tuple[int, float, tuple]]:
     return [(t.id, t.logprob, t.top) async for step in engine.generate(ids, params, adapter) for t in step.tokens]
 
 
-def alone_and_together(model_dir, root, dtype: str, attention: str = "native") -> tuple[Precision, list, list, int]:
+def alone_and_together(model_dir, root, dtype: str, attention: str = "native",
+                       kv_cache_dtype: str = "auto") -> tuple[Precision, list, list, int]:
     """Each request's answer alone, then all at once, on one pod of ``dtype`` computing attention the
-    ``attention`` way (--cpu-attention); and how many steps of the second run mixed prefill chunks with other
-    work (proof that the run together really shared steps)."""
+    ``attention`` way (--cpu-attention) over a KV cache of ``kv_cache_dtype`` (--kv-cache-dtype); and how many
+    steps of the second run mixed prefill chunks with other work (proof that the run together really shared
+    steps)."""
     # A 24-token step budget: prompts are cut into chunks, differently alone and together.
     config = DataPlaneConfig(model=model_dir, dtype=dtype, adapter_roots=(root,), max_loras=len(ADAPTERS),
                              max_cpu_loras=len(ADAPTERS), max_lora_rank=32, max_num_seqs=NUM_REQUESTS,
                              max_num_batched_tokens=24, num_kv_blocks=128, max_queue_delay=0,
-                             cpu_attention=attention)
+                             cpu_attention=attention, kv_cache_dtype=kv_cache_dtype)
 
     async def run():
         engine = build_engine(config, PodMetrics())
@@ -84,6 +86,18 @@ def test_every_request_gets_the_same_bits_alone_and_together(tiny_pod_files, dty
     assert shared > 0, "no step mixed a prefill chunk with other work: the run together shared nothing"
     same = sum(a == t for a, t in zip(alone, together, strict=True))
     assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {precision.value} (seed {SEED})"
+    assert len({tuple(t for t, _, _ in answer) for answer in alone}) > NUM_REQUESTS // 2, "answers barely differ"
+
+
+@pytest.mark.parametrize(("dtype", "attention"), [("float32", "native"), ("bfloat16", "native"), ("float32", "tiled")])
+def test_every_request_gets_the_same_bits_alone_and_together_over_an_fp8_kv_cache(tiny_pod_files, dtype, attention):
+    # --kv-cache-dtype fp8: each token's keys and values quantized by their layer's scale as they are written,
+    # whatever shares the step; attention reads them back element by element
+    model_dir, root, _ = tiny_pod_files
+    precision, alone, together, shared = alone_and_together(model_dir, root, dtype, attention, "fp8")
+    assert precision is Precision(dtype) and shared > 0
+    same = sum(a == t for a, t in zip(alone, together, strict=True))
+    assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {dtype}+kv-fp8 (seed {SEED})"
     assert len({tuple(t for t, _, _ in answer) for answer in alone}) > NUM_REQUESTS // 2, "answers barely differ"
 
 

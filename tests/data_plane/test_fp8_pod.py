@@ -54,29 +54,34 @@ def test_adapters_of_the_unquantized_base_serve_on_the_fp8_base_as_peft_does_on_
     assert first >= NUM_REQUESTS * 3 // 4, f"{first}/{NUM_REQUESTS} first tokens as on the unquantized base"
 
 
-def test_an_fp8_pod_reports_fp8_in_its_precision_everywhere(tiny_pod_files, caplog):
+def serve_and_report(config: DataPlaneConfig) -> tuple:
+    """A pod of ``config`` serves two requests (base model, then an adapter): (its engine, the precision its
+    GetState reports, the keys its prompts' cached blocks were looked up under, each request's token ids)."""
     from data_plane.servicers.admin import pod_state
-
-    model_dir, root, _ = tiny_pod_files
-    config = DataPlaneConfig(model=model_dir, dtype="float32", quantization="fp8", adapter_roots=(root,),
-                             max_loras=len(ADAPTERS), max_cpu_loras=len(ADAPTERS), max_lora_rank=32, num_kv_blocks=16)
 
     async def run():
         engine = build_engine(config, PodMetrics())
-        salts, match = [], engine.blocks.match_prefix  # the keys its prompts' cached blocks are looked up under
+        salts, match = [], engine.blocks.match_prefix
         engine.blocks.match_prefix = lambda seq, salt: salts.append(salt) or match(seq, salt)
         engine.start()
         try:
             params = SamplingParams(max_tokens=2, ignore_eos=True)
-            for adapter in (None, next(iter(ADAPTERS))):
-                [step async for step in engine.generate(list(range(3, 40)), params, adapter)]
+            answers = [[t.id for step in [s async for s in engine.generate(list(range(3, 40)), params, adapter)]
+                        for t in step.tokens] for adapter in (None, next(iter(ADAPTERS)))]
         finally:
             await engine.stop()
-        return engine.precision, pod_state(engine, "pod-0", "tiny").precision, salts
+        return engine, pod_state(engine, "pod-0", "tiny").precision, salts, answers
 
+    return asyncio.run(run())
+
+
+def test_an_fp8_pod_reports_fp8_in_its_precision_everywhere(tiny_pod_files, caplog):
+    model_dir, root, _ = tiny_pod_files
+    config = DataPlaneConfig(model=model_dir, dtype="float32", quantization="fp8", adapter_roots=(root,),
+                             max_loras=len(ADAPTERS), max_cpu_loras=len(ADAPTERS), max_lora_rank=32, num_kv_blocks=16)
     with caplog.at_level(logging.INFO, logger="lorafleet"):
-        precision, reported, salts = asyncio.run(run())
-    assert precision == reported == "float32+fp8"
+        engine, reported, salts, _ = serve_and_report(config)
+    assert engine.precision == reported == "float32+fp8"
     # cached blocks of an FP8 pod are never an unquantized pod's, with or without an adapter
     assert len(salts) >= 2 and all(salt.startswith("float32+fp8/") for salt in salts), salts
     records = {r.getMessage(): r for r in caplog.records}

@@ -41,3 +41,18 @@ def gemma3_vision_language_config(text: dict):
 @pytest.fixture
 def chunked():
     return run_chunks
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny Llama (GQA, untied head) saved by transformers in float32, weights large enough that its logits
+    are far from flat: the unquantized base of the FP8 tests (weights, KV cache)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(43)
+    path = tmp_path_factory.mktemp("fp8-base")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

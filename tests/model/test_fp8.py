@@ -22,21 +22,6 @@ from tests.tolerances import eps, logits_atol, longest_sum, magnitude, sum_atol
 IDS = [5, 17, 3, 99, 42, 8, 64, 23, 77, 1, 30, 12, 90, 55, 6, 41, 19]
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """A tiny Llama (GQA, untied head) saved by transformers in float32, weights large enough that its logits
-    are far from flat."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.1, tie_word_embeddings=False)
-    torch.manual_seed(43)
-    path = tmp_path_factory.mktemp("fp8-base")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
 def _logits(model, chunked) -> torch.Tensor:
     return chunked(model, IDS, [7, 10])
 
