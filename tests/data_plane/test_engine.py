@@ -179,13 +179,15 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
     assert flooding == set()  # a request refused for its own deadline is no sign of a flood
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cached_prefix_gives_the_tokens_and_logprobs_a_cold_prefill_gives(demo_model_dir, dtype):
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_a_cached_prefix_gives_the_tokens_and_logprobs_a_cold_prefill_gives(demo_model_dir, dtype, kv_cache_dtype):
+    # (over an FP8 KV cache a prompt's own keys are read back quantized too, so its cached blocks are what it read)
     system = ("You are a careful assistant for a shipping company. Answer in two short sentences, name the "
               "port, and never invent tracking numbers. ") * 3
 
     async def run(prefix_caching: bool):
-        engine = engine_for(demo_model_dir, max_loras=2, max_cpu_loras=2, prefix_caching=prefix_caching, dtype=dtype)
+        engine = engine_for(demo_model_dir, max_loras=2, max_cpu_loras=2, prefix_caching=prefix_caching, dtype=dtype,
+                            kv_cache_dtype=kv_cache_dtype)
         try:
             out = {}
             for adapter in (None, DEMO_ADAPTERS[0]):

@@ -152,18 +152,22 @@ def _fused_kernels(arch: int) -> list[Compiled]:
     return rows
 
 
-def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool, softcap: bool = False) -> list[Compiled]:
+def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool, softcap: bool = False,
+                       kv_fp8: bool = False) -> list[Compiled]:
     """The unified attention kernel (decode splits, their merge and prefill blocks in one launch) with
     the launcher's default tiles, for a Llama-3-8B-like GQA group (4 query heads a kv head, 8 kv heads)
-    and KV block size 16; ``softcap``: Gemma 2's soft-capped scores."""
+    and KV block size 16; ``softcap``: Gemma 2's soft-capped scores; ``kv_fp8``: an FP8 (e4m3) KV cache."""
     data = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    if kv_fp8:
+        data |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
     ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "counters_ptr")}
     parts = {n: "*fp32" for n in ("part_max_ptr", "part_sum_ptr", "part_acc_ptr")}
-    types = data | ints | parts | {"qk_scale": "fp32", "cap": "fp32"}
+    types = data | ints | parts | {"qk_scale": "fp32", "cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
     shape = f"head_dim {head_dim}, {GROUP * NUM_KV_HEADS}/{NUM_KV_HEADS} heads, block 16"
     shape += ", window" if windowed else ""
     shape += ", soft-capped" if softcap else ""
+    shape += ", FP8 KV cache" if kv_fp8 else ""
     tiles = attention_unified.default_tiles(head_dim, TORCH_DTYPES[dtype])
     config = (f"{shape}; prefill {tiles.block_m} rows x {tiles.block_n} keys, decode {tiles.decode_block_n}-key "
               f"tiles in {tiles.min_split}+-key splits (at most {tiles.max_splits}), {tiles.num_warps} warps")
@@ -173,7 +177,7 @@ def _attention_kernels(arch: int, dtype: str, head_dim: int, windowed: bool, sof
         "HEAD_PAD": triton.next_power_of_2(head_dim), "BLOCK_SIZE": 16, "BLOCK_M": tiles.block_m,
         "BLOCK_Q": tiles.block_m // GROUP, "BLOCK_N": tiles.block_n, "DECODE_BLOCK_N": tiles.decode_block_n,
         "MIN_SPLIT": tiles.min_split, "MAX_SPLITS": tiles.max_splits, "WINDOWED": windowed, "SOFTCAP": softcap,
-        "UPCAST": False,
+        "UPCAST": False, "KV_FP8": kv_fp8,
     }, aligned, tiles.num_warps, tiles.num_stages)  # fmt: skip
     return [_record("attention_unified", arch, dtype, config, unified)]
 
@@ -193,6 +197,9 @@ def compiled_kernels() -> list[Compiled]:
         # Phi-3-mini and Phi-3.5-mini: head_dim 96, tiles of 128 columns with the last 32 masked.
         for dtype in ("bf16", "fp32"):
             rows += _attention_kernels(arch, dtype, 96, windowed=True)
+    # An FP8 KV cache (--kv-cache-dtype fp8): e4m3 conversions need sm_89+, so H100-class only.
+    for dtype, head_dim, windowed in itertools.product(("bf16", "fp16"), (128, 64), (False, True)):
+        rows += _attention_kernels(90, dtype, head_dim, windowed, kv_fp8=True)
     return rows
 
 
