@@ -61,7 +61,8 @@ class PodMetrics:
                                             "Requests with structured output, by kind.", ["kind"], registry=r)
         self.precision = Gauge("lorafleet_precision_info",
                                "1 for the precision the pod computes in (its --dtype, auto resolved): float32, "
-                               "bfloat16, float16 or bfloat16-matmul, with +fp8 for an FP8 base (--quantization).",
+                               "bfloat16, float16 or bfloat16-matmul, with +fp8 for an FP8 base (--quantization) and "
+                               "+kv-fp8 for an FP8 KV cache (--kv-cache-dtype).",
                                ["precision"], registry=r)
 
     def set_precision(self, precision: str) -> None:

@@ -153,7 +153,8 @@ def test_a_pod_refusing_before_the_first_message_sends_the_request_to_the_next(r
     assert ranked == (["b", "a"] if refusal == "exhausted" else ["b"])
 
 
-@pytest.mark.parametrize(("first", "other"), [("bfloat16-matmul", "float32"), ("bfloat16+fp8", "bfloat16")])
+@pytest.mark.parametrize(("first", "other"), [("bfloat16-matmul", "float32"), ("bfloat16+fp8", "bfloat16"),
+                                             ("bfloat16+kv-fp8", "bfloat16"), ("bfloat16+fp8+kv-fp8", "bfloat16+fp8")])
 def test_a_refused_request_is_retried_only_on_a_pod_of_the_first_pods_precision(first, other):
     async def go():
         # b ranks second (a holds the adapter, b and c are cold alike; ties go by id) but computes in
