@@ -318,13 +318,11 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
     for (int j = count; j < whole; ++j) s[j] = -INFINITY;
     vec most = vload(s);
     for (int j = W; j < whole; j += W) most = vmax(most, vload(s + j));
-    vec sum = vzero(), shift = vset(hmax(most));
-    for (int j = 0; j < whole; j += W) {
-      vec e = vexp(vadd(vload(s + j), vmul(shift, vset(-1.0f))));
-      vstore(s + j, e);
-      sum = vadd(sum, e);
-    }
-    for (int j = count; j < whole; ++j) s[j] = 0.0f;
+    const vec shift = vset(-hmax(most));
+    for (int j = 0; j < whole; j += W) vstore(s + j, vexp(vadd(vload(s + j), shift)));
+    for (int j = count; j < whole; ++j) s[j] = 0.0f;  // past the row's last key: exactly nothing
+    vec sum = vzero();
+    for (int j = 0; j < whole; j += W) sum = vadd(sum, vload(s + j));
     scratch.inverse[row] = 1.0f / hsum(sum);
   }
   // the values, key by key in ascending order
