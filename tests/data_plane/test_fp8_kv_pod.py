@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.processes import free_port
 from data_plane.config import DataPlaneConfig, build_parser
 from data_plane.errors import ModelLoadError
 from data_plane.metrics import PodMetrics
@@ -97,6 +101,13 @@ def test_a_checkpoints_nan_kv_scale_stops_the_pod_at_start_up_naming_the_tensor(
     # without --kv-cache-dtype fp8 the scales are not read, and the pod starts
     engine = build_engine(_config(bad, root), PodMetrics())
     assert engine.precision == "float32" and engine.runner.kv_cache.k.dtype == torch.float32
+    # the command says so in one line and exits with status 2, before it listens
+    argv = ["data-plane", "--model", str(bad), "--kv-cache-dtype", "fp8", "--port", str(free_port()),
+            "--metrics-port", "0", "--num-kv-blocks", "16"]
+    done = subprocess.run([sys.executable, "-c", f"import sys\nfrom cli.main import main\nsys.exit(main({argv!r}))"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "lorafleet data-plane:" in done.stderr and "v_scale is nan" in done.stderr
 
 
 def test_a_gpu_without_fp8_conversions_is_refused_saying_what_to_do(monkeypatch):

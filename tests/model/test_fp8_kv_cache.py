@@ -20,7 +20,9 @@ from data_plane.model.attention import KV_FP8, KVCache, quantize_kv, write_kv
 from data_plane.model.kv_scales import (
     CALIBRATION_TEXT,
     HEADROOM,
+    MIN_TOKENS,
     calibrate,
+    calibration_ids,
     checkpoint_scales,
     power_of_two_scale,
     use_fp8_kv_cache,
@@ -187,4 +189,12 @@ def test_without_checkpoint_scales_the_pod_calibrates_and_the_logits_stay_close(
 
 
 def test_the_calibration_text_tokenizes_to_a_few_hundred_tokens(demo_tokenizer):
-    assert 120 <= len(demo_tokenizer.encode(CALIBRATION_TEXT)) <= 400
+    ids = demo_tokenizer.encode(CALIBRATION_TEXT)
+    assert MIN_TOKENS <= len(ids) <= 400 and calibration_ids(ids, 49152) == ids
+
+
+def test_a_tokenizer_that_makes_little_of_the_text_is_helped_out_by_the_vocabulary():
+    # a word-level tokenizer may make the whole text one unknown token: the prefill still has MIN_TOKENS
+    ids = calibration_ids([0], 256)
+    assert len(ids) == MIN_TOKENS and ids[0] == 0 and len(set(ids[1:])) == MIN_TOKENS - 1
+    assert all(0 <= i < 256 for i in ids)
