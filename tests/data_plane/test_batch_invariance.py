@@ -142,12 +142,14 @@ def test_float32_named_equals_transformers_and_peft_in_float32(tiny_pod_files):
 def test_each_family_is_batch_invariant_and_float32_matches_peft(family_pod_files):
     # Qwen3, Phi-3 (adapters on its packed projections), Gemma 2, Gemma 3 (see conftest.FAMILIES).
     model_dir, root, hf_model = family_pod_files
-    # (bfloat16-matmul runs the same projections as for Llama, above; native attention, the default)
-    for dtype in ("float32", "bfloat16"):
-        precision, alone, together, shared = alone_and_together(model_dir, root, dtype)
+    # (bfloat16-matmul runs the same projections as for Llama, above; native attention, the default; an FP8 KV
+    # cache under each family's windows and soft-capping)
+    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")):
+        precision, alone, together, shared = alone_and_together(model_dir, root, dtype, kv_cache_dtype=kv)
         assert precision is Precision(dtype) and shared > 0
         same = sum(a == t for a, t in zip(alone, together, strict=True))
-        assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {dtype} (seed {SEED})"
+        assert same == NUM_REQUESTS, f"{same}/{NUM_REQUESTS} requests batch-invariant in {dtype}, KV cache {kv} " \
+                                     f"(seed {SEED})"
         if dtype == "float32":
             _assert_matches_peft(model_dir, root, hf_model, alone)
 
