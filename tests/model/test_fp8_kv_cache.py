@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from data_plane.errors import ModelLoadError
 from data_plane.model import load_model, native_attention, row_rule
-from data_plane.model.attention import KV_FP8, KVCache, quantize_kv, write_kv
+from data_plane.model.attention import KV_FP8, AttentionInputs, KVCache, quantize_kv, write_kv
 from data_plane.model.kv_scales import (
     CALIBRATION_TEXT,
     HEADROOM,
@@ -75,6 +75,22 @@ def test_a_cpu_backend_reads_an_fp8_cache_as_the_reference_does(kind, dtype, hea
     v_max = float((expected_v.float() * v_scale).nan_to_num().abs().max())
     atol = (2e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps) * max(1.0, v_max)
     torch.testing.assert_close(got.float(), want.view(q.shape[0], -1).to(dtype).float(), atol=atol, rtol=atol)
+
+
+def test_the_native_kernel_reads_every_e4m3_byte_exactly_times_its_scale():
+    # one query over one key (slot 0 of a block of 16): the output is that key's value row, here the 256 e4m3
+    # values (NaN, subnormals and ±448 included) times the scale, each rounded once as torch rounds it
+    values = torch.arange(256, dtype=torch.uint8).view(KV_FP8).view(1, 1, 256)  # one head of 256
+    inputs = AttentionInputs(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 1, 16)
+    step = native_attention.NativeAttention(native_attention.kernel()).prepare(inputs)
+    for scale in (1.0, 0.37, 2.0**-5):
+        cache = torch.zeros(16, 1, 256, dtype=KV_FP8)
+        # the step writes its key and value first: these quantize back to the same bytes
+        got = step(torch.zeros(1, 1, 256), torch.zeros(1, 1, 256), values.float() * scale, cache.clone(), cache,
+                   None, 1.0, None, 1.0, scale)
+        want = values.float().view(1, 256) * scale
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), scale
 
 
 def test_the_native_kernel_keeps_a_querys_bits_over_an_fp8_cache():
