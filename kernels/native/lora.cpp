@@ -76,13 +76,22 @@ inline vec vadd(vec a, vec b) {
 }
 #endif
 
-// The W lanes of a added in a fixed tree: lane i + lane i + W/2, then the same on the half.
+// The W lanes of a added in a fixed tree: lane i + lane i + W/2, then the same on the half; in registers.
 inline float hsum(vec a) {
-  float lanes[W];
-  vstore(lanes, a);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+  __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+#else
+  __m256 eight = a;
+#endif
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+#else
   for (int width = W / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  return lanes[0];
+    for (int i = 0; i < width; ++i) a.x[i] += a.x[i + width];
+  return a.x[0];
+#endif
 }
 
 inline float bf16_to_float(uint16_t h) {
