@@ -9,7 +9,8 @@ but AIBrix (which places them on the pods with the fewest adapters). Per policy:
 hits on arrival, cold loads (loads into memory a request started) per 1,000 requests, downloads into a disk
 tier per 1,000 requests, prefetches and loads the control plane started (pins, extra replicas), queueing delay
 (arrival to first step, downloads and loads included) p50/p99, and load imbalance (max / mean of tokens decoded
-per pod). Prints a markdown table and the issue's targets per scenario; ``--plots DIR`` writes PNGs;
+per pod). Ours runs as shipped, the router's bound on load included (``--load-bound`` to try another, 0 for
+none). Prints a markdown table and the issue's targets per scenario; ``--plots DIR`` writes PNGs;
 ``--explain aibrix`` prints where the worst-queued requests of a policy waited.
 
     python benchmarks/fleet_sim.py --jobs 2 --plots benchmarks/plots
@@ -36,11 +37,12 @@ from control_plane.errors import ConfigError  # noqa: E402
 from control_plane.placement import Pin  # noqa: E402
 from control_plane.replication import Policy as ReplicaPolicy  # noqa: E402
 from conventions.pod_cost import Weights  # noqa: E402
-from fleetsim.config import FleetConfig  # noqa: E402
+from fleetsim.config import FleetConfig, shipped  # noqa: E402
 from fleetsim.pod import Arrival  # noqa: E402
 from fleetsim.policies import POLICIES, Ours, shipped_replication  # noqa: E402
 from fleetsim.simulator import SimResult, Simulation  # noqa: E402
 from fleetsim.trace import Arrivals, Trace, TraceConfig, make_trace  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
 
 TARGET = "zipf 1.0 drift"
 RANK_MIX = (8, 16, 32, 64, 128)
@@ -77,6 +79,8 @@ def main() -> None:
                    help="comma-separated, of: " + ", ".join(POLICIES))
     p.add_argument("--weights", default="", help="our routing weights other than the shipped ones, e.g. "
                    "free_slot=4,evict=6 (conventions/pod_cost.py)")
+    p.add_argument("--load-bound", type=float, help="our router's bound on load (--load-bound, router/scoring.py) "
+                   "other than the shipped one; 0: none")
     p.add_argument("--replica-high-rate", type=float, help="our replica thresholds, requests/s per replica, "
                    "other than the shipped ones (control_plane/config.py); with --replica-low-rate")
     p.add_argument("--replica-low-rate", type=float)
@@ -120,13 +124,18 @@ def header(args: argparse.Namespace) -> str:
             f"numpy {np.__version__}\nfleet {args.pods} pods x {FleetConfig().slots} slots x {args.cpu_entries} "
             f"CPU entries, {args.adapters} adapters, {args.rate:g} requests/s, {args.duration:g} s "
             f"({args.warmup:g} s warm-up), drift every {args.drift_period:g} s by {args.drift_step}, "
-            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}\nour weights {weights(args.weights)}\n"
+            f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}\nour weights {weights(args.weights)}, "
+            f"load bound {load_bound(args)}\n"
             f"our replicas {replication(args)}\n")
 
 
 def weights(spec: str) -> Weights:
     """``name=value,...`` over the shipped Weights."""
     return Weights(**{k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv.strip())})
+
+
+def load_bound(args: argparse.Namespace) -> float:
+    return shipped(RouterConfig, "load_bound") if args.load_bound is None else args.load_bound
 
 
 def replication(args: argparse.Namespace) -> ReplicaPolicy:
@@ -161,6 +170,8 @@ def simulation(args: argparse.Namespace, scenario: str, policy: str) -> Simulati
     chosen = POLICIES[policy]()
     if isinstance(chosen, Ours):
         chosen.weights = weights(args.weights)
+        if args.load_bound is not None:
+            chosen.load_bound = args.load_bound
         if chosen.replication is not None:
             chosen.replication = replication(args)
     return Simulation(fleet, trace, chosen, pins, seed=args.seed, warmup_s=args.warmup)

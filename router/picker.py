@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from router.errors import AdapterNotRegistered, NoPodAvailable
-from router.scoring import Choice, Weights, rank
+from router.scoring import LOAD_BOUND, Choice, Weights, bounded, rank
 from router.view import FleetView
 
 # How long a pod counts an adapter the router just sent it as resident: long enough for the load to
@@ -20,12 +20,14 @@ _FULL_WITHOUT_HINT_S = 1.0
 
 
 class PodPicker:
-    """Ranks the routable pods for an adapter; ``view`` returns the latest FleetView or None."""
+    """Ranks the routable pods for an adapter; ``view`` returns the latest FleetView or None. ``load_bound``
+    is the bound's epsilon (router/scoring.py, ``bounded``; 0: none)."""
 
     def __init__(self, view: Callable[[], FleetView | None], weights: Weights | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, load_bound: float = LOAD_BOUND) -> None:
         self._view = view
         self._weights = weights or Weights()
+        self._load_bound = load_bound
         self._clock = clock  # monotonic seconds; the fleet simulator passes its own
         self._inflight: Counter[str] = Counter()  # pod -> requests this router is forwarding there now
         self._baseline: Counter[str] = Counter()  # _inflight when the current view was first used
@@ -68,7 +70,8 @@ class PodPicker:
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
         # only the pods whose count moved since the view was read (most do not, in a large fleet)
         extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
-        ranked = rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter))
+        ranked = bounded(rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter)),
+                         self._load_bound)
         if not any(until > now for until in self._full_until.values()):
             return ranked
         # pods that said they are full go last, in rank order, for as long as they said

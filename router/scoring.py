@@ -10,10 +10,15 @@ on that pod against a read from its disk, as the pod measured both) plus the pod
 not hold in its prefix cache (by the routing-prefix chain, conventions/prefix_chain.py). So a device hit
 wins until its pod is busier than a cold load is slow, and then the next pod takes the overflow; a pod
 holding the prompt's beginning wins among pods about as loaded, and loses to one with a few fewer requests.
+
+Then a bound on load (``bounded``): a pod whose outstanding requests would pass (1 + epsilon) times the mean of
+the pods that could take the request goes behind the others, so a hot adapter's requests spill to the next-best
+pod by cost instead of piling onto the pods that hold it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -21,7 +26,18 @@ from enum import Enum
 from conventions.pod_cost import Weights
 from router.view import PodView, Tier
 
-__all__ = ["Choice", "Decision", "Weights", "decision", "rank"]
+__all__ = ["LOAD_BOUND", "Choice", "Decision", "Weights", "bounded", "decision", "rank"]
+
+# How far above the mean of the candidate pods' outstanding requests a pod may go (a fraction) before the
+# next-best pod by cost takes a request: the shipped --load-bound. The fleet simulator (benchmarks/fleet_sim.py)
+# measured it against the imbalance target of 1.2 (max / mean of tokens per pod; benchmarks/RESULTS.md,
+# "Fleet simulation: a bound on load").
+LOAD_BOUND = 0.2
+# A pod with fewer outstanding requests than this is never past the bound, however idle the others: a step of
+# a few sequences takes hardly longer than a step of one (9.64 ms for 1, 9.85 ms for 4 on the H100 the fleet
+# simulator is fitted to), while a second copy of the adapter costs a load (0.4-1 s), a slot and a CPU entry.
+# Without it a lightly loaded fleet would spread a cold adapter's first concurrent requests over as many pods.
+_BOUND_FLOOR = 4
 
 
 class Decision(Enum):
@@ -46,6 +62,7 @@ class Choice:
     cost: float
     matched: int = 0  # routing-prefix chunks of the request the pod holds from the start
     download: bool = False  # a cold load there downloads the adapter first (its disk tier lacks it)
+    outstanding: int = 0  # requests running and waiting there, with those the router started since its read
 
 
 def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
@@ -82,5 +99,30 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         residency = residency_cost[d] * (1 + pod.load_times.download_factor() if download else 1)
         if d in (Decision.CPU_HIT, Decision.EVICT) and not pod.slot_takeable:
             residency += weights.slot_wait  # every slot pinned or serving: it waits for one to go idle
-        choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download))
+        choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download,
+                              running + pod.waiting))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))
+
+
+def bounded(ranked: list[Choice], epsilon: float) -> list[Choice]:
+    """``ranked`` (best first) with the pods past the load bound moved behind the others, each part in its
+    order: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018) over the cost's
+    ranking. The pods weighed are those of the best pod's precision, the ones the request may be sent to
+    (router/forwarder.py); each may hold ``ceil((1 + epsilon) * (their outstanding requests + 1) / their
+    number)`` with this request, and never fewer than ``_BOUND_FLOOR``; one already at that bound is past it.
+    Pods of another precision stay where they ranked, but never first: the first choice is the best pod of that
+    precision within the bound (the least loaded always is), so the bound never changes the precision a request
+    is computed in. The pods offered are the same ones (a pod without adapter slots was never among them).
+    ``epsilon`` 0: no bound."""
+    if epsilon <= 0 or len(ranked) < 2:
+        return ranked
+    precision = ranked[0].pod.precision
+    peers = [c.outstanding for c in ranked if c.pod.precision == precision]
+    cap = max(math.ceil((1 + epsilon) * (sum(peers) + 1) / len(peers)), _BOUND_FLOOR)
+
+    def past(c: Choice) -> bool:
+        return c.pod.precision == precision and c.outstanding >= cap
+
+    kept = [c for c in ranked if not past(c)]
+    first = next(c for c in kept if c.pod.precision == precision)
+    return [first, *(c for c in kept if c is not first), *(c for c in ranked if past(c))]

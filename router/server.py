@@ -45,8 +45,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     pod_dialer = config.pod_dialer()
     channels = PodChannels(pod_dialer)
     refresher = StateRefresher(config, token, channels, metrics)
-    forwarder = Forwarder(PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight)), channels, metrics,
-                          config.retries)
+    picker = PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight), load_bound=config.load_bound)
+    forwarder = Forwarder(picker, channels, metrics, config.retries)
     access = build_access(config, metrics)
     door = Door(forwarder, access, metrics)
     http_api = HttpApi(door, lambda: refresher.view, metrics, access, config.http_max_body_bytes,

@@ -147,11 +147,13 @@ def test_the_chart_serves_on_the_default_ports():
     assert values["redis"]["port"] == defaults.REDIS_PORT
 
 
-def test_the_chart_routes_by_prefix_as_the_processes_do_by_default():
+def test_the_chart_routes_by_prefix_and_bounds_load_as_the_processes_do_by_default():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["router"]["prefixWeight"] == RouterConfig.prefix_weight
     assert values["dataPlane"]["prefixReportSize"] == DataPlaneConfig.prefix_report_size
     assert _template_flags("router.yaml")["--prefix-weight"] == "{{ $r.prefixWeight | quote }}"
+    assert values["router"]["loadBound"] == RouterConfig.load_bound
+    assert _template_flags("router.yaml")["--load-bound"] == "{{ $r.loadBound | quote }}"
     assert _template_flags("data-plane.yaml")["--prefix-report-size"] == "{{ $dp.prefixReportSize | quote }}"
 
 

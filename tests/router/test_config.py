@@ -45,6 +45,8 @@ def test_routing_is_at_most_one_second_stale_by_default(token_file):
     ({"prefix_weight": -1.0}, r"--prefix-weight must be within \[0, 1000\] running requests, got -1.0"),
     ({"prefix_weight": float("nan")}, "--prefix-weight must be within"),
     ({"prefix_weight": 1001.0}, "--prefix-weight must be within"),
+    ({"load_bound": -0.1}, r"--load-bound must be within \[0, 100\] \(0: no bound\), got -0.1"),
+    ({"load_bound": float("nan")}, "--load-bound must be within"),
 ])
 def test_a_bad_value_is_refused_with_what_to_fix(token_file, change, words):
     with pytest.raises(ConfigError, match=words):
