@@ -184,8 +184,8 @@ def calibrate(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> 
 
 def unsupported(model: LlamaForCausalLM) -> str:
     """Why ``model``'s device cannot run an FP8 KV cache ("" where it can). On CPU both attention backends
-    read one. On CUDA the Triton kernel must convert e4m3 (compute capability 8.9+) and, tried once here on a
-    small cache of the model's own heads and dtype against ``kernels.reference``, agree with it."""
+    read one. On CUDA the Triton kernel must convert e4m3 (compute capability 8.9+) and pass
+    ``kernel_failure``'s probe."""
     device = model.head_weight.device
     if device.type != "cuda":
         return ""
@@ -193,6 +193,13 @@ def unsupported(model: LlamaForCausalLM) -> str:
     if capability < (8, 9):
         return (f"compute capability {capability[0]}.{capability[1]} has no float8_e4m3fn conversions in Triton; "
                 "an FP8 KV cache needs 8.9+ (L4, L40S, H100, H200)")
+    return kernel_failure(model, device)
+
+
+def kernel_failure(model: LlamaForCausalLM, device: torch.device | str) -> str:
+    """Why the Triton attention kernel cannot serve ``model`` over an FP8 KV cache on ``device`` ("" where it
+    can): tried once on a small cache of the model's own heads, in its dtype (a decode beside a 4-token chunk,
+    scales 0.5 and 2), it must run and agree with ``kernels.reference``."""
     from kernels import reference  # Triton: the `cuda` extra
     from kernels.paged_attention import paged_attention
 
@@ -203,7 +210,7 @@ def unsupported(model: LlamaForCausalLM) -> str:
     q = torch.randn(5, c.num_heads, c.head_dim, device=device, generator=gen).to(dtype)
     tables = torch.arange(4, dtype=torch.int32, device=device).view(2, 2)
     lens = torch.tensor([30, 9], dtype=torch.int32, device=device)
-    starts = torch.tensor([0, 1, 5], dtype=torch.int32, device=device)  # a decode and a 4-token chunk
+    starts = torch.tensor([0, 1, 5], dtype=torch.int32, device=device)
     got, want = torch.empty_like(q), torch.zeros_like(q)
     args = dict(block_size=16, scale=c.head_dim**-0.5, window=None, max_query_len=4, max_seq_len=30, k_scale=0.5,
                 v_scale=2.0)
@@ -211,7 +218,8 @@ def unsupported(model: LlamaForCausalLM) -> str:
         paged_attention(q, k_cache, v_cache, tables, lens, starts, got, **args)
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means the device cannot
         return f"the Triton attention kernel does not run an FP8 KV cache here: {str(e).splitlines()[0]}"
-    reference.paged_attention(q, k_cache, v_cache, tables, lens, starts, want, **args)
+    # the reference on the caches' float values (the same numbers; no float8 indexing needed)
+    reference.paged_attention(q, k_cache.float(), v_cache.float(), tables, lens, starts, want, **args)
     if not torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05):
         return "the Triton attention kernel gave wrong results over an FP8 KV cache on a probe"
     return ""

@@ -139,3 +139,23 @@ def test_the_launcher_takes_an_fp8_cache_only_as_both_k_and_v():
     with pytest.raises(ValueError, match="one shape and dtype"):
         paged_attention(b.q, b.k_cache, b.v_cache.to(F16), b.block_tables, b.seq_lens, b.query_start, out,
                         **b.kwargs())
+
+
+def test_the_start_up_probe_passes_a_kernel_that_reads_an_fp8_cache_and_names_one_that_cannot(monkeypatch):
+    # kv_scales.kernel_failure, what a CUDA pod of compute capability 8.9+ runs before it takes
+    # --kv-cache-dtype fp8: here on CPU tensors under the interpreter, with a tiny model's heads
+    from data_plane.model import kv_scales
+    from kernels import paged_attention as launcher
+    from tests.data_plane.tiny_model import tiny_model
+
+    model = tiny_model(hidden_size=64)  # head_dim 16
+    assert kv_scales.kernel_failure(model, "cpu") == ""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("fp8e4nv is not supported on this architecture\nmore")
+
+    monkeypatch.setattr(launcher, "paged_attention", broken)
+    assert kv_scales.kernel_failure(model, "cpu") == ("the Triton attention kernel does not run an FP8 KV cache "
+                                                      "here: fp8e4nv is not supported on this architecture")
+    monkeypatch.setattr(launcher, "paged_attention", lambda q, *args, **kwargs: args[5].copy_(q))  # out = q
+    assert "wrong results" in kv_scales.kernel_failure(model, "cpu")
