@@ -305,7 +305,7 @@ def _top_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
     if n == 0:
         return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
     vocab = logits.shape[1]
-    bits = logits.view(torch.int32).long()  # [rows, vocab]
+    bits = (logits + 0.0).view(torch.int32).long()  # [rows, vocab]; + 0.0 makes -0.0 the +0.0 it equals
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's magnitude bits reversed: monotonic
     keys = (bits << 32) | (vocab - 1 - torch.arange(vocab, device=logits.device))  # [rows, vocab]
     return (vocab - 1) - (keys.topk(n, dim=-1).values & _MASK32)

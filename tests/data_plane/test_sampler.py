@@ -295,3 +295,18 @@ def test_draws_on_cuda_match_draws_on_cpu():
     cpu = sample(logits, SamplingBatch.build(seqs, "cpu")).to_host()
     cuda = sample(logits.cuda(), SamplingBatch.build(seqs, "cuda")).to_host()
     assert [t.id for t in cuda] == [t.id for t in cpu]
+
+
+def test_top_alternatives_are_the_largest_logits_equal_ones_in_id_order_alone_or_in_any_batch():
+    # bfloat16-rounded logits: many ties, of negative, zero and positive values
+    logits = (torch.randn(33, 500, generator=torch.Generator().manual_seed(3)) * 4).bfloat16().float()
+    logits[5, 7:47] = 100.0  # forty equal largest
+    logits[6] = -torch.arange(500).float().div(7).floor()  # runs of seven equal negative logits
+    logits[7] = torch.tensor([0.0, -0.0] * 250)  # +0.0 and -0.0 are equal logits
+    seqs = [sequence(str(i), logprobs=20) for i in range(33)]
+    together = sample(logits, SamplingBatch.build(seqs, "cpu")).to_host()
+    for i, tok in enumerate(together):
+        order = torch.sort(logits[i], descending=True, stable=True).indices[:20].tolist()  # ties: lower id first
+        assert [t for t, _ in tok.top] == order
+        alone = sample(logits[i : i + 1], SamplingBatch.build([seqs[i]], "cpu")).to_host()[0]
+        assert alone.top == tok.top
