@@ -300,7 +300,7 @@ def lateness(wait_s: float, own_s: float, tail: float, max_queue_delay_s: float,
     (``step_s``, one beside today's decodes; at most the part of the wait spent behind other work, so a
     request with nothing ahead is never refused for it) before the promise ends: the scheduler keeps
     that step for the error of its predictions, and rushes steps, lengthening running streams' gaps, for
-    a request whose first token would come later (``Scheduler._rushed_budget``). The caller learns at
+    a request whose first token would come later (``step_budget.Rush``). The caller learns at
     once to go elsewhere instead of after a long wait, with the hint ``retry_after``."""
     wait_s, own_s = wait_s * tail, own_s * tail
     if timeout_s is not None and wait_s > timeout_s:

@@ -37,7 +37,8 @@ from data_plane.engine.grammar import GrammarCompiler
 from data_plane.engine.model_runner import ModelRunner, StepTokens
 from data_plane.engine.output import OutputText
 from data_plane.engine.prefix_report import PrefixReport
-from data_plane.engine.scheduler import Policy, ScheduledSeq, Scheduler, SchedulerLimits, step_shape
+from data_plane.engine.progress import ScheduledSeq, step_shape
+from data_plane.engine.scheduler import Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import PENDING, FinishReason, SamplingParams, Sequence, Timing, TokenOut
 from data_plane.engine.state import EngineState, PrefixState
 from data_plane.engine.step_cost import DEFAULT_ITL_GROWTH, StepCost, StepShape

@@ -12,7 +12,7 @@ scheduler admits from the backlogged flow with the lowest. An account that becom
 request queued or running) starts no lower than the floor, the lowest counter among active accounts,
 less a fixed credit (``join_credit`` tokens, divided by the flow's weight), so time spent idle earns
 no more than that credit and a returning account cannot crowd out those that kept working for longer
-than it lasts. The scheduler gives one quantum (``scheduler.STARTED_QUANTUM``): a started prompt keeps
+than it lasts. The scheduler gives one quantum (``fair_order.STARTED_QUANTUM``): a started prompt keeps
 its standing for a quantum, so without the credit a tenant sending a request now and then would join
 level with a flood's counter and wait behind each of its started prompts; with it, that tenant's
 requests go first for as long as it stays that far behind. In the spirit of VTC (Sheng et al.,

@@ -39,7 +39,7 @@ decodes' adapters only had planned; benchmarks/history/overload.md, "each prompt
 and sequence").
 
 A step is rushed while an admitted request would get its first token after its promised time at the
-pace prefill has without rushing (``Scheduler._rushed_budget``): it then carries the prompt tokens that
+pace prefill has without rushing (``step_budget.Rush``): it then carries the prompt tokens that
 keep the promise, up to what the throughput knee allows (``rush``) whatever the growth, so a wait the
 admission estimate got wrong is made up by a few longer steps instead of a broken promise.
 

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from data_plane.engine.scheduler import ScheduledSeq, step_shape
+from data_plane.engine.progress import ScheduledSeq, step_shape
 from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.engine.step_cost import MIN_PREFILL_TOKENS
 

@@ -13,7 +13,8 @@ import pytest
 
 from data_plane.engine.admission import Ahead, Arrivals
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.scheduler import FLOOD_MEMORY_S, STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
+from data_plane.engine.floods import FLOOD_MEMORY_S
+from data_plane.engine.scheduler import STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
 from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -335,7 +336,7 @@ def test_a_started_prompt_with_a_cached_prefix_counts_only_what_it_computes_agai
     cached.started_at_computed = 150
     cached.num_computed += 150 - 16
     request(s, "quiet", 4, adapter="y")
-    assert s._order(cached)[0] == pytest.approx(cached.started_at_standing)  # 16 computed, within the quantum
+    assert s.order.key(cached)[0] == pytest.approx(cached.started_at_standing)  # 16 computed, within the quantum
     assert step(s)[0] == ("cached", 16)
 
 
@@ -344,7 +345,7 @@ def test_a_started_prompt_stays_no_more_than_a_quantum_behind_its_tenants_counte
     long = request(s, "long", 400, adapter="x")
     step(s)
     s.shares.charge("x", 1000)  # the tenant's decodes and other prompts moved its counter on
-    assert s._order(long)[0] == pytest.approx(s.shares.served("x") - STARTED_QUANTUM)
+    assert s.order.key(long)[0] == pytest.approx(s.shares.served("x") - STARTED_QUANTUM)
 
 
 def flood_started_then_quiet(quiet_busy: bool) -> Scheduler:
