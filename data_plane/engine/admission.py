@@ -17,11 +17,11 @@ the pod's own outcomes:
   decoding now, and each request ahead once its prompt is done), in the predicted time for its shape.
   Its first token comes with the step that ends its prompt.
 
-Which requests are ahead follows the scheduler's policy (``Scheduler.ahead_of``): under fair share a
+Which requests are ahead follows the scheduler's policy (``queue_ahead.py``): under fair share a
 request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
 no seat it takes one from the flood at the next step, so the flood is refused and the quiet adapter
 is not. Other adapters' requests that arrive while it waits also take their turns before it: the
-estimate counts those expected at each adapter's recent rate (``Arrivals``), up to their turns.
+estimate counts those expected at each flow's recent rate (``Arrivals``), up to their turns.
 
 A request is refused when that wait exceeds its gRPC deadline or the pod's ``--max-queue-delay``,
 judged as late as the slowest tenth of recent first tokens came against their estimates (``tail``),
@@ -67,7 +67,7 @@ _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 class Ahead:
     """What a new request would wait behind: requests admitted before it (that still need a seat) and the
     uncomputed tokens of the prefill work before it, ``sizes`` that work item by item in order (default:
-    ``tokens`` shared evenly by ``requests``); ``seat_now`` when it would not wait for a seat (its tenant
+    ``tokens`` shared evenly by ``requests``); ``seat_now`` when it would not wait for a seat (its account
     has none and takes one at the next step)."""
 
     requests: int
@@ -88,17 +88,18 @@ class Ahead:
 
 
 class Arrivals:
-    """Each tenant's requests admitted over the last ``ARRIVAL_WINDOW_S``: how many more to expect within a
-    wait, and their mean prompt size. Under fair share a request is overtaken by other tenants' later
-    requests (each takes its turn before the new one's next turn), so a wait estimated from the queues
-    alone comes out short when the other tenants' queues are short now and fill while it waits."""
+    """Each flow's requests (an adapter's, or the base model's) admitted over the last ``ARRIVAL_WINDOW_S``:
+    how many more to expect within a wait, and their mean prompt size. Under fair share a request is
+    overtaken by other flows' later requests (each takes its turn before the new one's next turn), so a
+    wait estimated from the queues alone comes out short when the other flows' queues are short now and
+    fill while it waits."""
 
     def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
         self._window_s = window_s
-        self._seen: dict[object, deque[tuple[float, int]]] = {}  # tenant -> (time, prompt tokens), oldest first
+        self._seen: dict[object, deque[tuple[float, int]]] = {}  # flow -> (time, prompt tokens), oldest first
 
-    def record(self, tenant: object, prompt_tokens: int, now: float) -> None:
-        self._seen.setdefault(tenant, deque()).append((now, prompt_tokens))
+    def record(self, flow: object, prompt_tokens: int, now: float) -> None:
+        self._seen.setdefault(flow, deque()).append((now, prompt_tokens))
         self._forget(now)
 
     def recent(self, now: float) -> list[object]:
@@ -106,25 +107,25 @@ class Arrivals:
         self._forget(now)
         return list(self._seen)
 
-    def expected(self, tenant: object, within_s: float, now: float) -> int:
-        """Requests of ``tenant`` expected within the next ``within_s`` seconds at its recent rate, rounded."""
-        seen = self._seen.get(tenant)
+    def expected(self, flow: object, within_s: float, now: float) -> int:
+        """Requests of ``flow`` expected within the next ``within_s`` seconds at its recent rate, rounded."""
+        seen = self._seen.get(flow)
         if not seen or within_s <= 0:
             return 0
         # the rate over the whole window, however recent the first of them: a burst sent at once is not
         # taken for a rate that lasts
         return round(len(seen) * within_s / self._window_s)
 
-    def mean_prompt(self, tenant: object) -> int:
-        seen = self._seen.get(tenant)
+    def mean_prompt(self, flow: object) -> int:
+        seen = self._seen.get(flow)
         return round(sum(tokens for _, tokens in seen) / len(seen)) if seen else 0
 
     def _forget(self, now: float) -> None:
-        for tenant, seen in list(self._seen.items()):
+        for flow, seen in list(self._seen.items()):
             while seen and seen[0][0] < now - self._window_s:
                 seen.popleft()
             if not seen:
-                del self._seen[tenant]
+                del self._seen[flow]
 
 
 @dataclass(frozen=True)
