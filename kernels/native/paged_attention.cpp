@@ -300,7 +300,9 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   // keys [lo, hi] the block reads: the first query's first visible key to the last query's own position;
   // a row's scores are stored from its own first key on, padded to whole vectors
   const int lo = scratch.from[0], hi = scratch.to[rows - 1];
-  const int stride = (hi - lo + 1 + W - 1) / W * W;
+  // (one vector more than the keys: rows a power of two of bytes apart would share a few sets of the
+  // cache, and a block's 48 rows evict each other on every key)
+  const int stride = (hi - lo + 1 + W - 1) / W * W + W;
   scratch.scores.resize(size_t(rows) * stride);
   scratch.acc.assign(size_t(rows) * dim, 0.0f);
   scratch.key.resize(dim);
@@ -393,8 +395,13 @@ int paged_attention(const float* q, int heads, int head_dim, const void* k_cache
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
   std::atomic<size_t> next{0};
   auto work = [&] {
+    // Subnormal products (a weight near exp(-87) times a small value) flushed to zero, and subnormal inputs
+    // read as zero: the same on every thread and in every call, and without the CPU's slow path for them.
+    const unsigned int mxcsr = _mm_getcsr();
+    _mm_setcsr(mxcsr | 0x8040);  // FTZ and DAZ
     Scratch scratch;
     for (size_t i = next++; i < items.size(); i = next++) run_item(p, items[i], scratch);
+    _mm_setcsr(mxcsr);
   };
   int helpers = std::max(0, std::min<int>(threads, int(items.size())) - 1);
   std::vector<std::thread> pool;
