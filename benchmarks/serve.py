@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the pod and of peft (CPU)")
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--pod-arg", action="append", default=[], metavar="FLAG",
+                        help="a further flag for the pod, e.g. --pod-arg=--cpu-attention=tiled (repeatable)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of (LoRA, base only, peft), interleaved so that drifting machine load "
                              "affects all three alike; medians are reported")
@@ -159,6 +161,7 @@ def main() -> None:
             pod_args += ["--gpu-memory-utilization", "0.8"]  # room for peft's generate on the same GPU
         for root in sorted(set(roots.values())):
             pod_args += ["--adapter-root", str(root)]
+        pod_args += args.pod_arg
         pod = PodProcess(Path(tmp), *pod_args, name="bench")
         pod.start(timeout_s=1800)
         precision = logged_precision(pod.log_path)
