@@ -271,6 +271,8 @@ class Scheduler:
         """Makes KV room for ``num_new`` more tokens of running ``seq``, preempting others not in ``batch``
         (``FairOrder.victim``) if needed; when even that is not enough ``seq`` itself is preempted and False
         returned."""
+        if self.blocks.can_allocate(seq, num_new):  # the common case, without a set of the step's sequences
+            return True
         keep = {seq, *(item.seq for item in batch)}
         while not self.blocks.can_allocate(seq, num_new):
             victim = self.order.victim(other for other in self.running if other not in keep)
