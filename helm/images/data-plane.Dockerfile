@@ -21,11 +21,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
-# Triton compiles a small C launcher the first time a kernel runs, so the image keeps a C compiler.
+# Triton compiles a small C launcher the first time a kernel runs, so the image keeps a C compiler; a pod
+# run with --device cpu compiles its C++ attention and LoRA kernels (kernels/native) at start-up, hence g++.
 # Versions are Ubuntu's current ones: pinning them would break the build at each security update.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+ && apt-get install -y --no-install-recommends ca-certificates gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 # Ubuntu 24.04 ships no Python 3.11: uv installs a standalone CPython 3.11 (the newest 3.11 this
