@@ -3,16 +3,17 @@
 alike, each query over its own sequence's keys through its block table.
 
 Gathering a step's contexts first (``torch_attention``) copies every key and value the step reads
-before any matmul reads them again; on a 2-core Xeon the gathers alone were a quarter of a float32
-decode step of 32 sequences (benchmarks/RESULTS.md). Here each key and value is read once, where it
-lies, and used by all the query rows of its key/value head. A row's sums run in an order fixed by the
+before any matmul reads them again, at about the machine's copy bandwidth (benchmarks/RESULTS.md, "CPU
+attention in place"). Here each key and value is read once, where it lies, and used by all the query
+rows of its key/value head. A row's sums run in an order fixed by the
 row alone (the source says how), so a query's output is the same bits as a decode, as a token of a
 prompt chunk of any length, and beside any other sequences, on any CPU: nothing depends on a library's
 choice of kernel by shape, which is what ``row_rule`` has to probe for the tiled path.
 
 Used where the kernel builds on the machine and supports the cache (float32, bfloat16, float16 or e4m3 rows,
-the last times their layer's scale, a head dimension that is a multiple of 16); elsewhere
-``attention_backends`` keeps tiled attention.
+the last times their layer's scale; a head dimension that is a multiple of the build's vector width, 16
+floats with AVX-512, 8 with AVX2); elsewhere ``attention_backends`` keeps tiled attention. The kernel trusts
+the engine's block tables: a sequence reads only blocks it owns, checked against the table's width here.
 """
 
 from __future__ import annotations
