@@ -80,6 +80,8 @@ class NativeStep:
             k_cache.shape[1], self.query_start.data_ptr(), self.context.data_ptr(), self.context.shape[0],
             self.block_tables.data_ptr(), self.block_tables.shape[1], self.block_size, window or 0, scale,
             softcap or 0.0, out.data_ptr(), torch.get_num_threads(), k_scale, v_scale)
+        if failed == 2:
+            raise ValueError("a sequence of the step has more new tokens than context")
         if failed:
             raise ValueError(f"the native attention kernel does not take {heads} heads of {head_dim} over "
                              f"{k_cache.shape[1]} key/value heads in {k_cache.dtype}")

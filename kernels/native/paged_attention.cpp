@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -370,7 +371,8 @@ extern "C" {
 int paged_attention_width() { return W; }
 
 // Returns 0, or 1 where the shapes are not supported (the caller keeps its own path): head_dim a
-// multiple of the vector width, heads a multiple of kv_heads, a known cache type. k_scale and v_scale
+// multiple of the vector width, heads a multiple of kv_heads, a known cache type; 2 where a sequence has
+// more new tokens than context (nothing is computed). k_scale and v_scale
 // multiply an e4m3 cache's keys and values (the others' are read as they are).
 int paged_attention(const float* q, int heads, int head_dim, const void* k_cache, const void* v_cache,
                     int cache_type, int kv_heads, const int32_t* query_start, const int32_t* context,
@@ -384,6 +386,7 @@ int paged_attention(const float* q, int heads, int head_dim, const void* k_cache
   for (int b = 0; b < seqs; ++b) {
     int new_tokens = query_start[b + 1] - query_start[b];
     if (context[b] <= 0 || new_tokens <= 0) continue;
+    if (context[b] < new_tokens) return 2;
     for (int h = 0; h < kv_heads; ++h)
       for (int first = 0; first < new_tokens; first += QUERY_BLOCK)
         items.push_back({b, h, first, std::min(QUERY_BLOCK, new_tokens - first)});
@@ -406,7 +409,10 @@ int paged_attention(const float* q, int heads, int head_dim, const void* k_cache
   int helpers = std::max(0, std::min<int>(threads, int(items.size())) - 1);
   std::vector<std::thread> pool;
   pool.reserve(helpers);
-  for (int t = 0; t < helpers; ++t) pool.emplace_back(work);
+  try {
+    for (int t = 0; t < helpers; ++t) pool.emplace_back(work);
+  } catch (const std::system_error&) {  // no thread to be had: the threads started, and this one, do it all
+  }
   work();
   for (auto& t : pool) t.join();
   return 0;

@@ -105,3 +105,14 @@ def test_a_cache_the_kernel_cannot_take_is_named_and_left_to_tiled_attention():
     assert "float64" in native_attention.unusable(torch.float64, 64)
     assert "not 12" in native_attention.unusable(torch.float32, 12)
     assert native_attention.unusable(torch.float32, 64) == ""
+
+
+def test_a_step_whose_sequence_has_more_new_tokens_than_context_is_refused_not_read_out_of_bounds():
+    inputs, q, k, v, k_cache, v_cache = _step(4, 2, 16, torch.float32, 2)
+    short = inputs.seq_lens.clone()
+    short[3] = 20  # 40 new tokens over a context of 20
+    broken = AttentionInputs(inputs.slot_mapping, inputs.block_tables, short, inputs.query_start,
+                             inputs.max_query_len, inputs.max_seq_len, BLOCK)
+    step = native_attention.NativeAttention(native_attention.kernel()).prepare(broken)
+    with pytest.raises(ValueError, match="more new tokens than context"):
+        step(q, k, v, k_cache, v_cache, None, 0.25)
