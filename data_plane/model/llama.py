@@ -221,7 +221,6 @@ class LlamaForCausalLM(nn.Module):
         self.ops: LayerOps = layer_ops("cpu")
         self.embed_scale: float | None = None  # set by use_device, once the weights' dtype is final
         self.row_rule: RowRule | None = None  # the CPU row tiles in use, once probed (``use_row_rule``)
-        self.native_attention = True  # on CPU, attention by the native kernel where it serves (attention_backends)
         self.quantization = ""  # "fp8" where the projections' weights are FP8 (set by the loader)
 
     def use_device(self, device: torch.device | str) -> None:
@@ -230,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         for rotary in self.rotaries:
             rotary.build(device)
         rule = self.row_rule
-        native = self.native_attention if rule is None else rule.attention_native
+        native = rule is None or rule.attention_native  # unprobed: the native kernel wherever it serves
         self.attention = attention_backend(device, self.windows, rule and rule.attention_rows,
                                            self.kv_cache_shape() if native else None)
         self.ops = layer_ops(device)
