@@ -3,10 +3,10 @@
 A CPU pod's hot loops that no library call does well stay in C++ (``kernels/native/*.cpp``): attention
 that reads the paged KV cache in place instead of gathering it first. Each source is compiled once per
 machine with the C++ compiler on the path (``CXX``, else ``c++``) for the CPU it runs on
-(``-march=native``), into a cache folder keyed by the source, the flags and the CPU's model and flags
-(``LORAFLEET_NATIVE_CACHE``, else ``~/.cache/lorafleet/native``), so a folder shared between machines never
-hands one CPU another's instructions. Processes that build at once each write their own file and rename it
-into place. Where no compiler is found or the build fails, ``library`` says why and returns None, and the
+(``-march=native``), into a cache folder keyed by the source, the headers beside it (``simd.h``), the
+flags and the CPU's model and flags (``LORAFLEET_NATIVE_CACHE``, else ``~/.cache/lorafleet/native``), so a
+folder shared between machines never hands one CPU another's instructions. Processes that build at once
+each write their own file and rename it into place. Where no compiler is found or the build fails, ``library`` says why and returns None, and the
 caller keeps its PyTorch path.
 
 Floating point is compiled as written (no ``-ffast-math``, no contraction of a multiply and an add the
@@ -82,7 +82,8 @@ def _cache() -> Path:
 def _compiled(name: str) -> Path:
     source = SOURCES / f"{name}.cpp"
     cxx = _compiler()
-    key = hashlib.sha256("\0".join([source.read_text(), cxx, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cxx, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
     target = _cache() / f"{name}-{key}.so"
     if target.exists():
         return target

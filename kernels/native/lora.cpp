@@ -13,7 +13,7 @@
 //
 // A segment's rows go in blocks of ROWS, so that each column of A and each row of B is read once per block
 // from cache and used by all of the block's rows; blocks of a segment, and segments, are independent items.
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -25,81 +25,15 @@
 
 namespace {
 
+using namespace native;
+
 constexpr int ROWS = 4;  // rows a block's inner loops carry at once (register blocking)
 constexpr int ITEM_ROWS = 32;  // rows of one item of work for the threads
 constexpr int64_t THREADED_MACS = int64_t(1) << 22;  // below this much work a call stays on the caller's thread
 
 enum Type { F32 = 0, BF16 = 1 };
 
-#if defined(__AVX512F__)
-constexpr int W = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int W = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-#else
-constexpr int W = 4;
-struct vec {
-  float x[W];
-};
-inline vec vzero() { return vec{}; }
-inline vec vset(float a) {
-  vec r;
-  for (float& x : r.x) x = a;
-  return r;
-}
-inline vec vload(const float* p) {
-  vec r;
-  std::memcpy(r.x, p, sizeof r.x);
-  return r;
-}
-inline void vstore(float* p, vec a) { std::memcpy(p, a.x, sizeof a.x); }
-inline vec vfma(vec a, vec b, vec c) {
-  for (int i = 0; i < W; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
-  return c;
-}
-inline vec vadd(vec a, vec b) {
-  for (int i = 0; i < W; ++i) a.x[i] += b.x[i];
-  return a;
-}
-#endif
-
-// The W lanes of a added in a fixed tree: lane i + lane i + W/2, then the same on the half; in registers.
-inline float hsum(vec a) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
-  __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-#else
-  __m256 eight = a;
-#endif
-  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-#else
-  for (int width = W / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) a.x[i] += a.x[i + width];
-  return a.x[0];
-#endif
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
 // Round to nearest even, as torch converts float32 to bfloat16 (a NaN becomes the quiet NaN 0x7fc0).
 inline uint16_t float_to_bf16(float f) {
