@@ -6,8 +6,8 @@ machine with the C++ compiler on the path (``CXX``, else ``c++``) for the CPU it
 (``-march=native``), into a cache folder keyed by the source, the headers beside it (``simd.h``), the
 flags and the CPU's model and flags (``LORAFLEET_NATIVE_CACHE``, else ``~/.cache/lorafleet/native``), so a
 folder shared between machines never hands one CPU another's instructions. Processes that build at once
-each write their own file and rename it into place. Where no compiler is found or the build fails, ``library`` says why and returns None, and the
-caller keeps its PyTorch path.
+each write their own file and rename it into place. Where no compiler is found or the build fails,
+``library`` says why and returns None, and the caller keeps its PyTorch path.
 
 Floating point is compiled as written (no ``-ffast-math``, no contraction of a multiply and an add the
 source did not fuse itself): a kernel's sums are the order its loops give them, whatever the shapes of the
