@@ -9,10 +9,11 @@
 // Each of these sums has an order that depends on the row alone: a dot product over the head dimension
 // in W interleaved partial sums (W the vector width this CPU's build uses) added in a fixed tree; the
 // softmax sum in W partial sums by key, from the row's first key, then the same tree; the output key by
-// key in ascending order. The compiler is told not to reassociate or contract
-// (kernels/native_build.py), so a row's bits do not depend on which other rows, sequences or threads
-// share the call: the same query gives the same bits as a decode, as one token of a prompt chunk of any
-// length, and beside any batch. Items are independent and taken by the threads in any order.
+// key in ascending order (scores are computed W keys at a time and values a tile of keys at a time, each
+// row's partial sums in registers, but every sum is the one just described). The compiler is told not to
+// reassociate or contract (kernels/native_build.py), so a row's bits do not depend on which other rows,
+// sequences or threads share the call: the same query gives the same bits as a decode, as one token of a
+// prompt chunk of any length, and beside any batch. Items are independent and taken by the threads in any order.
 //
 // An FP8 cache (e4m3 bytes, --kv-cache-dtype fp8) holds each layer's keys divided by its k_scale and values by
 // its v_scale; a row is read as the exact float of each byte (a 256-entry table) times the scale, one
@@ -103,13 +104,20 @@ inline const float* load_row(const void* cache, int type, int64_t offset, int he
   return out;
 }
 
-// Keys ahead whose cache rows are asked for while this one is used: the rows of a sequence's keys lie a
-// head apart within a block and anywhere between blocks, which a hardware prefetcher does not follow.
-constexpr int AHEAD = 12;
-
+// A cache row asked for ahead of its use: the rows of a sequence's keys lie a head apart within a block and
+// anywhere between blocks, which a hardware prefetcher does not follow.
 inline void prefetch_row(const void* cache, int type, int64_t offset, int head_dim) {
   const char* row = static_cast<const char*>(cache) + offset * element_bytes(type);
   for (int byte = 0; byte < head_dim * element_bytes(type); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+}
+
+// The rows of n consecutive keys of one cache (offsets[k] the k-th's) as float32 in rows[k], converted into
+// out[k * head_dim ...] where they are not float32; the rows of the `ahead` keys after them asked for.
+inline void load_tile(const void* cache, int type, float scale, const int64_t* offsets, int n, int ahead,
+                      int head_dim, const float** rows, float* out) {
+  for (int k = n; k < n + ahead; ++k) prefetch_row(cache, type, offsets[k], head_dim);
+  for (int k = 0; k < n; ++k)
+    rows[k] = load_row(cache, type, offsets[k], head_dim, scale, out + size_t(k) * head_dim);
 }
 
 inline float dot(const float* a, const float* b, int n) {  // n a multiple of W
@@ -162,11 +170,27 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> scores, acc, key, inverse;
+  std::vector<float> scores, acc, key, value, inverse;
   std::vector<int64_t> q_row;  // each row's [token, head] index
   std::vector<int64_t> offsets;  // each key's row in the cache, from the block's first key
   std::vector<int> from, to;  // each row's first and last key
 };
+
+// Keys whose values a row adds from registers before its sums go back to memory.
+constexpr int VALUE_TILE = 32;
+
+// a[0 .. C*W) += weights[k] * values[k][d .. d + C*W) for k = 0 .. count - 1 in ascending order.
+template <int C>
+inline void add_values(float* a, const float* const* values, int d, const float* weights, int count) {
+  vec sum[C];
+  for (int c = 0; c < C; ++c) sum[c] = vload(a + c * W);
+  for (int k = 0; k < count; ++k) {
+    const vec weight = vset(weights[k]);
+    const float* value = values[k] + d;
+    for (int c = 0; c < C; ++c) sum[c] = vfma(weight, vload(value + c * W), sum[c]);
+  }
+  for (int c = 0; c < C; ++c) vstore(a + c * W, sum[c]);
+}
 
 void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   const int per_kv = p.heads / p.kv_heads, dim = p.head_dim;
@@ -193,10 +217,8 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
   const int stride = (hi - lo + 1 + W - 1) / W * W + W;
   scratch.scores.resize(size_t(rows) * stride);
   scratch.acc.assign(size_t(rows) * dim, 0.0f);
-  scratch.key.resize(dim);
   float* scores = scratch.scores.data();
   float* acc = scratch.acc.data();
-  float* converted = scratch.key.data();
   const int* from = scratch.from.data();
   const int* to = scratch.to.data();
   scratch.offsets.resize(hi - lo + 1);
@@ -206,14 +228,35 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
     if (++within == p.block_size) within = 0, ++block;
   }
   const int64_t* offsets = scratch.offsets.data();  // offsets[j - lo] for key j
-  // scores, each row over the keys it sees
-  for (int j = lo; j <= hi; ++j) {
-    if (j + AHEAD <= hi) prefetch_row(p.k_cache, p.cache_type, offsets[j + AHEAD - lo], dim);
-    const float* key = load_row(p.k_cache, p.cache_type, offsets[j - lo], dim, p.k_scale, converted);
+  // scores, each row over the keys it sees: keys W at a time, a row's W dot products summed together
+  // (hsum_lanes: each the same bits as alone, so a key's score does not depend on its group)
+  scratch.key.resize(size_t(W) * dim);
+  float* converted = scratch.key.data();
+  for (int g = lo; g <= hi; g += W) {
+    const int n = std::min(W, hi - g + 1);
+    const float* keys[W];
+    load_tile(p.k_cache, p.cache_type, p.k_scale, offsets + (g - lo), n, std::min(W, hi - g + 1 - n), dim, keys,
+              converted);
     for (int row = 0; row < rows; ++row) {
-      if (j < from[row] || j > to[row]) continue;
-      float s = dot(p.q + scratch.q_row[row] * dim, key, dim) * p.scale;
-      scores[size_t(row) * stride + (j - from[row])] = p.softcap > 0 ? soft_cap(s, p.softcap) : s;
+      if (to[row] < g || from[row] > g + n - 1) continue;
+      const float* q = p.q + scratch.q_row[row] * dim;
+      float s[W];
+      if (n == W) {
+        vec dots[W];
+        for (int k = 0; k < W; ++k) dots[k] = vzero();
+        for (int d = 0; d < dim; d += W) {
+          const vec qd = vload(q + d);
+          for (int k = 0; k < W; ++k) dots[k] = vfma(qd, vload(keys[k] + d), dots[k]);
+        }
+        hsum_lanes(dots, s);
+      } else {
+        for (int k = 0; k < n; ++k) s[k] = dot(q, keys[k], dim);
+      }
+      float* row_scores = scores + size_t(row) * stride;  // [j - from[row]] for key j
+      for (int k = std::max(0, from[row] - g); k < n && g + k <= to[row]; ++k) {
+        const float score = s[k] * p.scale;
+        row_scores[g + k - from[row]] = p.softcap > 0 ? soft_cap(score, p.softcap) : score;
+      }
     }
   }
   // softmax numerators in place, and each row's sum: W keys at a time from the row's first key, the
@@ -231,15 +274,25 @@ void run_item(const Problem& p, const Item& item, Scratch& scratch) {
     for (int j = 0; j < whole; j += W) sum = vadd(sum, vload(s + j));
     scratch.inverse[row] = 1.0f / hsum(sum);
   }
-  // the values, key by key in ascending order
-  for (int j = lo; j <= hi; ++j) {
-    if (j + AHEAD <= hi) prefetch_row(p.v_cache, p.cache_type, offsets[j + AHEAD - lo], dim);
-    const float* value = load_row(p.v_cache, p.cache_type, offsets[j - lo], dim, p.v_scale, converted);
+  // the values, key by key in ascending order: VALUE_TILE keys at a time, each row's sums for a few
+  // vectors of the head dimension held in registers over the tile
+  scratch.value.resize(size_t(VALUE_TILE) * dim);
+  for (int t = lo; t <= hi; t += VALUE_TILE) {
+    const int n = std::min(VALUE_TILE, hi - t + 1);
+    const float* values[VALUE_TILE];
+    load_tile(p.v_cache, p.cache_type, p.v_scale, offsets + (t - lo), n, std::min(VALUE_TILE, hi - t + 1 - n), dim,
+              values, scratch.value.data());
     for (int row = 0; row < rows; ++row) {
-      if (j < from[row] || j > to[row]) continue;
-      vec weight = vset(scores[size_t(row) * stride + (j - from[row])]);
+      const int first = std::max(t, from[row]), last = std::min(t + n - 1, to[row]);
+      if (first > last) continue;
+      const float* weights = scores + size_t(row) * stride + (first - from[row]);
+      const float* const* from_first = values + (first - t);
       float* a = acc + size_t(row) * dim;
-      for (int d = 0; d < dim; d += W) vstore(a + d, vfma(weight, vload(value + d), vload(a + d)));
+      const int count = last - first + 1;
+      int d = 0;
+      for (; d + 8 * W <= dim; d += 8 * W) add_values<8>(a + d, from_first, d, weights, count);
+      for (; d + 4 * W <= dim; d += 4 * W) add_values<4>(a + d, from_first, d, weights, count);
+      for (; d < dim; d += W) add_values<1>(a + d, from_first, d, weights, count);
     }
   }
   for (int row = 0; row < rows; ++row) {

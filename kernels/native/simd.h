@@ -111,6 +111,42 @@ inline float hsum(vec a) {
 #endif
 }
 
+// out[k] = hsum(a[k]) for each of W vectors, bit for bit: the same tree's adds, W sums at a time (each level
+// adds the same pairs of lanes for two vectors at once, and the last puts every sum in its place).
+inline void hsum_lanes(const vec* a, float* out) {
+#if defined(__AVX512F__)
+  vec level1[8], level2[4], level3[2];
+  for (int i = 0; i < 8; ++i)  // lane i + lane i + 8: [a[2i]'s 8 | a[2i+1]'s 8]
+    level1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // + 4: quarters [a[4i]'s 4, a[4i+1]'s, a[4i+2]'s, a[4i+3]'s]
+    level2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(level1[2 * i], level1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(level1[2 * i], level1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // + 2: quarter q [a[8i+q]'s 2, a[8i+4+q]'s 2]
+    level3[i] = _mm512_add_ps(_mm512_shuffle_ps(level2[2 * i], level2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(level2[2 * i], level2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + 1: lane 4q + r holds a[4r + q]'s sum
+  vec sums = _mm512_add_ps(_mm512_shuffle_ps(level3[0], level3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(level3[0], level3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i place = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(place, sums));
+#elif defined(__AVX2__) && defined(__FMA__)
+  vec level1[4], level2[2];
+  for (int i = 0; i < 4; ++i)  // lane i + lane i + 4: [a[2i]'s 4 | a[2i+1]'s 4]
+    level1[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // + 2: half h [a[4i+h]'s 2, a[4i+2+h]'s 2]
+    level2[i] = _mm256_add_ps(_mm256_shuffle_ps(level1[2 * i], level1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(level1[2 * i], level1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + 1: lane 4h + r holds a[2r + h]'s sum
+  vec sums = _mm256_add_ps(_mm256_shuffle_ps(level2[0], level2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm256_shuffle_ps(level2[0], level2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  for (int i = 0; i < W; ++i) out[i] = hsum(a[i]);
+#endif
+}
+
 inline float hmax(vec a) {
   float lanes[W];
   vstore(lanes, a);
