@@ -61,20 +61,21 @@ class CpuWeight:
     rows: int  # the row tile: every call multiplies exactly this many rows (``whole``: a multiple of it)
     reordered: bool
     whole: bool = False  # one call over all rows, padded to a multiple of ``rows``, instead of a call per tile
+    ragged: bool = False  # the last tile holds the rows left over, unpadded (calls of up to ``rows`` rows)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` in ``x``'s dtype, in tiles of ``rows`` rows (``whole``: in one call, padded
-        to a multiple of them) with operands in ``dtype``, so that each row's result depends on that row alone
-        where the CPU's probe found it so (``row_rule``). ``weight`` is the plain weight this copy was made of
-        (its bias is added in float32 where the operands are bfloat16)."""
+        to a multiple of them; ``ragged``: the last tile unpadded) with operands in ``dtype``, so that each row's
+        result depends on that row alone where the CPU's probe found it so (``row_rule``). ``weight`` is the
+        plain weight this copy was made of (its bias is added in float32 where the operands are bfloat16)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         rows, tile = x.shape[0], self.rows
         xin = x.to(self.dtype)
-        if rows % tile:
+        if rows % tile and not self.ragged:
             xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
         fused_bias = bias if bias is not None and bias.dtype == self.dtype else None
-        if self.whole or xin.shape[0] == tile:
+        if self.whole or xin.shape[0] <= tile:
             out = self._tile(xin, fused_bias)
         else:
             out = torch.cat([self._tile(t, fused_bias) for t in xin.split(tile)])
@@ -107,16 +108,17 @@ def bfloat16_supported() -> bool:
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None,
-         whole: bool = False) -> CpuWeight:
+         whole: bool = False, ragged: bool = False) -> CpuWeight:
     """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's) in tiles
-    of ``rows`` rows (default: ``ROW_TILES[dtype]``), or with ``whole`` in one call over all rows padded to
-    a multiple of ``rows``: reordered by oneDNN where it serves ``dtype``, else kept plain (then each call
-    runs a plain matmul, only slower)."""
+    of ``rows`` rows (default: ``ROW_TILES[dtype]``; with ``ragged`` the last one unpadded), or with
+    ``whole`` in one call over all rows padded to a multiple of ``rows``: reordered by oneDNN where it serves
+    ``dtype``, else kept plain (then each call runs a plain matmul, only slower)."""
     dtype = dtype or weight.dtype
     rows = rows or ROW_TILES[dtype]
     if onednn_serves(dtype):
-        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True, whole)
-    return CpuWeight(weight.to(dtype).contiguous(), dtype, rows, False, whole)
+        return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True, whole,
+                         ragged)
+    return CpuWeight(weight.to(dtype).contiguous(), dtype, rows, False, whole, ragged)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -273,12 +273,11 @@ class LlamaForCausalLM(nn.Module):
         if self.head_weight.device.type != "cpu":
             return
         rule = self.row_rule
-        rows, whole = (rule.projection.rows, rule.projection.whole) if rule else (None, False)
+        tiles = rule.projection.pack_settings() if rule else {}
         for module in self.modules():
             if isinstance(module, Projection) and module.quantized is None:
-                module.packed = cpu_linear.pack(module.weight, matmul_dtype, rows, whole)
-        rows, whole = (rule.head.rows, rule.head.whole) if rule else (None, False)
-        self._head_matmul = cpu_linear.pack(self.head_weight, None, rows, whole)
+                module.packed = cpu_linear.pack(module.weight, matmul_dtype, **tiles)
+        self._head_matmul = cpu_linear.pack(self.head_weight, None, **(rule.head.pack_settings() if rule else {}))
 
     def use_row_rule(self, rule: RowRule) -> None:
         """On CPU, runs the projections, the head and attention in ``rule``'s tiles from now on (the rule a

@@ -43,23 +43,32 @@ from kernels.lora_meta import LoraMetaBuilder
 @dataclass(frozen=True)
 class Tiling:
     """How a projection's rows are multiplied: one call over all of them padded to a multiple of ``rows``
-    (``whole``), or a call per tile of exactly ``rows`` rows."""
+    (``whole``), or a call per tile of exactly ``rows`` rows, or (``ragged``) of up to ``rows`` rows, the last
+    tile holding those left over unpadded."""
 
     rows: int
     whole: bool = False
+    ragged: bool = False
 
     def describe(self) -> str:
-        return f"one call of a multiple of {self.rows} rows" if self.whole else f"{self.rows}-row tiles"
+        if self.whole:
+            return f"one call of a multiple of {self.rows} rows"
+        return f"calls of up to {self.rows} rows" if self.ragged else f"{self.rows}-row tiles"
+
+    def pack_settings(self) -> dict:
+        """``cpu_linear.pack``'s arguments for this tiling."""
+        return {"rows": self.rows, "whole": self.whole, "ragged": self.ragged}
 
 
 # Each path's candidates, the cheapest first. A projection's one call costs less than its tiles (a step of
-# many rows makes one call, not one per tile; a decode pads fewer rows); the tiles hold where it does not:
-# on a 2-core Xeon with AMX one float32 call kept every row's bits at every multiple of 4 rows, while in
-# bfloat16 its AMX kernels summed a row differently from 64 rows on.
+# many rows makes one call, not one per tile; a decode pads fewer rows), and unpadded tiles less than padded
+# ones; the tiles hold where one call does not: on a 2-core Xeon with AMX one float32 call kept every row's
+# bits at every multiple of 4 rows, while in bfloat16 oneDNN summed a row differently in calls of over 32
+# rows (its AMX kernels) but the same in every call of 1 to 32.
 PROJECTION_TILINGS = {
     torch.float32: (Tiling(4, True), Tiling(8, True), Tiling(16, True), Tiling(16), Tiling(32)),
-    torch.bfloat16: (Tiling(32, True), Tiling(32), Tiling(64)),
-    torch.float16: (Tiling(32, True), Tiling(32), Tiling(64)),
+    torch.bfloat16: (Tiling(32, True), Tiling(32, ragged=True), Tiling(32), Tiling(64)),
+    torch.float16: (Tiling(32, True), Tiling(32, ragged=True), Tiling(32), Tiling(64)),
 }
 LORA_ROWS = cpu_lora.ROW_TILES
 ATTENTION_ROWS = tiled_attention.ROW_MULTIPLES
@@ -166,14 +175,15 @@ def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, tili
     """Where ``cpu_linear.linear`` under ``tiling`` gave a row other bits in steps of up to ``max_rows``
     rows, or None."""
     for weight in weights:
-        packed = cpu_linear.pack(weight, dtype, tiling.rows, tiling.whole)
+        packed = cpu_linear.pack(weight, dtype, **tiling.pack_settings())
         run = partial(cpu_linear.linear, weight=weight, bias=None, packed=packed)
         rows = tiling.rows
         if tiling.whole:  # one call of each padded count: a count's kernel may differ from another's
             x = _inputs(max(3 * rows, max_rows), weight.shape[1], rows, weight.dtype)
             failure = _row_breaks(run, x[: 3 * rows], rows) or _count_breaks(run, x, rows)
         else:
-            failure = _row_breaks(run, _inputs(3 * rows, weight.shape[1], rows, weight.dtype), rows)
+            x = _inputs(3 * rows, weight.shape[1], rows, weight.dtype)
+            failure = _row_breaks(run, x, rows) or (_short_tile_breaks(run, x, rows) if tiling.ragged else None)
         if failure:
             return f"[{weight.shape[0]}, {weight.shape[1]}] {failure}"
     return None
@@ -192,6 +202,16 @@ def _count_breaks(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     for row in sorted({n // 3 + 1, n // 2 + 3, n - 1}):
         if not torch.equal(run(x[row : row + 1]), whole[row : row + 1]):
             return f"row {row} of a call of {n} got other bits than alone"
+    return None
+
+
+def _short_tile_breaks(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> str | None:
+    """Whether ``run`` gives the rows of a last tile of any count from 1 to ``rows`` (after a whole tile)
+    other bits than in a whole tile."""
+    whole = run(x[: 2 * rows])
+    for count in range(1, rows):
+        if not torch.equal(run(x[: rows + count]), whole[: rows + count]):
+            return f"a last tile of {count} rows gave its rows other bits than a whole tile"
     return None
 
 

@@ -45,6 +45,21 @@ def test_linear_matches_a_plain_matmul_at_any_row_count(rows):
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 21, 40])
+def test_ragged_tiles_compute_every_row_in_calls_of_at_most_the_tile(monkeypatch, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(64, 24, generator=gen), torch.randn(64, generator=gen)
+    x = torch.randn(rows, 24, generator=gen)
+    packed = cpu_linear.pack(weight, rows=16, ragged=True)
+    calls = []
+    tile = packed._tile
+    monkeypatch.setattr(cpu_linear.CpuWeight, "_tile", lambda self, t, b: calls.append(t.shape[0]) or tile(t, b))
+    out = cpu_linear.linear(x, weight, bias, packed)
+    assert calls == [16] * (rows // 16) + ([rows % 16] if rows % 16 else [])  # no padding rows computed
+    rtol, atol = tolerances(torch.float32, depth=24 + 1, scale=magnitude(F.linear(x.abs(), weight.abs(), bias.abs())))
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1536, 96), (96, 1536), (3072, 64)], ids=str)

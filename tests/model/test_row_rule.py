@@ -6,6 +6,8 @@ shares their step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -63,6 +65,16 @@ def test_the_probe_notices_a_product_whose_rows_depend_on_each_other():
     assert row_rule._row_breaks(lambda t: t + t.sum(0), x, 8) is not None  # every row reads the others
     # a product that treats a row by its place in the call: the first row apart
     assert row_rule._row_breaks(lambda t: torch.cat([t[:1] * 3, t[1:] * 2]), x, 8) is not None
+
+
+def test_the_probe_notices_a_short_last_tile_that_sums_differently():
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(4))
+    def tiles(t: torch.Tensor, short: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p * 2 if p.shape[0] == 8 else short(p) for p in t.split(8)])
+    assert row_rule._short_tile_breaks(lambda t: tiles(t, lambda p: p * 2), x, 8) is None
+    # a library that runs calls of fewer rows through another kernel, rounding otherwise
+    failure = row_rule._short_tile_breaks(lambda t: tiles(t, lambda p: (p * 2).to(torch.bfloat16).float()), x, 8)
+    assert failure is not None and "last tile of 1 rows" in failure
 
 
 def test_when_no_tiling_holds_the_rule_says_so_and_keeps_the_largest(monkeypatch):
