@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from data_plane.model import amx_linear
 from data_plane.model.precision import Precision
 
 # The row tile of each operand dtype. float32 decode steps are compute-bound on the padding rows,
@@ -70,24 +71,37 @@ class CpuWeight:
         plain weight this copy was made of (its bias is added in float32 where the operands are bfloat16)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        rows, tile = x.shape[0], self.rows
-        xin = x.to(self.dtype)
-        if rows % tile and not self.ragged:
-            xin = torch.cat([xin, xin.new_zeros(tile - rows % tile, xin.shape[1])])
         fused_bias = bias if bias is not None and bias.dtype == self.dtype else None
-        if self.whole or xin.shape[0] <= tile:
-            out = self._tile(xin, fused_bias)
-        else:
-            out = torch.cat([self._tile(t, fused_bias) for t in xin.split(tile)])
-        out = out[:rows].to(x.dtype)
+        out = self._product(x.to(self.dtype), fused_bias).to(x.dtype)
         if bias is not None and fused_bias is None:  # bfloat16 operands for float32 rows: the bias in float32
             out = out.add_(bias)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` in ``dtype`` for ``x`` in ``dtype``, in this copy's tiles."""
+        rows, tile = x.shape[0], self.rows
+        if rows % tile and not self.ragged:
+            x = torch.cat([x, x.new_zeros(tile - rows % tile, x.shape[1])])
+        if self.whole or x.shape[0] <= tile:
+            return self._tile(x, bias)[:rows]
+        return torch.cat([self._tile(t, bias) for t in x.split(tile)])[:rows]
 
     def _tile(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.reordered:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+
+@dataclass(frozen=True)
+class AmxWeight(CpuWeight):
+    """A bfloat16 weight in the AMX kernel's tiles (``amx_linear``): every call one call over all its rows,
+    each row's bits its own; the product summed in float32 and rounded to bfloat16 once, as oneDNN's."""
+
+    outs: int = 0  # the weight's rows: the product's width
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = amx_linear.matmul(x, self.weight, self.outs)
+        return (out if bias is None else out.add_(bias.float())).to(self.dtype)
 
 
 def onednn_serves(dtype: torch.dtype) -> bool:
@@ -108,12 +122,17 @@ def bfloat16_supported() -> bool:
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None,
-         whole: bool = False, ragged: bool = False) -> CpuWeight:
+         whole: bool = False, ragged: bool = False, native: bool = False) -> CpuWeight:
     """``weight`` [out, in] ready for ``linear`` with operands in ``dtype`` (default: the weight's) in tiles
     of ``rows`` rows (default: ``ROW_TILES[dtype]``; with ``ragged`` the last one unpadded), or with
     ``whole`` in one call over all rows padded to a multiple of ``rows``: reordered by oneDNN where it serves
-    ``dtype``, else kept plain (then each call runs a plain matmul, only slower)."""
+    ``dtype``, else kept plain (then each call runs a plain matmul, only slower). With ``native``: in the AMX
+    kernel's tiles, one call over any rows (``amx_linear``; bfloat16 where ``amx_linear.unusable`` is "")."""
     dtype = dtype or weight.dtype
+    if native:
+        if reason := amx_linear.unusable(dtype):
+            raise ValueError(reason)
+        return AmxWeight(amx_linear.pack(weight), dtype, amx_linear.TILE_ROWS, False, True, outs=weight.shape[0])
     rows = rows or ROW_TILES[dtype]
     if onednn_serves(dtype):
         return CpuWeight(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), dtype, rows, True, whole,

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from data_plane.model import cpu_linear, native_attention, tiled_attention
+from data_plane.model import amx_linear, cpu_linear, native_attention, tiled_attention
 from data_plane.model.attention import AttentionInputs
 from kernels import cpu_lora, native_lora
 from kernels.lora_meta import LoraMetaBuilder
@@ -49,25 +49,30 @@ class Tiling:
     rows: int
     whole: bool = False
     ragged: bool = False
+    native: bool = False  # one call of our AMX kernel (``amx_linear``), which needs no padding
 
     def describe(self) -> str:
+        if self.native:
+            return "one call of the AMX kernel"
         if self.whole:
             return f"one call of a multiple of {self.rows} rows"
         return f"calls of up to {self.rows} rows" if self.ragged else f"{self.rows}-row tiles"
 
     def pack_settings(self) -> dict:
         """``cpu_linear.pack``'s arguments for this tiling."""
-        return {"rows": self.rows, "whole": self.whole, "ragged": self.ragged}
+        return {"rows": self.rows, "whole": self.whole, "ragged": self.ragged, "native": self.native}
 
 
 # Each path's candidates, the cheapest first. A projection's one call costs less than its tiles (a step of
 # many rows makes one call, not one per tile; a decode pads fewer rows), and unpadded tiles less than padded
 # ones; the tiles hold where one call does not: on a 2-core Xeon with AMX one float32 call kept every row's
 # bits at every multiple of 4 rows, while in bfloat16 oneDNN summed a row differently in calls of over 32
-# rows (its AMX kernels) but the same in every call of 1 to 32.
+# rows (its AMX kernels) but the same in every call of 1 to 32. Where AMX tiles are to be had, bfloat16 runs
+# our own kernel (``amx_linear``), one call for any rows and each row's sums its own.
 PROJECTION_TILINGS = {
     torch.float32: (Tiling(4, True), Tiling(8, True), Tiling(16, True), Tiling(16), Tiling(32)),
-    torch.bfloat16: (Tiling(32, True), Tiling(32, ragged=True), Tiling(32), Tiling(64)),
+    torch.bfloat16: (Tiling(16, True, native=True), Tiling(32, True), Tiling(32, ragged=True), Tiling(32),
+                     Tiling(64)),
     torch.float16: (Tiling(32, True), Tiling(32, ragged=True), Tiling(32), Tiling(64)),
 }
 LORA_ROWS = cpu_lora.ROW_TILES
@@ -174,6 +179,8 @@ def _projection_breaks(weights: Sequence[torch.Tensor], dtype: torch.dtype, tili
                        max_rows: int) -> str | None:
     """Where ``cpu_linear.linear`` under ``tiling`` gave a row other bits in steps of up to ``max_rows``
     rows, or None."""
+    if tiling.native and (reason := amx_linear.unusable(dtype)):
+        return reason
     for weight in weights:
         packed = cpu_linear.pack(weight, dtype, **tiling.pack_settings())
         run = partial(cpu_linear.linear, weight=weight, bias=None, packed=packed)
