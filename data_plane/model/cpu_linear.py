@@ -196,7 +196,8 @@ def _measure(weights: Sequence[tuple[torch.Tensor, int]], rows: Sequence[int], t
              repeats: int) -> dict[Precision, float]:
     total = dict.fromkeys(_CANDIDATES, 0.0)
     for weight, count in weights:
-        packs = {p: pack(weight, p.matmul_dtype) for p in _CANDIDATES}
+        # each as a pod would run it: bfloat16 through the AMX kernel where it serves
+        packs = {p: pack(weight, p.matmul_dtype, native=not amx_linear.unusable(p.matmul_dtype)) for p in _CANDIDATES}
         for n in rows:
             x = torch.randn(n, weight.shape[1], generator=torch.Generator().manual_seed(n))
             best = dict.fromkeys(_CANDIDATES, math.inf)
