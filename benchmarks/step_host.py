@@ -7,9 +7,12 @@ so is the time inside ``sample`` (the sampler's compute, which a GPU pod runs on
 reported on its own. Host time is given in wall time and in this thread's CPU time: on a machine shared
 with other jobs the second leaves out the time the thread waited for a core.
 Sequences sit at a context of 512 tokens; half of them sample at temperature 0.8 with top-p 0.9 and a
-seed, half greedily. One torch thread.
+seed, half greedily. One torch thread. With ``--pending`` each step's tokens are recorded as the
+asynchronous loop records them (PENDING at launch, settled once the next step is prepared), so every
+decode reads its last token on the device, from the persistent batch's ids; without it, as the
+synchronous loop does.
 
-    python benchmarks/step_host.py [--batches 1 64 256] [--steps 30] [--stub-forward]
+    python benchmarks/step_host.py [--batches 1 64 256] [--steps 30] [--stub-forward] [--pending]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.model_runner import ModelRunner
 from data_plane.engine.sampler import Sampled
 from data_plane.engine.scheduler import Scheduler, SchedulerLimits
-from data_plane.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from data_plane.engine.sequence import PENDING, SamplingParams, Sequence, SequenceStatus
 from data_plane.lora.runtime import LoraRuntime
 from data_plane.model.config import ModelConfig
 from data_plane.model.llama import LlamaForCausalLM
@@ -59,7 +62,8 @@ def stub_forward(model: LlamaForCausalLM) -> None:
     model_runner.sample = sample
 
 
-def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> tuple[list[float], list[float], list[float]]:
+def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int,
+            pending: bool = False) -> tuple[list[float], list[float], list[float]]:
     """Per step, in milliseconds (the first five steps left out): the wall time of schedule -> run ->
     postprocess minus the time inside the model's forward, output projection and sampler; the same in
     this thread's CPU time (what other processes on a shared machine do not add to); and the sampler's
@@ -91,12 +95,20 @@ def host_ms(model: LlamaForCausalLM, batch_size: int, steps: int) -> tuple[list[
     model.forward, model.logits = timed(forward, "model"), timed(logits, "model")
     model_runner.sample = timed(sample, "sample")
     host, host_cpu, sampling = [], [], []
+    flight = []  # (item, token) of the step launched last, not yet settled (pending)
     try:
         for step in range(steps + 5):
             inside.update(dict.fromkeys(inside, 0.0))
             started, started_cpu = time.perf_counter(), time.thread_time()
             batch = scheduler.schedule()
-            scheduler.postprocess(batch, [tok.id for tok in runner.run(batch)])
+            if pending:  # as the asynchronous loop: recorded at launch, the step before's tokens settled after
+                executed = runner.execute(runner.prepare(batch))
+                scheduler.postprocess(batch, [PENDING] * len(batch), ran=False)
+                for item, tok in flight:
+                    scheduler.settle(item.seq, tok.id)
+                flight = list(zip(batch, executed.tokens(), strict=True))
+            else:
+                scheduler.postprocess(batch, [tok.id for tok in runner.run(batch)])
             if step >= 5:
                 host.append((time.perf_counter() - started - inside["model"] - inside["sample"]) * 1e3)
                 host_cpu.append((time.thread_time() - started_cpu - inside["model_cpu"] - inside["sample_cpu"]) * 1e3)
@@ -115,17 +127,21 @@ def main() -> None:
                         help="the forward, the output projection and the sampler replaced by stubs that return at "
                              "once: the host's bookkeeping alone, without the CPU's cost of freeing the "
                              "[rows, vocab] logits (a GPU pod keeps them on the device); its minimum is also shown")
+    parser.add_argument("--pending", action="store_true",
+                        help="tokens recorded as the asynchronous loop records them: each decode reads its last "
+                             "token on the device")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = tiny_model()
     if args.stub_forward:
         stub_forward(model)
     print(f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, torch {torch.__version__}, load average {load_average()}; "
-          f"context {CONTEXT}, {args.steps} steps each\n")
+          f"context {CONTEXT}, {args.steps} steps each" + (", tokens pending a step (asynchronous loop)\n"
+                                                            if args.pending else "\n"))
     print("| batch | host ms p50 | host ms p90 | host ms min | host CPU ms p50 | sampling ms p50 |")
     print("|---|---|---|---|---|---|")
     for batch_size in args.batches:
-        host, host_cpu, sampling = host_ms(model, batch_size, args.steps)
+        host, host_cpu, sampling = host_ms(model, batch_size, args.steps, args.pending)
         host.sort()
         print(f"| {batch_size} | {statistics.median(host):.2f} | {host[int(0.9 * len(host))]:.2f} | {host[0]:.2f} | "
               f"{statistics.median(host_cpu):.2f} | {statistics.median(sampling):.2f} |")

@@ -1,8 +1,8 @@
 """Nothing in a forward pass waits on the device: the model, its attention backends, the LoRA layers,
-the GPU LoRA backend, the fused layer ops, the step runners, the sampler, the model runner's step (which
-starts the tokens' copy to the host and returns) and every Triton launcher call no
-``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A CUDA graph could not
-capture such a call, and eagerly each one stalls the host until the GPU drains.)
+the GPU LoRA backend, the fused layer ops, the step runners, the sampler, the model runner's step (prepared on
+the loop from the persistent batch, then run: it starts the tokens' copy to the host and returns) and every
+Triton launcher call no ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero`` or synchronize. (A
+CUDA graph could not capture such a call, and eagerly each one stalls the host until the GPU drains.)
 tests/kernels/test_forward_on_gpu_path.py runs the same path under the Triton interpreter and fails on the
 syncing ops the dispatcher sees."""
 
@@ -29,10 +29,16 @@ FORWARD_PATH = {
     "kernels/lora_expand.py": ["*"],
     "kernels/lora_launch.py": ["*"],
     "data_plane/engine/sampler.py": ["sample", "_allowed", "_draw", "_nucleus", "_gumbel", "_mix32_", "_top_ids",
-                                     "Sampled.copy_to_host"],
-    # the step as the model thread runs it: the next step's input ids fed from this one's on the device, the
-    # forward, sampling, and the tokens' copy to the host started, not waited for (asynchronous scheduling)
-    "data_plane/engine/model_runner.py": ["ModelRunner.execute"],
+                                     "Sampled.copy_to_host", "SamplingBatch.recounted"],
+    # the step as the loop prepares it (each sequence's progress read on the host; a pending token gathered from
+    # its row of the persistent batch's ids on the device) and as the model thread runs it: the forward,
+    # sampling, the sampled ids kept at their rows on the device, and the tokens' copy to the host started, not
+    # waited for (asynchronous scheduling)
+    "data_plane/engine/model_runner.py": ["ModelRunner.prepare", "ModelRunner._fed", "ModelRunner.execute"],
+    "data_plane/engine/step_inputs.py": ["StepInputBuilder.build", "StepInputBuilder.build_columns",
+                                        "StepInputBuilder._decode_layout", "StepInputBuilder._mixed_layout",
+                                        "StepInputBuilder._stage_appends"],
+    "data_plane/engine/persistent_batch.py": ["*"],
     "data_plane/engine/step_runner.py": ["EagerRunner.forward", "GraphRunner.forward", "GraphRunner._bounded",
                                          "forward_batch"],
 }

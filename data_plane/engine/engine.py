@@ -10,12 +10,12 @@ is scheduled while step N runs, and launched once N is (on CUDA once N's kernels
 once N is computed); N's tokens are then read with one copy and postprocessed while N+1 runs. A step's
 postprocess records its progress when it launches (its sampled tokens joining their outputs as
 ``PENDING``) and settles each token's id when it is read, so N+1 is scheduled on N's progress; a
-sequence that decodes a pending token reads it from N's sampled ids on the device. A sequence that N
-ends (a stop, EOS, its grammar's end) may still hold a slot in N+1: that output is dropped, never
-streamed or counted. A step waits for N's tokens instead when one of its constrained sequences decodes a
-pending token (its grammar mask needs the matcher to have consumed it), and when an adapter load waits
-for the model lock (the lock is let go between the two steps). Tokens are the same bits in both loops:
-a request's tokens do not depend on what shares its steps.
+sequence that decodes a pending token reads it on the device, at its row of the persistent batch (where N
+wrote it; persistent_batch.py). A sequence that N ends (a stop, EOS, its grammar's end) may still hold a
+slot in N+1: that output is dropped, never streamed or counted. A step waits for N's tokens instead when
+one of its constrained sequences decodes a pending token (its grammar mask needs the matcher to have
+consumed it), and when an adapter load waits for the model lock (the lock is let go between the two
+steps). Tokens are the same bits in both loops: a request's tokens do not depend on what shares its steps.
 """
 
 from __future__ import annotations
@@ -437,9 +437,10 @@ class Engine:
             self._landed()
             self.scheduler.postprocess([], [])
             return None
-        tokens: list[int | None] = [None] * len(live)
-        for k in step.sampled_positions:
-            tokens[k] = PENDING
+        tokens: list[int | None] = [PENDING] * len(live) if step.whole else [None] * len(live)
+        if not step.whole:
+            for k in step.sampled_positions:
+                tokens[k] = PENDING
         shape = self._last_shape = step_shape(live)
         self.delays.step_began(shape)
         self.scheduler.postprocess(live, tokens, ran=False)

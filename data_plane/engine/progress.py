@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data_plane.engine.block_manager import BlockManager
-from data_plane.engine.sequence import PENDING, Sequence
+from data_plane.engine.sequence import PENDING, Sequence, SequenceStatus
 from data_plane.engine.step_cost import StepShape
 
 
@@ -31,8 +31,9 @@ class ScheduledSeq:
 def step_shape(batch: list[ScheduledSeq]) -> StepShape:
     """What a step computes, as the step-time model reads it: a one-token entry is a decode row."""
     prefills = [item.num_new for item in batch if item.num_new > 1]
-    return StepShape(len(batch) - len(prefills), sum(prefills), len(prefills),
-                     len({item.seq.slot for item in batch if item.seq.slot >= 0}))
+    slots = {item.seq.slot for item in batch}
+    slots.discard(-1)
+    return StepShape(len(batch) - len(prefills), sum(prefills), len(prefills), len(slots))
 
 
 class Progress:
@@ -54,16 +55,19 @@ class Progress:
         for seq in self.preempted:
             seq.num_computed = 0
         self.preempted.clear()
+        offer = self._blocks.cache_full_blocks if ran and self._blocks.prefix is not None else None
+        finished = SequenceStatus.FINISHED
         for item, token in zip(batch, token_ids, strict=True):
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             seq.num_computed += item.num_cached + item.num_new
             if token is not None:
                 seq.output_ids.append(token)
-                seq.pending += token == PENDING
-            if ran:
-                self._blocks.cache_full_blocks(seq)
+                if token == PENDING:
+                    seq.pending += 1
+            if offer is not None:
+                offer(seq)
         return preempted
 
     def settle(self, seq: Sequence, token_id: int | None) -> None:
@@ -73,4 +77,5 @@ class Progress:
         if token_id is not None:
             seq.output_ids[len(seq.output_ids) - seq.pending] = token_id
             seq.pending -= 1
-        self._blocks.cache_full_blocks(seq)
+        if self._blocks.prefix is not None:
+            self._blocks.cache_full_blocks(seq)

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import repeat
 
 import torch
 
@@ -94,6 +95,7 @@ class SamplingBatch:
     bias_ids: torch.Tensor  # [biases] int64
     bias_values: torch.Tensor  # [biases] float32
     grammar_rows: tuple[tuple[GrammarState, int], ...] = ()  # each constrained row's matcher and logits row
+    draw_index: torch.Tensor | None = None  # [draws] int64 on the host: draw_rows, where gather made the batch
 
     @property
     def num_biases(self) -> int:
@@ -155,7 +157,20 @@ class SamplingBatch:
 
         return cls._pack(fill, draws.shape[0], biases, device, num_rows=len(rows),
                          num_logprobs=tuple(per_row[:, _F_LOGPROBS].tolist()),
-                         top_ks=tuple(draws[:, _F_TOP_K].tolist()), num_top_p=num_top_p, grammar_rows=grammar_rows)
+                         top_ks=tuple(draws[:, _F_TOP_K].tolist()), num_top_p=num_top_p, grammar_rows=grammar_rows,
+                         draw_index=draw_rows)
+
+    def recounted(self, counters: list[int]) -> SamplingBatch:
+        """The batch of ``gather``'s same rows, each now sampling the token at position ``counters[i]``: only
+        the drawing rows' counters are sent, in one copy (none when every row is greedy). A persistent
+        batch's next decode step over the same sequences samples with it."""
+        if not self.num_draws:
+            return self
+        host = host_ints(counters)[self.draw_index]
+        device = self.counter.device
+        if device.type == "cuda":  # pinned, so that the copy need not wait for the host
+            host = host.pin_memory()
+        return replace(self, counter=host.to(device, non_blocking=True))
 
     @classmethod
     def _pack(cls, fill: Callable[[torch.Tensor], None], num_draws: int, biases: list[tuple[int, int, float]],
@@ -258,13 +273,17 @@ class HostTokens:
         if self.copied is not None:
             self.copied.synchronize()
         n = (self.packed.shape[1] - 2) // 2
-        if n == 0:  # no row asked for alternatives
-            return [TokenOut(int(token), logprob, ()) for token, logprob in self.packed.tolist()]
+        if n == 0:  # no row asked for alternatives: one tuple a token, made without a call per token
+            ids, logprobs = self.packed[:, 0].long().tolist(), self.packed[:, 1].tolist()
+            return [_tuple(TokenOut, token) for token in zip(ids, logprobs, repeat(()))]
         out = []
         for row, k in zip(self.packed.tolist(), self.num_logprobs, strict=True):
             top = tuple((int(row[2 + j]), row[2 + n + j]) for j in range(k))
             out.append(TokenOut(int(row[0]), row[1], top))
         return out
+
+
+_tuple = tuple.__new__  # TokenOut is a NamedTuple: tuple.__new__(TokenOut, fields) makes one
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, masks: torch.Tensor | None = None) -> Sampled:

@@ -6,6 +6,7 @@ import enum
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from data_plane.engine.grammar import Constraint, GrammarState
 from data_plane.errors import InvalidRequest
@@ -71,8 +72,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
-class TokenOut:
+class TokenOut(NamedTuple):
+    """A sampled token. (A tuple: a step makes one per sequence, several times faster than a frozen dataclass.)"""
+
     id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # most likely alternatives, most likely first

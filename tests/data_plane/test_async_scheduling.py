@@ -104,7 +104,7 @@ def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv
 
         def counting(batch):
             step = prepare(batch)
-            fed[0] += step.feed is not None
+            fed[0] += step.fed > 0
             sampled.update(batch[k].seq.request_id for k in step.sampled_positions)
             return step
 
