@@ -19,6 +19,9 @@
    (how many, capture time and memory) and its eager steps (steps no captured shape fits: 0 expected);
 7. TTFT and inter-token latency p50/p99 of an open-loop (Poisson) load at 70% of the measured capacity, and
    the steps it ran eagerly;
+   wall time per step against the device's busy time (torch.profiler) at batch 64, base only and 64
+   adapters, on the serving pod (asynchronous scheduling, the default) and on a pod started with
+   ``--no-async-scheduling`` for this measurement alone (gpu_steps.py);
 8. an FP8 base (``--quantization fp8``) against the bf16 one: W8A8, weight-only and bf16 matmuls per projection
    shape, then decode at batch 1, prefill, base-only and 8-adapter throughput on two pods (gpu_fp8.py).
 
@@ -67,6 +70,7 @@ from gpu_pods import (  # noqa: E402
     running_pod,
 )
 from gpu_report import Report  # noqa: E402
+from gpu_steps import step_rows, step_times  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -86,17 +90,19 @@ class Sizes:
     copy_bytes: int
     iters: int
     warmup: int
+    step_tokens: int = 32  # per request of the step-time runs (gpu_steps.py)
 
 
 SIZES = {
     "8b": Sizes(64, 128, 128, 8, 64, 16, 256, 2, (8, 16, 64), (1, 16, 64), 64, 2048, 1 << 30, 50, 5),
     # The Triton interpreter runs a launch per program in Python: few ranks, few tokens, few slots.
-    "tiny": Sizes(64, 16, 16, 6, 16, 4, 32, 1, (8, 64), (1, 4), 4, 64, 64 << 20, 1, 0),
+    "tiny": Sizes(64, 16, 16, 6, 16, 4, 32, 1, (8, 64), (1, 4), 4, 64, 64 << 20, 1, 0, step_tokens=6),
 }
 SERVING = [f"r16-{i}" for i in range(64)]  # 64 distinct rank-16 adapters
 RANKS = {"r8": 8, "r64": 64, **dict.fromkeys(SERVING, 16)}
 PARITY = [(None, 0), ("r8", 8), ("r16-0", 16), ("r64", 64)]  # (adapter, rank): one mixed batch
-PARTS = ("kernels", "parity", "serving", "no-lora", "fp8", "peft")
+PARTS = ("kernels", "parity", "serving", "no-lora", "sync", "fp8", "peft")
+STEP_MIXES = {"base only": [None], "64 adapters": SERVING}  # the step-time runs' mixes (gpu_steps.py)
 OPEN_LOOP_LOAD = 0.7  # open-loop arrival rate over the closed 64-adapter run's request rate
 
 
@@ -189,6 +195,10 @@ async def serving_pod(args, sizes: Sizes, model_dir: Path, root: Path, found: di
             found["runs"][label] = summary(rs)
         found["runs"]["64 adapters, peft's length"] = summary([await drive(
             engine, "as peft", requests(sizes.batch, sizes, SERVING, seed=200), sizes.peft_new_tokens)])
+        for label, mix in STEP_MIXES.items():
+            found["steps"].append({"pod": "asynchronous", **await step_times(
+                engine, args.device, label, lambda seed, mix=mix: requests(sizes.batch, sizes, mix, seed),
+                sizes.step_tokens)})
         rate = OPEN_LOOP_LOAD * found["runs"]["64 adapters"]["tok_s"] / sizes.new_tokens
         eager_before = engine.snapshot().eager_steps
         run = await drive(engine, "open loop", requests(sizes.open_requests, sizes, SERVING, seed=300),
@@ -209,6 +219,18 @@ async def no_lora_pod(args, sizes: Sizes, model_dir: Path, found: dict) -> None:
                 for r in range(sizes.rounds)]
         found["graphs"]["no-LoRA pod"] = graph_figures(engine)
     found["runs"]["no-LoRA pod, base only"] = summary(runs)
+
+
+async def sync_pod(args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
+    """The serving pod's config started with ``--no-async-scheduling``, for the step-time runs alone."""
+    config, _ = pod_config(model_dir, args.device, args.dtype, max_loras=64, max_cpu_loras=64, max_lora_rank=16,
+                           max_num_seqs=sizes.batch, adapter_roots=(root,), async_scheduling=False)
+    async with running_pod(config) as engine:
+        await drive(engine, "adapter loads", requests(64, sizes, SERVING, seed=10), 2)
+        for label, mix in STEP_MIXES.items():
+            found["steps"].append({"pod": "synchronous", **await step_times(
+                engine, args.device, label, lambda seed, mix=mix: requests(sizes.batch, sizes, mix, seed),
+                sizes.step_tokens)})
 
 
 def graph_rows(report: Report, graphs: dict) -> None:
@@ -333,9 +355,10 @@ def main() -> None:
         if written is not None:
             model_dir, root = written
             floor_ms = decode_weight_bytes(preset, dtype) / gbs / 1e6
-            found = {"parity": {}, "runs": {}, "graphs": {}}
+            found = {"parity": {}, "runs": {}, "graphs": {}, "steps": []}
             report.sections["serving"] = found["runs"]
             report.sections["graphs"] = found["graphs"]
+            report.sections["step_time"] = found["steps"]
             # One event loop per pod: a stopped engine stays referenced until its loop is gone (the cancelled
             # step loop's traceback), and the next pod's KV cache takes what the device has free.
             for eager in (False, True) if "parity" not in args.skip else ():
@@ -345,6 +368,8 @@ def main() -> None:
                 report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
             if "no-lora" not in args.skip:
                 report.run("no-LoRA pod", asyncio.run, no_lora_pod(args, sizes, model_dir, found))
+            if "sync" not in args.skip:
+                report.run("synchronous pod", asyncio.run, sync_pod(args, sizes, model_dir, root, found))
             if "fp8" not in args.skip:
                 from gpu_fp8 import section as fp8_section
 
@@ -354,6 +379,8 @@ def main() -> None:
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
             report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms, always=True)
             report.run("graphs table", graph_rows, report, found["graphs"], always=True)
+            report.run("step time table", step_rows, report, found["steps"], sizes.batch, sizes.step_tokens,
+                       always=True)
     if args.device == "cpu":
         report.notes.append("CPU run: the Triton kernels ran under the interpreter (their times are not speeds), "
                             "and CUDA graphs do not apply")

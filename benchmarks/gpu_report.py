@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 # the table's sections, in order
-ORDER = ("parity", "copy", "LoRA", "attention", "fused ops", "decode b1", "serving", "latency", "graphs", "fp8")
+ORDER = ("parity", "copy", "LoRA", "attention", "fused ops", "decode b1", "serving", "latency", "step time", "graphs",
+         "fp8")
 
 def device_name(device: str) -> str:
     """The GPU's name, or the CPU's model name from /proc/cpuinfo."""

@@ -60,6 +60,14 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
     assert set(data["graphs"]) == {"serving pod", "no-LoRA pod"} and runs["open loop"]["eager_steps"] == 0
     assert all(g["eager_steps"] == 0 and g["capture_s"] is None for g in data["graphs"].values())
     assert "| graphs | serving pod: steps run eagerly" in done.stdout
+    # wall time per step on the default (asynchronous) pod and on one started with --no-async-scheduling; a CPU
+    # has no device busy time to hold it against
+    steps = data["step_time"]
+    assert {(r["pod"], r["mix"]) for r in steps} == {(pod, mix) for pod in ("asynchronous", "synchronous")
+                                                      for mix in ("base only", "64 adapters")}
+    for r in steps:
+        assert r["steps"] > 0 and _finite(r["wall_ms"]) and r["wall_ms"] > 0 and r["busy_ms"] is None, r
+    assert "| step time | base only: wall time per step, asynchronous / synchronous loop |" in done.stdout
     # the printed table carries the same rows
     assert "| serving | 8 adapters / base only |" in done.stdout and "all checks passed" in done.stdout
 
