@@ -15,6 +15,9 @@ greedy) with a prompt of 8-128 words and no gRPC deadline, so only the pod's own
   turn. Reported: goodput (requests whose first token came within the pod's promised queue delay, its
   default ``--max-queue-delay``, per second from the first arrival to the last request's end), refused
   share, TTFT p50/p99 of the admitted requests, time to refusal p50/p99, all timed on the client;
+- ``mixed`` (with ``--mixed``): the same rates, each request's adapter (or the base model) at random, a
+  prompt of 10-140 words and 16-48 new tokens at random: the mixed-adapter, mixed-length load the promise
+  must hold on too (issue 42). Reported: admitted TTFT p99 per rate against the promise;
 - ``trickle``: one adapter alone at ``--trickle-rate`` requests/s: its unloaded TTFT; then the same
   trickle beside another adapter flooding at 2× capacity: its TTFT against its unloaded value;
 - ``burst``: ``--streams`` requests streaming long completions; their inter-token gaps in the seconds
@@ -53,6 +56,8 @@ from stream_load import percentile_ms  # benchmarks/stream_load.py
 from data_plane.config import DataPlaneConfig
 from data_plane.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 
+# The mixed load (--mixed): prompt words and new tokens of each request, drawn at random within these.
+MIXED_WORDS, MIXED_TOKENS = (10, 140), (16, 48)
 QUICK = {"seconds": 4.0, "capacity_requests": 8, "max_tokens": 8, "trickle_rate": 0.5, "streams": 2, "burst": 2}
 LOADS = (0.5, 1.0, 2.0)
 PROMISE_S = DataPlaneConfig.max_queue_delay  # what the pod promises at its defaults (the field's default)
@@ -119,10 +124,11 @@ async def one_request(stub, adapter: str | None, text: str, max_tokens: int, pha
 
 
 async def poisson(stub, streams: list[tuple[float, list[str | None]]], seconds: float, max_tokens: int,
-                  phase: Phase, seed: int, billed_to: tuple[str, ...] = ()) -> None:
+                  phase: Phase, seed: int, billed_to: tuple[str, ...] = (), mixed: bool = False) -> None:
     """Open loop: each (rate, adapters) stream sends Poisson arrivals at ``rate`` per second for
     ``seconds``, cycling over ``adapters``, billed to the stream's tenant in ``billed_to`` (none if absent);
-    waits for every request to end."""
+    waits for every request to end. ``mixed``: each request's adapter drawn from ``adapters`` at random, its
+    prompt of MIXED_WORDS words and its completion of MIXED_TOKENS tokens at random, instead."""
     rng = random.Random(seed)
     tasks: list[asyncio.Task] = []
     start = time.perf_counter()
@@ -135,8 +141,12 @@ async def poisson(stub, streams: list[tuple[float, list[str | None]]], seconds: 
             if at >= end:
                 return
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one_request(stub, adapters[i % len(adapters)], prompt(rng), max_tokens,
-                                                         phase, billed_to=tenant)))
+            if mixed:
+                adapter, text, tokens = rng.choice(adapters), prompt(rng, rng.randint(*MIXED_WORDS)), \
+                    rng.randint(*MIXED_TOKENS)
+            else:
+                adapter, text, tokens = adapters[i % len(adapters)], prompt(rng), max_tokens
+            tasks.append(asyncio.create_task(one_request(stub, adapter, text, tokens, phase, billed_to=tenant)))
             i += 1
 
     tenants = [*billed_to, *[""] * (len(streams) - len(billed_to))]
@@ -224,12 +234,14 @@ async def run_config(pod: PodProcess, args: argparse.Namespace, rate: float) -> 
         stub = generation_pb2_grpc.GenerationStub(channel)
         await capacity(stub, len(adapters), args.max_tokens, adapters, args.seed)  # warm: every adapter in a slot
         plan = [(f"load {factor:g}×", [(factor * rate, adapters)]) for factor in LOADS]
+        if args.mixed:
+            plan += [(f"mixed {factor:g}×", [(factor * rate, adapters)]) for factor in LOADS]
         plan += [("trickle alone", [(args.trickle_rate, [trickle])]),
                  ("trickle beside a 2× flood", [(args.trickle_rate, [trickle]), (2 * rate, [flood])])]
         for name, streams in plan:
             phase = Phase(name)
             phase.calibration = await measured(pod, poisson(stub, streams, args.seconds, args.max_tokens, phase,
-                                                            args.seed))
+                                                            args.seed, mixed=name.startswith("mixed")))
             phases.append(phase)
             wait_until(lambda: idle(pod), 600, "idle")
         calm, loud = await burst(stub, args, args.seed)
@@ -269,6 +281,10 @@ def report(results: dict[str, tuple[list[Phase], tuple]], rate: float, args: arg
         alone = by_name["trickle alone"].ttft.get(trickle, [])
         beside = by_name["trickle beside a 2× flood"].ttft.get(trickle, [])
         one, two = by_name["load 1×"].goodput(), by_name["load 2×"].goodput()
+        if "mixed 2×" in by_name:
+            mixed = [percentile_ms(by_name[f"mixed {factor:g}×"].all_ttft(), 0.99) for factor in LOADS]
+            print(f"{config}: mixed load, admitted TTFT p99 at {', '.join(f'{f:g}×' for f in LOADS)}: "
+                  f"{' / '.join(mixed)} ms (promise {PROMISE_S * 1e3:.0f} ms plus a prompt's own prefill)")
         print(f"{config}: admitted TTFT p99 at 2× {percentile_ms(high, 0.99)} ms (promise {PROMISE_S * 1e3:.0f}), "
               f"/ at 0.5× = {_ratio(high, low)} (target ≤ 3); refusal p99 "
               f"{percentile_ms(by_name['load 2×'].refusals, 0.99)} ms (target < 50); goodput 2× / 1× = "
@@ -301,6 +317,9 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=16, help="long prompts in the burst")
     parser.add_argument("--burst-after", type=float, default=4.0, help="seconds of streams alone before the burst")
     parser.add_argument("--before-tree", type=Path, help="a checkout of the earlier version to compare with")
+    parser.add_argument("--mixed", action="store_true",
+                        help=f"also the mixed load: adapters at random, prompts of {MIXED_WORDS[0]}-{MIXED_WORDS[1]} "
+                             f"words, {MIXED_TOKENS[0]}-{MIXED_TOKENS[1]} new tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="a smoke check: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))

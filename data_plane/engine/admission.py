@@ -1,27 +1,16 @@
 """Admission by deadline: how long a new request would wait for its first token, and whether to take it.
 
-The wait has three parts, estimated from the step-time model the engine fits to its own steps
-(``step_cost.py``) and from what it measured recently; their sum is then scaled by how late (or early)
-recent admitted requests' first tokens came against their estimates, so what the model misses (steps
-waiting on the event loop, a busy machine, work the scheduler orders differently) is corrected from
-the pod's own outcomes:
-
-- the step in flight: what is left of its predicted time;
-- a seat: when the requests running plus those ahead of the new one fill ``max_num_seqs``, the new
-  one waits for enough running requests to finish. Each seat turns over once per service time (admission
-  to last token, an average over recent requests), so ``n`` extra seats take ``n × service / max_num_seqs``.
-  Before any request has finished, a running request's service time is its remaining tokens (at most
-  its ``max_tokens``) times the predicted decode step;
-- its prefill and the prefill work ahead of it (prompts being chunked, waiting requests), followed
-  step by step: each step prefills what its budget allows beside that step's decodes (the requests
-  decoding now, and each request ahead once its prompt is done), in the predicted time for its shape.
-  Its first token comes with the step that ends its prompt.
-
-Which requests are ahead follows the scheduler's policy (``queue_ahead.py``): under fair share a
-request of a quiet adapter is ahead of most of a flooding adapter's backlog, and when its adapter has
-no seat it takes one from the flood at the next step, so the flood is refused and the quiet adapter
-is not. Other adapters' requests that arrive while it waits also take their turns before it: the
-estimate counts those expected at each flow's recent rate (``Arrivals``), up to their turns.
+The wait is where the plan of the queue lands the new request (``queue_plan.py``): the scheduler's own
+rules followed step by step on a copy of its state, each step timed by the step-time model the engine
+fits to its own steps (``step_cost.py``), so the estimate reads the order the scheduler will take (fair
+shares, started prompts' quanta, seats taken and given up, rushes, floods' streams yielding, decodes
+ending at their length), with the other flows' requests expected to arrive meanwhile at their recent
+rates (``Arrivals``) taking the turns the rules give them. To the end of the step in flight (what is
+left of its predicted time) it adds the plan's steps up to the one that ends the new request's prompt,
+which brings its first token. The sum is then scaled by how late (or early) recent admitted requests'
+first tokens came against their estimates, so what the plan misses (steps waiting on the event loop, a
+busy machine, requests that stop before their length, arrivals other than expected) is corrected from the
+pod's own outcomes.
 
 A request is refused when that wait exceeds its gRPC deadline or the pod's ``--max-queue-delay``,
 judged as late as the slowest tenth of recent first tokens came against their estimates (``tail``),
@@ -37,11 +26,16 @@ refusal says when to try again: the time until the estimate would fit.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from data_plane.engine.queue_plan import Landing, work_plan
 from data_plane.engine.step_cost import StepCost, StepShape
 
 # Weight of the newest sample in the moving average of service time: about the last ten requests count.
@@ -54,19 +48,23 @@ _MIN_BIAS, _MAX_BIAS, _MIN_CALIBRATED_S = 0.5, 4.0, 0.05
 _TAIL_QUANTILE, _TAIL_SAMPLES, _TAIL_MIN_SAMPLES = 0.9, 64, 8
 # Accounts whose own calibration is kept, the most recently seen (tenants are names clients send).
 _MAX_ACCOUNTS = 1024
-# Steps of the prefill ahead that an estimate follows one by one; the work left after them is counted at
-# the last step's rate (a wait that long is refused whatever its exact length).
-_MAX_STEPS = 4096
 # How far back the arrival rates that predict overtaking (Arrivals) look.
 ARRIVAL_WINDOW_S = 10.0
+# The plan of the queue counts the requests expected to arrive by each moment of a wait at this quantile of
+# their number (a Poisson process at the recent rate): a little more than their mean number, since each
+# one that comes sooner overtakes and the wait grows with it. The least that kept admitted first tokens
+# within their promise on benchmarks/admission_replay.py --calibrated at its highest rate (RESULTS.md,
+# "One model of the queue"); higher refuses more for fewer first tokens kept.
+_ARRIVAL_QUANTILE = 0.6
 # Bounds of the retry hint a refusal carries.
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 
 
 @dataclass(frozen=True)
 class Ahead:
-    """What a new request would wait behind: requests admitted before it (that still need a seat) and the
-    uncomputed tokens of the prefill work before it, ``sizes`` that work item by item in order (default:
+    """What a new request would wait behind, as a list rather than a plan (``DelayEstimator.estimate``,
+    ``Scheduler.ahead_of``): requests admitted before it (that still need a seat) and the uncomputed
+    tokens of the prefill work before it, ``sizes`` that work item by item in order (default:
     ``tokens`` shared evenly by ``requests``); ``seat_now`` when it would not wait for a seat (its account
     has none and takes one at the next step)."""
 
@@ -88,22 +86,24 @@ class Ahead:
 
 
 class Arrivals:
-    """Each flow's requests (an adapter's, or the base model's) admitted over the last ``ARRIVAL_WINDOW_S``:
-    how many more to expect within a wait, and their mean prompt size. Under fair share a request is
-    overtaken by other flows' later requests (each takes its turn before the new one's next turn), so a
-    wait estimated from the queues alone comes out short when the other flows' queues are short now and
-    fill while it waits."""
+    """Each flow's requests (an adapter's, or the base model's) admitted over the last ``window_s``: how many
+    more to expect within a wait, their mean prompt and completion sizes, and when the plan of the queue
+    expects them (``coming``). Under fair share a request is overtaken by other flows' later requests
+    (each takes the turns the rules give it), so a wait planned from the queues alone comes out short when
+    the other flows' queues are short now and fill while it waits."""
 
     def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
-        self._window_s = window_s
-        self._seen: dict[object, deque[tuple[float, int]]] = {}  # flow -> (time, prompt tokens), oldest first
+        self.window_s = window_s
+        # flow -> (time, prompt tokens, new tokens at most, tenant), oldest first
+        self._seen: dict[object, deque[tuple[float, int, int, str | None]]] = {}
 
-    def record(self, flow: object, prompt_tokens: int, now: float) -> None:
-        self._seen.setdefault(flow, deque()).append((now, prompt_tokens))
+    def record(self, flow: object, prompt_tokens: int, now: float, new_tokens: int = 1,
+               tenant: str | None = None) -> None:
+        self._seen.setdefault(flow, deque()).append((now, prompt_tokens, new_tokens, tenant))
         self._forget(now)
 
     def recent(self, now: float) -> list[object]:
-        """Tenants with requests admitted within the window."""
+        """Flows with requests admitted within the window."""
         self._forget(now)
         return list(self._seen)
 
@@ -114,15 +114,43 @@ class Arrivals:
             return 0
         # the rate over the whole window, however recent the first of them: a burst sent at once is not
         # taken for a rate that lasts
-        return round(len(seen) * within_s / self._window_s)
+        return round(len(seen) * within_s / self.window_s)
 
     def mean_prompt(self, flow: object) -> int:
         seen = self._seen.get(flow)
-        return round(sum(tokens for _, tokens in seen) / len(seen)) if seen else 0
+        return round(sum(tokens for _, tokens, _, _ in seen) / len(seen)) if seen else 0
+
+    def coming(self, within_s: float, now: float, besides: object = ...) -> Iterator[tuple[float, object, str | None,
+                                                                                        int, int]]:
+        """The requests of flows other than ``besides`` expected within the next ``within_s`` seconds, soonest
+        first: at the window's rate of them all, the (k+1)-th when the ARRIVAL_QUANTILE of their number
+        first exceeds k (at 0.6: at 0.51, 1.38, 2.29, 3.21 ... times the mean spacing), the flows taking
+        turns in proportion to their own rates, each of its flow's recent mean prompt and completion sizes
+        and billed to its latest tenant; (seconds from now, flow, tenant, prompt tokens, new tokens). Any
+        other flow's request may overtake a waiting one, so what counts is how soon the next of them all
+        comes."""
+        self._forget(now)
+        flows = {flow: seen for flow, seen in self._seen.items() if flow != besides}
+        total = sum(len(seen) for seen in flows.values())
+        if not total:
+            return
+        spacing_s = self.window_s / total
+        kinds = {flow: (seen[-1][3], max(1, round(sum(p for _, p, _, _ in seen) / len(seen))),
+                        max(1, round(sum(n for _, _, n, _ in seen) / len(seen)))) for flow, seen in flows.items()}
+        credit = dict.fromkeys(flows, 0.0)
+        for k in itertools.count():
+            at = _arrival_mean(k) * spacing_s
+            if at > within_s:
+                return
+            for flow, seen in flows.items():
+                credit[flow] += len(seen) / total
+            flow = max(credit, key=credit.__getitem__)  # the flow furthest behind its share of the turns
+            credit[flow] -= 1.0
+            yield at, flow, *kinds[flow]
 
     def _forget(self, now: float) -> None:
         for flow, seen in list(self._seen.items()):
-            while seen and seen[0][0] < now - self._window_s:
+            while seen and seen[0][0] < now - self.window_s:
                 seen.popleft()
             if not seen:
                 del self._seen[flow]
@@ -212,16 +240,30 @@ class DelayEstimator:
         """A request finished ``seconds`` after it was first scheduled."""
         self.service_s = _average(self.service_s, seconds)
 
+    def in_flight_s(self) -> float:
+        """What is left of the step in flight, as predicted when it began."""
+        return max(0.0, self._step_ends - time.monotonic())
+
+    def first_token(self, landing: Landing, account: object = None) -> float:
+        """Seconds until a new request of ``account`` gets its first token where the plan of the queue lands
+        it (``queue_plan.Landing``, its steps from the end of the step in flight), with the account's
+        correction; 0.0 until a step has been timed."""
+        if self.costs.coef is None:
+            return 0.0
+        return (self.in_flight_s() + landing.seconds) * self.calibration(account).bias
+
     def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf,
                  account: object = None, adapter: object = None) -> float:
         """Seconds a new request of ``account`` on ``adapter`` (None: the base model) with ``prompt_tokens``
-        would wait for its first token; 0.0 until a step has been timed (an idle pod with nothing measured has
-        nothing to wait for). Past ``enough_s`` the steps are no longer followed one by one: the rest counts
-        at the last step's rate."""
+        would wait for its first token behind ``ahead``, a list of the work before it rather than the
+        scheduler's state (the engine reads the plan of its queue: ``first_token``): the plan of that work in
+        order beside the running decodes (``queue_plan.work_plan``), and a seat's turnover for each seat short;
+        0.0 until a step has been timed (an idle pod with nothing measured has nothing to wait for). Past
+        ``enough_s`` the steps are no longer followed one by one: the rest counts at the last step's rate."""
         if self.costs.coef is None:
             return 0.0
         bias = self.calibration(account).bias
-        wait = max(0.0, self._step_ends - time.monotonic()) + self._prefill_s(
+        wait = self.in_flight_s() + self._prefill_s(
             [*ahead.work(), (prompt_tokens, adapter)], load, enough_s / bias)
         short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
         if short > 0 and not ahead.seat_now:
@@ -236,41 +278,10 @@ class DelayEstimator:
         return self._prefill_s([(prompt_tokens, adapter)], load) * self.calibration(account).bias
 
     def _prefill_s(self, work: list[tuple[int, object]], load: Load, enough_s: float = math.inf) -> float:
-        """Seconds until the last item of prefill ``work`` ((tokens, adapter), in order) is computed: step by
-        step, each step prefilling its budget beside the decodes of that step, in the predicted time for its
-        shape, a prompt of an adapter the decodes have not got paying that adapter's cost as the scheduler
-        counts it; a request whose prompt is done decodes in the steps after it (up to ``max_num_seqs``).
-        Past ``enough_s`` (or _MAX_STEPS steps) the rest counts at the last step's rate."""
-        decodes, seconds = load.running_decodes, 0.0
-        decode_adapters = set(load.decode_adapters)
-        left = deque([tokens, adapter] for tokens, adapter in work)
-        for _ in range(_MAX_STEPS):
-            used = seqs = 0
-            new: set = set()  # adapters this step's prefill brings
-            done: list = []  # adapters of the prompts it finishes
-            while left:
-                tokens, adapter = left[0]
-                brings = new | ({adapter} - decode_adapters - {None})
-                # as the scheduler asks: each further prefilling sequence fits what its own cost leaves
-                budget = self.costs.prefill_budget(decodes, len(decode_adapters), prefill_seqs=seqs + 1,
-                                                   new_adapters=len(brings))
-                take = min(tokens, max(int(seqs == 0), budget - used))
-                if take <= 0:
-                    break
-                used, seqs, new = used + take, seqs + 1, brings
-                left[0][0] -= take
-                if left[0][0] == 0:
-                    done.append(left.popleft()[1])
-            step_s = self.costs.predict(StepShape(decodes, used, seqs, len(decode_adapters) + len(new)))
-            seconds += step_s
-            if not left:
-                return seconds
-            if seconds > enough_s:
-                break
-            seated = done[:max(0, self._max_num_seqs - decodes)]  # finished prompts that decode next
-            decodes += len(seated)
-            decode_adapters |= {adapter for adapter in seated if adapter is not None}
-        return seconds + sum(tokens for tokens, _ in left) / used * step_s  # the rest at the last step's rate
+        """Seconds until the last item of prefill ``work`` ((tokens, adapter), in order) is computed beside the
+        running decodes: a plan of that work alone (``queue_plan.work_plan``)."""
+        return work_plan(work, load.running_decodes, load.decode_adapters, self.costs.prefill_budget,
+                         self.costs.predict, self.costs.max_batched_tokens, enough_s)
 
     def _seat_turnover_s(self, load: Load) -> float:
         if self.service_s is not None:
@@ -331,3 +342,22 @@ def retry_after(estimate_s: float, allowed_s: float) -> float:
 
 def _average(current: float | None, sample: float) -> float:
     return sample if current is None else current + _EWMA * (sample - current)
+
+
+@functools.cache
+def _arrival_mean(k: int) -> float:
+    """The mean number of arrivals of a Poisson process by which the ARRIVAL_QUANTILE of their number first
+    exceeds ``k``: the plan puts the (k+1)-th arrival where the expected number comes to that. Exact (by
+    bisection) for the first few, then by the normal approximation."""
+    if k >= 32:
+        z = statistics.NormalDist().inv_cdf(_ARRIVAL_QUANTILE)  # m + z·sqrt(m) = k + 1/2
+        return ((-z + math.sqrt(z * z + 4 * (k + 0.5))) / 2) ** 2
+    low, high = 0.0, k + 10.0
+    for _ in range(50):  # P(count <= k) at mean m falls as m grows: the m where it falls to the quantile
+        mid = (low + high) / 2
+        term = cdf = math.exp(-mid)
+        for i in range(1, k + 1):
+            term *= mid / i
+            cdf += term
+        low, high = (mid, high) if cdf > _ARRIVAL_QUANTILE else (low, mid)
+    return high

@@ -58,8 +58,6 @@ from data_plane.metrics import PodMetrics
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.tokenizer import Tokenizer
 
-# Passes of the admission estimate that add other tenants' arrivals during the wait, at most.
-_SETTLE_PASSES = 8
 log = logging.getLogger("lorafleet.engine")
 
 
@@ -315,27 +313,20 @@ class Engine:
     def _estimate_first_token(self, adapter: str | None, tenant: str | None, prompt_tokens: int, load: Load,
                               timeout_s: float | None, tail: float) -> tuple[float, float]:
         """(seconds until a new request's first token, the part of them its own prefill takes), as
-        admission judges them (``tail``: ``Calibration.tail``, read once per request). Other tenants'
-        requests that arrive before its prompt starts take their share first, which makes it start later,
-        in which more arrive: the estimate follows that until it settles, or until it is past anything
-        admission would allow (then the rest is counted at the last step's rate: the refusal is certain
-        and its hint needs no more)."""
+        admission judges them (``tail``: ``Calibration.tail``, read once per request): where the plan of the
+        queue (``queue_plan.py``, the scheduler's own rules followed step by step, later arrivals included)
+        lands it, followed up to what admission would allow (the rest counted at the last step's rate: the
+        refusal is certain and its hint needs no more)."""
         account = account_of(adapter, tenant)
         own_s = self.delays.own_prefill(prompt_tokens, load, account, adapter)
         promised = promise_s(own_s * tail, self.limits.max_queue_delay_s)
         enough_s = min(math.inf if timeout_s is None else timeout_s, math.inf if promised is None else promised) / tail
-        ahead = self.scheduler.ahead_of(adapter, prompt_tokens, billed_to=tenant)
-        wait_s = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account, adapter)
-        for _ in range(_SETTLE_PASSES):
-            if wait_s > enough_s:
-                break
-            ahead = self.scheduler.ahead_of(adapter, prompt_tokens, within_s=max(0.0, wait_s - own_s), billed_to=tenant)
-            longer = self.delays.estimate(ahead, prompt_tokens, load, enough_s, account, adapter)
-            settled = longer <= wait_s * 1.02
-            wait_s = max(wait_s, longer)
-            if settled:
-                break
-        return wait_s, own_s
+        if self.delays.costs.coef is None:  # nothing timed yet: nothing to plan with
+            return 0.0, own_s
+        begins_s = self.delays.in_flight_s()
+        horizon_s = enough_s / self.delays.calibration(account).bias - begins_s
+        landing = self.scheduler.plan(begins_s).landing(adapter, tenant, prompt_tokens, horizon_s)
+        return self.delays.first_token(landing, account), own_s
 
     def _adapter_load_ended(self, name: str, error: LorafleetError | None) -> None:
         # a failed load ends the requests waiting for that adapter; any end lets the scheduler look again

@@ -52,6 +52,19 @@ class FairOrder:
         # quantum behind it
         return max(seq.started_at_standing + past_quantum, served - STARTED_QUANTUM / weight), seq.arrival
 
+    def in_order(self, started: Iterable[Sequence], queues: Mapping[Flow, Seq[Sequence]]) -> list[Sequence]:
+        """``started`` and every request of ``queues``, lowest ``key`` first (ties in the order given):
+        ``sorted`` by ``key``, with each flow's standing read once rather than once per request (a waiting
+        request's key is its flow's standing and its arrival)."""
+        keyed = [(self.key(seq), i, seq) for i, seq in enumerate(started)]
+        fcfs = self.policy is Policy.FCFS
+        for flow, queue in queues.items():
+            served = None if fcfs else self._shares.served(flow)
+            keyed += [((seq.arrival,) if fcfs else (served, seq.arrival), len(keyed) + j, seq)
+                      for j, seq in enumerate(queue)]
+        keyed.sort(key=lambda item: (item[0], item[1]))
+        return [seq for _, _, seq in keyed]
+
     def next_waiting(self, queues: Mapping[Flow, Seq[Sequence]], passed: Collection[Flow],
                      held: Collection[Sequence]) -> Sequence | None:
         """The oldest waiting request of the least-served flow not ``passed`` over (ties: oldest first); under

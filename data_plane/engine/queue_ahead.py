@@ -1,14 +1,15 @@
-"""What a new request would wait behind, as the scheduler's policy orders the prefill work (for admission).
+"""What a new request would wait behind by the fair shares' counters alone, without steps (``Scheduler.ahead_of``).
 
-Under FCFS all of the prefill work: prompts being chunked and waiting requests. Under fair share its own
-flow's, and of each other flow the tokens it is served before the new request's prompt is done: fair
-shares are counted in tokens, so prompts of several flows are prefilled side by side, chunk by chunk, and
-another flow goes on until its counter reaches what the new request's flow's will be then (scaled by the
-weights). Requests of other flows that arrive while it waits take their share too: ``within_s`` (the
-wait it would have) counts those expected at each flow's recent rate, each of that flow's recent mean
-prompt size (the engine passes the time until the new request's prompt would start: once started, later
-arrivals no longer go first). Shares are an account's (``fair_share.py``): an account's flows are counted
-against one share.
+Admission does not read this: it reads the plan of the queue (``queue_plan.py``), which follows the
+scheduler's own steps. This is the summary in a few lines: under FCFS all of the prefill work, prompts
+being chunked and waiting requests; under fair share its own flow's, and of each other flow the tokens it
+is served before the new request's prompt is done: fair shares are counted in tokens, so prompts of
+several flows are prefilled side by side, chunk by chunk, and another flow goes on until its counter
+reaches what the new request's flow's will be then (scaled by the weights). Requests of other flows that
+arrive while it waits take their share too: ``within_s`` (the wait it would have) counts those expected
+at each flow's recent rate, each of that flow's recent mean prompt size. Shares are an account's
+(``fair_share.py``): an account's flows are counted against one share. What it leaves out, the plan
+keeps: decodes charging the counters, started prompts' quanta, seats turning over, joiners' credit.
 """
 
 from __future__ import annotations

@@ -1,21 +1,24 @@
-"""Decides which sequences run in the next step and how many of their tokens.
+"""Decides which sequences run in the next step and how many of their tokens, and holds what that reads.
 
 Words: a *flow* is what requests queue by, an adapter or the base model (None); an *account* is who is
 served, the request's tenant (the router's customer, ``Sequence.tenant``) or, without one, its flow
-(``fair_share.py``). Each step, every running decode gets its next token first, in the order they were
-admitted. Prefill work fills the rest of the step, up to the step's prefill budget (``step_budget.py``:
-the step stays near its target inter-token latency unless a first-token promise is at risk): prompts
-being chunked across steps and newly admitted requests, in fair order (``fair_order.py``): the least-served
-flow first (each account has a virtual token counter), its oldest request first; a started prompt keeps
-the standing it started with for its first STARTED_QUANTUM tokens, so prompts finish in the order they
-started rather than side by side a few tokens each. Under ``fcfs`` the oldest request goes first. A
-waiting request is admitted while a seat (``max_num_seqs``; ``seats.py``), its KV blocks and its adapter
-(``slot_reservations.py``) allow; when its KV blocks do not fit, nothing else is admitted this step, so
-it is not overtaken. The streams of accounts flooding the pod yield to other accounts' prompts
-(``floods.py``). When blocks run out, the most recently admitted running sequence of the most-served flow
-(under FCFS: the most recently admitted one) gives its blocks back and is recomputed later from its
-prompt plus what it has generated, first of its flow, from the step after the one that preempted it
-(whose postprocess resets its progress). ``postprocess`` is the one writer of a sequence's progress.
+(``fair_share.py``). The rules of a step are ``queue_plan.step``, applied here to the scheduler's own
+state (``schedule``) and by the plan of the queue to a copy of it, step after step (``plan``: where a
+new request would land, for admission). Each step, every running decode gets its next token first, in
+the order they were admitted. Prefill work fills the rest of the step, up to the step's prefill budget
+(``step_budget.py``: the step stays near its target inter-token latency unless a first-token promise is
+at risk): prompts being chunked across steps and newly admitted requests, in fair order
+(``fair_order.py``): the least-served flow first (each account has a virtual token counter), its oldest
+request first; a started prompt keeps the standing it started with for its first STARTED_QUANTUM tokens,
+so prompts finish in the order they started rather than side by side a few tokens each. Under ``fcfs``
+the oldest request goes first. A waiting request is admitted while a seat (``max_num_seqs``;
+``seats.py``), its KV blocks and its adapter (``slot_reservations.py``) allow; when its KV blocks do not
+fit, nothing else is admitted this step, so it is not overtaken. The streams of accounts flooding the
+pod yield to other accounts' prompts (``floods.py``). When blocks run out, the most recently admitted
+running sequence of the most-served flow (under FCFS: the most recently admitted one) gives its blocks
+back and is recomputed later from its prompt plus what it has generated, first of its flow, from the
+step after the one that preempted it (whose postprocess resets its progress). ``postprocess`` is the one
+writer of a sequence's progress.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from data_plane.engine.fair_share import Account, FairShare, Flow, account_of
 from data_plane.engine.floods import Floods
 from data_plane.engine.progress import Progress, ScheduledSeq
 from data_plane.engine.queue_ahead import ahead_of
+from data_plane.engine.queue_plan import Decodes, QueuePlan, step
 from data_plane.engine.seats import Seats
 from data_plane.engine.sequence import Sequence, SequenceStatus
 from data_plane.engine.slot_reservations import SlotReservations
-from data_plane.engine.step_budget import PrefillBudget, Rush, StepBudget
+from data_plane.engine.step_budget import PrefillBudget, Rush
 from data_plane.engine.step_cost import StepShape
 from data_plane.errors import CapacityExceeded
 from data_plane.lora.adapter_cache import AdapterCache
@@ -60,8 +64,9 @@ class Scheduler:
         active one (``FairShare``); ``step_time(shape)``: a step's expected seconds (``StepCost.predict``;
         default 0: no promise is seen at risk before it is due)."""
         self._salt = salt
-        self._prefill_budget: PrefillBudget = prefill_budget or (lambda *_: limits.max_num_batched_tokens)
-        self._rush = Rush(self._prefill_budget, step_time or (lambda *_: 0.0))
+        self.prefill_budget: PrefillBudget = prefill_budget or (lambda *_: limits.max_num_batched_tokens)
+        self._step_time = step_time or (lambda *_: 0.0)
+        self.rush = Rush(self.prefill_budget, self._step_time)
         self.limits = limits
         self.policy = policy
         self.blocks = blocks
@@ -71,7 +76,7 @@ class Scheduler:
         self.order = FairOrder(policy, self.shares)
         self.seats = Seats(limits.max_num_seqs, self.shares)
         self.floods = Floods()
-        self._queues: dict[Flow, deque[Sequence]] = {}  # backlogged flows only
+        self.queues: dict[Flow, deque[Sequence]] = {}  # backlogged flows only
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.progress = Progress(blocks)
@@ -80,32 +85,34 @@ class Scheduler:
     @property
     def waiting(self) -> list[Sequence]:
         """Every waiting request, flow by flow, each flow's in the order they will be admitted."""
-        return [seq for queue in self._queues.values() for seq in queue]
+        return [seq for queue in self.queues.values() for seq in queue]
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
+        return sum(len(queue) for queue in self.queues.values())
 
     def add(self, seq: Sequence) -> None:
         """Queues ``seq``; raises CapacityExceeded, queuing nothing, if it could never run (``refused``)."""
         error = self.slots.refusal(seq.adapter)
         if error is not None:
             raise error
-        self._queues.setdefault(seq.adapter, deque()).append(seq)
+        self.queues.setdefault(seq.adapter, deque()).append(seq)
         self.shares.join(seq.adapter, seq.tenant)
-        self.arrivals.record(seq.adapter, seq.num_tokens, time.monotonic())
+        self.arrivals.record(seq.adapter, seq.num_tokens, time.monotonic(), seq.max_total - seq.num_tokens, seq.tenant)
 
     def refused(self) -> list[tuple[Sequence, CapacityExceeded]]:
         """Waiting requests that can never run since pins changed, with their errors; the caller ends them."""
-        return self.slots.refused(self._queues)
+        return self.slots.refused(self.queues)
 
     def ahead_of(self, flow: Flow, prompt_tokens: int, within_s: float = 0.0, billed_to: str | None = None) -> Ahead:
-        """The prefill work a new request of ``flow`` billed to ``billed_to`` (its tenant) would come after, as
-        the policy orders it (``queue_ahead.py``), and whether it takes a seat at once (``seats.py``)."""
+        """The prefill work a new request of ``flow`` billed to ``billed_to`` (its tenant) would come after, by
+        the fair shares' counters alone (``queue_ahead.py``), and whether it takes a seat at once
+        (``seats.py``): a summary without steps; admission reads the plan (``plan``)."""
         fair = self.policy is Policy.FAIR
-        seat_now = fair and flow not in self._queues and self.seats.would_take_one(account_of(flow, billed_to),
+        seat_now = fair and flow not in self.queues and self.seats.would_take_one(account_of(flow, billed_to),
                                                                                   self.running)
-        return ahead_of(flow, prompt_tokens, within_s, billed_to, prefilling=self._prefilling(), queues=self._queues,
+        prefilling = [seq for seq in self.running if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed > 1]
+        return ahead_of(flow, prompt_tokens, within_s, billed_to, prefilling=prefilling, queues=self.queues,
                         shares=self.shares, arrivals=self.arrivals, fair=fair, seat_now=seat_now)
 
     def load(self) -> Load:
@@ -133,16 +140,51 @@ class Scheduler:
         return self.floods.flooding(now)
 
     def schedule(self) -> list[ScheduledSeq]:
-        """The next step: every running decode's token first, then prefill work (running prompts being
-        chunked, and newly admitted requests) in fair order while the prefill budget lasts."""
+        """The next step: the rules (``queue_plan.step``) applied to the scheduler's own state, the first
+        step of its plan."""
+        return step(self)
+
+    def plan(self, begins_in_s: float = 0.0) -> QueuePlan:
+        """The plan of the queue from the step after the one in flight (``begins_in_s`` from now on), for
+        admission: where a new request would land (``QueuePlan.landing``)."""
+        return QueuePlan(policy=self.policy, max_num_seqs=self.max_num_seqs,
+                         max_batched_tokens=self.limits.max_num_batched_tokens, running=self.running,
+                         queues=self.queues, held=self.held, shares=self.shares, floods=self.floods, rush=self.rush,
+                         prefill_budget=self.prefill_budget, runnable=self.slots.can_run_now,
+                         room=self.blocks.num_available * self.blocks.block_size, arrivals=self.arrivals,
+                         step_time=self._step_time, start=time.monotonic() + begins_in_s)
+
+    # ---- the rules' reads and effects on this state (queue_plan.QueueState) ------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return self.limits.max_num_seqs
+
+    @property
+    def held(self) -> list[Sequence]:
+        return self.progress.preempted
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def can_run_now(self, flow: Flow) -> bool:
+        return self.slots.can_run_now(flow)
+
+    def can_run(self, flow: Flow) -> bool:
+        return self.slots.can_run(flow, (seq.adapter for seq in self.running))
+
+    def forget_stale(self) -> None:
+        self.slots.forget_stale(self.queues)
+
+    def room(self, seq: Sequence) -> int:
+        return self.blocks.room(seq)
+
+    def decode(self) -> Decodes:
+        """Every running decode's next token, in admission order, while the step's tokens last; the running
+        prompts (or recomputations) still being computed, read in the same walk: progress changes only in
+        the step's postprocess, so none becomes a decode, nor a decode one of them, before it."""
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
-        # a flow without a seat of its account takes one at once (seats.py): (that flow,) or None
-        seated = self.seats.trade(self.running, self._queues, self.slots.can_run_now, self._preempt) \
-            if self.policy is Policy.FAIR else None
         room = self.blocks.block_size  # tokens a block holds
-        # Running prompts (or recomputations) still being computed, read in the same walk: progress changes
-        # only in the step's postprocess, so none becomes a decode, nor a decode one of them, before it.
         started: list[Sequence] = []
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
@@ -158,63 +200,12 @@ class Scheduler:
                 batch.append(ScheduledSeq(seq, 1))
                 self.shares.charge(seq.adapter, 1, seq.tenant)
                 budget -= 1
-            elif self._make_room(seq, 1, batch):
-                budget -= self._take(batch, seq, 1)
-        decode_adapters = frozenset(item.seq.adapter for item in batch if item.seq.adapter is not None)
-        now = time.monotonic()
-        rushed = self._rush.tokens(now, len(batch), decode_adapters, self._rush_queue(started))
-        decode_accounts = {account_of(item.seq.adapter, item.seq.tenant) for item in batch}
-        yields_to = self.floods.yields_to(decode_accounts, now, fair=self.policy is Policy.FAIR)
-        step = StepBudget(self._prefill_budget, budget, len(batch), decode_adapters, rushed, yields_to,
-                          self.blocks.room)
-        self.slots.forget_stale(self._queues)
-        passed: set[Flow] = set()
-        admitting = True
-        while True:
-            taken = {item.seq for item in batch}
-            ongoing = min((seq for seq in started if seq.status == SequenceStatus.RUNNING and seq not in taken),
-                          key=self.order.key, default=None)
-            waiting = None
-            if admitting and len(self.running) < self.limits.max_num_seqs:
-                waiting = (self._queues[seated[0]][0] if seated and seated[0] in self._queues
-                           else self.order.next_waiting(self._queues, passed, self.progress.preempted))
-            if ongoing is not None and (waiting is None or self.order.key(ongoing) <= self.order.key(waiting)):
-                allowed = step.allowance(ongoing)
-                if allowed <= 0:
-                    break
-                num_new = min(ongoing.num_uncomputed, allowed)
-                if self._make_room(ongoing, num_new, batch):
-                    step.take(ongoing, self._take(batch, ongoing, num_new))
-                continue
-            seated = None  # the freed seat is offered once, first
-            if waiting is None:
-                break
-            if not self.slots.can_run(waiting.adapter, (seq.adapter for seq in self.running)):
-                passed.add(waiting.adapter)
-                continue
-            allowed = step.allowance(waiting)
-            if allowed <= 0:
-                break  # it keeps its turn for the next step
-            admitted = self._admit(waiting, allowed)
-            if admitted is None:
-                admitting = False  # the next request in fair order keeps its turn for KV blocks
-                continue
-            step.take(waiting, self._take(batch, waiting, *admitted))
-        return batch
+            elif self.make_room(seq, 1, batch):
+                budget -= self.take(batch, seq, 1)
+        return Decodes(batch, len(batch), frozenset(item.seq.adapter for item in batch if item.seq.adapter is not None),
+                       {account_of(item.seq.adapter, item.seq.tenant) for item in batch}, budget, started)
 
-    def _rush_queue(self, started: list[Sequence]) -> list[Sequence]:
-        """Everything that could take prompt tokens this step, in the order it gets them: prompts being
-        prefilled as the step began (``started``, not preempted since) and requests that could start now."""
-        seated = len(self.running) < self.limits.max_num_seqs
-        prefilling = [seq for seq in started if seq.status == SequenceStatus.RUNNING]
-        startable = [seq for seq in self.waiting if seated and self.slots.can_run_now(seq.adapter)]
-        return sorted([*prefilling, *startable], key=self.order.key)
-
-    def _prefilling(self) -> list[Sequence]:
-        """Running sequences whose prompt (or, after a preemption, prompt and output) is still being computed."""
-        return [seq for seq in self.running if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed > 1]
-
-    def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+    def admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Moves waiting ``seq`` to running with its cached prefix matched; returns (tokens to compute this
         step, cached tokens), or None, changing nothing, when its KV blocks do not fit."""
         num_cached = self.blocks.match_prefix(seq, self._salt(seq))
@@ -235,7 +226,7 @@ class Scheduler:
         self.running.append(seq)
         return num_new, num_cached
 
-    def _take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int, num_cached: int = 0) -> int:
+    def take(self, batch: list[ScheduledSeq], seq: Sequence, num_new: int, num_cached: int = 0) -> int:
         self.blocks.allocate(seq, num_cached + num_new)
         batch.append(ScheduledSeq(seq, num_new, num_cached))
         self.shares.charge(seq.adapter, num_new, seq.tenant)
@@ -255,19 +246,19 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
             self.shares.leave(seq.adapter, seq.tenant)
-        elif seq in self._queues.get(seq.adapter, ()):
+        elif seq in self.queues.get(seq.adapter, ()):
             self._dequeue(seq)
             self.shares.leave(seq.adapter, seq.tenant)
         seq.status = SequenceStatus.FINISHED
 
     def _dequeue(self, seq: Sequence) -> None:
-        queue = self._queues[seq.adapter]
+        queue = self.queues[seq.adapter]
         queue.remove(seq)
         if not queue:
-            del self._queues[seq.adapter]
+            del self.queues[seq.adapter]
 
     # ---- release and preemption ------------------------------------------------------------
-    def _make_room(self, seq: Sequence, num_new: int, batch: list[ScheduledSeq]) -> bool:
+    def make_room(self, seq: Sequence, num_new: int, batch: list[ScheduledSeq]) -> bool:
         """Makes KV room for ``num_new`` more tokens of running ``seq``, preempting others not in ``batch``
         (``FairOrder.victim``) if needed; when even that is not enough ``seq`` itself is preempted and False
         returned."""
@@ -278,10 +269,10 @@ class Scheduler:
             victim = self.order.victim(other for other in self.running if other not in keep)
             if victim is None:
                 break
-            self._preempt(victim)
+            self.preempt(victim)
         if self.blocks.can_allocate(seq, num_new):
             return True
-        self._preempt(seq)
+        self.preempt(seq)
         return False
 
     def _release(self, seq: Sequence) -> None:
@@ -290,12 +281,12 @@ class Scheduler:
             self.cache.release(seq.adapter)
             seq.slot = -1
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """``seq`` gives its blocks and slot back and waits again, first of its flow."""
         self.running.remove(seq)
         self._release(seq)
         seq.started_at_standing = None
         seq.status = SequenceStatus.WAITING
-        self._queues.setdefault(seq.adapter, deque()).appendleft(seq)
+        self.queues.setdefault(seq.adapter, deque()).appendleft(seq)
         self.progress.preempted.append(seq)
         self.num_preemptions += 1

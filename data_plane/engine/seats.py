@@ -32,7 +32,8 @@ class Seats:
               preempt: Callable[[Sequence], None]) -> tuple[Flow] | None:
         """Preempts (``preempt``) the running request that gives up its seat and returns (the flow whose next
         request takes it,); None, preempting nothing, when a seat is free, no backlogged flow that can run
-        lacks one, or no account holds two."""
+        lacks one (but the giver's own, whose next request it would be queued before), or no account holds
+        two."""
         if len(running) < self.max_num_seqs or not queues:
             return None
         seats = self.held(running)
@@ -41,7 +42,12 @@ class Seats:
         holder = max(seats, key=lambda a: (seats[a], self._shares.account_served(a)), default=None)
         if not seatless or seats[holder] < 2:
             return None
-        preempt(next(seq for seq in reversed(running) if account_of(seq.adapter, seq.tenant) == holder))
+        victim = next(seq for seq in reversed(running) if account_of(seq.adapter, seq.tenant) == holder)
+        # queued again first of its flow, it would take back the seat it gave up in front of its flow's next
+        seatless = [flow for flow in seatless if flow != victim.adapter]
+        if not seatless:
+            return None
+        preempt(victim)
         return (min(seatless, key=lambda flow: (self._shares.served(flow), queues[flow][0].arrival)),)
 
     def would_take_one(self, account: Account, running: Seq[Sequence]) -> bool:

@@ -50,7 +50,10 @@ class Rush:
         tokens this step, in the order it gets them."""
         adapters, needed, work = len(decode_adapters), 0, 0
         pace: dict[int, tuple[int, float]] = {}  # adapters new to the step (0 or 1) -> unrushed tokens, step time
+        most: int | None = None  # the most a rush may carry: once asked for, nobody asks for more
         for seq in queued:
+            if most is not None and needed >= most:
+                break
             work += seq.num_uncomputed  # its own prompt and all ahead of it
             if seq.timing.first_token_due is None or seq.output_ids:
                 continue
@@ -66,6 +69,8 @@ class Rush:
                 tokens = -(-work // steps) if steps > 0 else work
                 step_s = self._step_time(StepShape(decodes, tokens, 1, adapters + new_adapter))
             needed = max(needed, min(tokens, self._budget(decodes, adapters, True, 1, new_adapter)))
+            if most is None:
+                most = max(self._budget(decodes, adapters, True, 1, new) for new in (0, 1))
         return needed
 
 

@@ -120,6 +120,11 @@ class StepCost:
         self._since_fit = 0
         self.coef: np.ndarray | None = None  # [6] seconds per feature; None until something was timed
 
+    @property
+    def max_batched_tokens(self) -> int:
+        """The most tokens one step holds, decodes and prefill together."""
+        return self._max_tokens
+
     # ---- fitting -----------------------------------------------------------------------------
     def observe_prior(self, shape: StepShape, seconds: float) -> None:
         """A step timed at start-up; kept for good, and the model is solved again at once."""

@@ -147,12 +147,14 @@ def test_a_request_that_would_start_after_its_deadline_is_refused_with_a_hint_an
         try:
             ids = engine.tokenizer.encode("Tell me a very long story about the sea.")
             params = SamplingParams(max_tokens=600, ignore_eos=True)
-            long = engine.generate(ids, params, None, "long")
-            # Admitted before "long" runs, so the estimate knows nothing of how long it will hold the one
-            # seat (a waiting request's remaining tokens do not count yet): "short" queues behind it and its
-            # deadline passes while it waits (long decodes 600 tokens, far past 3 s on any CPU).
+            await tokens_of(engine, ids, 20)  # the base model is served more than the adapter, whose
+            await tokens_of(engine, ids, 1, DEMO_ADAPTERS[0])  # slot now holds it
             short = engine.generate(ids, SamplingParams(max_tokens=4), None, "short", timeout_s=3.0)
-            first, expired = await asyncio.gather(anext(long), anext(short), return_exceptions=True)
+            long = engine.generate(ids, params, DEMO_ADAPTERS[0], "long")
+            # "short" is admitted first, with nothing queued, so the plan of the queue knows nothing of "long",
+            # which arrives next on an adapter served less than the base model and goes first to the one
+            # seat: short's deadline passes while it waits (long decodes 600 tokens, far past 3 s on any CPU).
+            expired, first = await asyncio.gather(anext(short), anext(long), return_exceptions=True)
             waiting_after_expiry = engine.scheduler.num_waiting
             for _ in range(5):
                 await anext(long)  # steps are timed now: a new request would wait ~595 steps for the seat

@@ -631,6 +631,17 @@ def test_tenants_that_each_hold_a_seat_do_not_trade_them():
     assert s.num_preemptions == 0
 
 
+def test_no_seat_is_taken_for_a_request_queued_behind_the_one_that_would_give_it_up():
+    # x's two requests hold both seats; the next request on x is another tenant's, with no seat: x's latest,
+    # queued again first of x, would take its own seat back in the very step that took it (its progress not
+    # yet reset), so no seat changes hands: the tenant waits in x's order
+    s = scheduler(max_num_seqs=2)
+    request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
+    step(s)
+    request(s, "t0", 4, adapter="x", tenant="t")
+    assert step(s) == [("x0", 1), ("x1", 1)] and s.num_preemptions == 0
+
+
 @pytest.mark.parametrize(("policy", "holders"), [(Policy.FAIR, "xy"), (Policy.FCFS, "xx")])
 def test_a_tenant_without_a_seat_waits_for_one_when_no_tenant_holds_two_or_under_fcfs(policy, holders):
     s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz", policy=policy)
