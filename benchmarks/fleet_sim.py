@@ -9,8 +9,8 @@ but AIBrix (which places them on the pods with the fewest adapters). Per policy:
 hits on arrival, cold loads (loads into memory a request started) per 1,000 requests, downloads into a disk
 tier per 1,000 requests, prefetches and loads the control plane started (pins, extra replicas), queueing delay
 (arrival to first step, downloads and loads included) p50/p99, and load imbalance (max / mean of tokens decoded
-per pod). Ours runs as shipped, the router's bound on load included (``--load-bound`` to try another, 0 for
-none). Prints a markdown table and the issue's targets per scenario; ``--plots DIR`` writes PNGs;
+per pod). Ours runs as shipped, the router's bounds on load included (``--load-bound`` and ``--share-bound`` to
+try others, 0 for none). Prints a markdown table and the issue's targets per scenario; ``--plots DIR`` writes PNGs;
 ``--explain aibrix`` prints where the worst-queued requests of a policy waited.
 
     python benchmarks/fleet_sim.py --jobs 2 --plots benchmarks/plots
@@ -79,8 +79,10 @@ def main() -> None:
                    help="comma-separated, of: " + ", ".join(POLICIES))
     p.add_argument("--weights", default="", help="our routing weights other than the shipped ones, e.g. "
                    "free_slot=4,evict=6 (conventions/pod_cost.py)")
-    p.add_argument("--load-bound", type=float, help="our router's bound on load (--load-bound, router/scoring.py) "
-                   "other than the shipped one; 0: none")
+    p.add_argument("--load-bound", type=float, help="our router's bound on outstanding requests (--load-bound, "
+                   "router/scoring.py) other than the shipped one; 0: none")
+    p.add_argument("--share-bound", type=float, help="our router's bound on the share of requests (--share-bound, "
+                   "router/scoring.py) other than the shipped one; 0: none")
     p.add_argument("--replica-high-rate", type=float, help="our replica thresholds, requests/s per replica, "
                    "other than the shipped ones (control_plane/config.py); with --replica-low-rate")
     p.add_argument("--replica-low-rate", type=float)
@@ -125,7 +127,7 @@ def header(args: argparse.Namespace) -> str:
             f"CPU entries, {args.adapters} adapters, {args.rate:g} requests/s, {args.duration:g} s "
             f"({args.warmup:g} s warm-up), drift every {args.drift_period:g} s by {args.drift_step}, "
             f"{args.pins} pins x {args.pin_replicas}, seed {args.seed}\nour weights {weights(args.weights)}, "
-            f"load bound {load_bound(args)}\n"
+            f"load bound {bound(args, 'load_bound')}, share bound {bound(args, 'share_bound')}\n"
             f"our replicas {replication(args)}\n")
 
 
@@ -134,8 +136,10 @@ def weights(spec: str) -> Weights:
     return Weights(**{k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in spec.split(",") if kv.strip())})
 
 
-def load_bound(args: argparse.Namespace) -> float:
-    return shipped(RouterConfig, "load_bound") if args.load_bound is None else args.load_bound
+def bound(args: argparse.Namespace, name: str) -> float:
+    """Our router's bound ``name`` (a RouterConfig field) as the run uses it."""
+    given = getattr(args, name)
+    return shipped(RouterConfig, name) if given is None else given
 
 
 def replication(args: argparse.Namespace) -> ReplicaPolicy:
@@ -170,8 +174,7 @@ def simulation(args: argparse.Namespace, scenario: str, policy: str) -> Simulati
     chosen = POLICIES[policy]()
     if isinstance(chosen, Ours):
         chosen.weights = weights(args.weights)
-        if args.load_bound is not None:
-            chosen.load_bound = args.load_bound
+        chosen.load_bound, chosen.share_bound = bound(args, "load_bound"), bound(args, "share_bound")
         if chosen.replication is not None:
             chosen.replication = replication(args)
     return Simulation(fleet, trace, chosen, pins, seed=args.seed, warmup_s=args.warmup)

@@ -75,17 +75,20 @@ def shipped_prefetch() -> Prefetch:
 
 class Ours(Policy):
     """The router's PodPicker (router/picker.py, router/scoring.py) on the simulator's clock, over the pods'
-    residency, disk tiers and measured load times, with its bound on load at ``load_bound`` (the shipped
-    ``--load-bound`` unless given; 0: the cost's ranking alone); pins are placed by the control plane's
+    residency, disk tiers and measured load times, with its bounds on load at ``load_bound`` and ``share_bound``
+    (the shipped ``--load-bound`` and ``--share-bound`` unless given; 0 for both: the cost's ranking alone); pins
+    are placed by the control plane's
     reconcile pass (control_plane/placement.py, control_plane/plan.py); with ``replicas`` (as shipped) hot
     adapters get extra replicas (control_plane/replicator.py), and the control plane prefetches rising remote
     adapters and pins' standby copies to pods' disks (control_plane/prefetch.py, plan.prefetch_actions) as
     shipped."""
 
     def __init__(self, weights: Weights | None = None, replicas: bool = True,
-                 replication: ReplicaPolicy | None = None, load_bound: float | None = None) -> None:
+                 replication: ReplicaPolicy | None = None, load_bound: float | None = None,
+                 share_bound: float | None = None) -> None:
         self.weights = weights
         self.load_bound = shipped(RouterConfig, "load_bound") if load_bound is None else load_bound
+        self.share_bound = shipped(RouterConfig, "share_bound") if share_bound is None else share_bound
         self.replication = (replication or shipped_replication()) if replicas else None
         self.prefetch = shipped_prefetch()
         self.name = "ours" if replicas else "ours-no-replicas"
@@ -93,7 +96,8 @@ class Ours(Policy):
     def attach(self, pods, clock, view, rng) -> None:
         super().attach(pods, clock, view, rng)
         self._index = {p.id: p.index for p in pods}
-        self._picker = PodPicker(view, self.weights, clock=clock, load_bound=self.load_bound)
+        self._picker = PodPicker(view, self.weights, clock=clock, load_bound=self.load_bound,
+                                 share_bound=self.share_bound)
 
     def route(self, adapter: str) -> int:
         return self._index[self._picker.choose(adapter)[0].pod.id]

@@ -13,7 +13,7 @@ from conventions.flags import add_options, from_args, option
 from conventions.logs import add_log_level
 from conventions.pod_cost import Weights
 from conventions.tls import Dialer, TlsFiles, read_certificates
-from router.scoring import LOAD_BOUND
+from router.scoring import LOAD_BOUND, SHARE_BOUND
 
 TLS, TOKENS, TENANTS, DOORS = "TLS between components", "tokens", "tenants and keys", "the clients' doors"
 
@@ -99,12 +99,17 @@ class RouterConfig:
     prefix_weight: float = option(
         "what a pod that holds none of a request's prompt in its prefix cache costs more than one that holds all"
         " of it, in running requests; 0 routes blind to prefixes", Weights.prefix)
-    # The bound on load over the cost's ranking (router/scoring.py, ``bounded``), measured in the fleet
-    # simulator against the imbalance target (benchmarks/RESULTS.md, "Fleet simulation: a bound on load").
+    # The bounds on load over the cost's ranking (router/scoring.py, ``bounded``), measured in the fleet
+    # simulator against the imbalance target and the peers' queue p99 (benchmarks/RESULTS.md, "Fleet simulation:
+    # a bound on the share of requests").
     load_bound: float = option(
         "how far above the mean of the pods' outstanding requests (a fraction: 0.2 is a fifth more) a pod may go"
-        " before a request goes to the next-best pod instead, even one that must load its adapter; 0: no bound",
+        " before a request that would wait there for an adapter slot goes to the next-best pod instead; 0: no bound",
         LOAD_BOUND)
+    share_bound: float = option(
+        "how far above the mean of the requests this router sent the pods lately (decayed over 30 s; a fraction:"
+        " 0.1 is a tenth more) a pod may go before requests for an adapter that asks for a fifth of a pod's share"
+        " or more go to the next-best pod instead, even one that must load it; 0: no bound", SHARE_BOUND)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -155,6 +160,8 @@ class RouterConfig:
             raise ConfigError(f"--prefix-weight must be within [0, 1000] running requests, got {self.prefix_weight}")
         if not 0 <= self.load_bound <= 100:  # NaN too
             raise ConfigError(f"--load-bound must be within [0, 100] (0: no bound), got {self.load_bound}")
+        if not 0 <= self.share_bound <= 100:  # NaN too
+            raise ConfigError(f"--share-bound must be within [0, 100] (0: no bound), got {self.share_bound}")
 
     def api_keys(self) -> frozenset[str]:
         """The keys of --api-key-file (one a line; blank lines and ``#`` comments skipped), or an empty set

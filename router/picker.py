@@ -8,8 +8,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from router.decayed import DecayedCounts
 from router.errors import AdapterNotRegistered, NoPodAvailable
-from router.scoring import LOAD_BOUND, Choice, Weights, bounded, rank
+from router.scoring import LOAD_BOUND, SHARE_BOUND, SHARE_DECAY_S, Choice, Weights, bounded, rank
 from router.view import FleetView
 
 # How long a pod counts an adapter the router just sent it as resident: long enough for the load to
@@ -21,13 +22,18 @@ _FULL_WITHOUT_HINT_S = 1.0
 
 class PodPicker:
     """Ranks the routable pods for an adapter; ``view`` returns the latest FleetView or None. ``load_bound``
-    is the bound's epsilon (router/scoring.py, ``bounded``; 0: none)."""
+    and ``share_bound`` are the bounds' epsilons (router/scoring.py, ``bounded``; 0: none)."""
 
     def __init__(self, view: Callable[[], FleetView | None], weights: Weights | None = None,
-                 clock: Callable[[], float] = time.monotonic, load_bound: float = LOAD_BOUND) -> None:
+                 clock: Callable[[], float] = time.monotonic, load_bound: float = LOAD_BOUND,
+                 share_bound: float = SHARE_BOUND) -> None:
         self._view = view
         self._weights = weights or Weights()
         self._load_bound = load_bound
+        self._share_bound = share_bound
+        # the requests this router sent each pod, and for each adapter, lately: the share bound's measure
+        self._pod_shares = DecayedCounts(SHARE_DECAY_S)
+        self._adapter_shares = DecayedCounts(SHARE_DECAY_S)
         self._clock = clock  # monotonic seconds; the fleet simulator passes its own
         self._inflight: Counter[str] = Counter()  # pod -> requests this router is forwarding there now
         self._baseline: Counter[str] = Counter()  # _inflight when the current view was first used
@@ -70,8 +76,9 @@ class PodPicker:
         just_sent = {pod for pod, at in self._sent.get(adapter, {}).items() if now - at < _JUST_SENT_S}
         # only the pods whose count moved since the view was read (most do not, in a large fleet)
         extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
-        ranked = bounded(rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter)),
-                         self._load_bound)
+        shares = {pod.id: self._pod_shares.get(pod.id, now) for pod in pods} if self._share_bound > 0 else None
+        ranked = bounded(rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter), shares),
+                         self._load_bound, self._share_bound, self._adapter_shares.get(adapter, now))
         if not any(until > now for until in self._full_until.values()):
             return ranked
         # pods that said they are full go last, in rank order, for as long as they said
@@ -80,8 +87,10 @@ class PodPicker:
     def started(self, pod: str, adapter: str) -> None:
         """A request for ``adapter`` was sent to ``pod``."""
         self._inflight[pod] += 1
+        now = self._clock()
+        self._pod_shares.add(pod, now)
+        self._adapter_shares.add(adapter, now)  # "" counts the base model's requests alike
         if adapter:
-            now = self._clock()
             pods = self._sent.setdefault(adapter, {})
             self._sent_count += pod not in pods
             pods[pod] = now

@@ -11,9 +11,15 @@ not hold in its prefix cache (by the routing-prefix chain, conventions/prefix_ch
 wins until its pod is busier than a cold load is slow, and then the next pod takes the overflow; a pod
 holding the prompt's beginning wins among pods about as loaded, and loses to one with a few fewer requests.
 
-Then a bound on load (``bounded``): a pod whose outstanding requests would pass (1 + epsilon) times the mean of
-the pods that could take the request goes behind the others, so a hot adapter's requests spill to the next-best
-pod by cost instead of piling onto the pods that hold it.
+Then two bounds on load over that ranking (``bounded``; consistent hashing with bounded loads), each moving the
+pods past it behind the others, so that the request goes to the next-best pod by cost. The share bound: a pod that
+lately received more than (1 + epsilon) times the mean of the requests this router sent the pods (counted with a
+decay, router/decayed.py) is past it; over minutes that share is the pod's share of the tokens decoded, since a
+request's length does not depend on its pod. It moves only requests of an adapter that asks for a fair part of a
+pod's traffic itself: a rarely used adapter is held by one pod, each of its requests moved would load it
+elsewhere, and it cannot carry a pod past the bound alone. The bound on outstanding requests: where the best pod
+would make the request wait for an adapter slot (every slot serving or pinned), a pod whose requests running and
+waiting would pass (1 + epsilon) times the mean is past it, since the wait there is longest.
 """
 
 from __future__ import annotations
@@ -26,18 +32,34 @@ from enum import Enum
 from conventions.pod_cost import Weights
 from router.view import PodView, Tier
 
-__all__ = ["LOAD_BOUND", "Choice", "Decision", "Weights", "bounded", "decision", "rank"]
+__all__ = ["LOAD_BOUND", "SHARE_BOUND", "SHARE_DECAY_S", "Choice", "Decision", "Weights", "bounded",
+           "decision", "rank"]
 
-# How far above the mean of the candidate pods' outstanding requests a pod may go (a fraction) before the
-# next-best pod by cost takes a request: the shipped --load-bound. The fleet simulator (benchmarks/fleet_sim.py)
-# measured it against the imbalance target of 1.2 (max / mean of tokens per pod; benchmarks/RESULTS.md,
-# "Fleet simulation: a bound on load").
+# How far above the mean of the candidate pods' outstanding requests (a fraction) a pod may go before a request
+# that would wait there for a slot goes to the next-best pod by cost: the shipped --load-bound. How far above the
+# mean of the requests the router sent the pods lately one may go before an adapter's requests spill to the next:
+# the shipped --share-bound. The fleet simulator (benchmarks/fleet_sim.py) measured both against the imbalance
+# target of 1.2 (max / mean of tokens per pod) and the queue p99 of the peers (benchmarks/RESULTS.md, "Fleet
+# simulation: a bound on the share of requests").
 LOAD_BOUND = 0.2
+SHARE_BOUND = 0.1
+# The time constant of the share each pod and adapter had of the router's requests lately (router/decayed.py):
+# long against a request (seconds) so that a pod's momentary queue does not move it, short against the drift of
+# the hot adapters (minutes).
+SHARE_DECAY_S = 30.0
 # A pod with fewer outstanding requests than this is never past the bound, however idle the others: a step of
 # a few sequences takes hardly longer than a step of one (9.64 ms for 1, 9.85 ms for 4 on the H100 the fleet
 # simulator is fitted to), while a second copy of the adapter costs a load (0.4-1 s), a slot and a CPU entry.
 # Without it a lightly loaded fleet would spread a cold adapter's first concurrent requests over as many pods.
 _BOUND_FLOOR = 4
+# Likewise a pod sent fewer than one request every two seconds lately (15 at a 30 s decay) is never past the share
+# bound. The floor keeps a light fleet's adapters on one pod each; at one request a second the fleet simulator's
+# bursty load (quiet spells at a third of the mean rate) was often all under it, and imbalance rose to 1.29 (1.15).
+_SHARE_FLOOR = 0.5 * SHARE_DECAY_S
+# An adapter whose own share of the router's requests is under this fraction of a pod's mean share keeps its
+# ranking under the share bound. At a fifth, the fleet simulator's rarely used adapters kept their pods (cold
+# loads 182.6 -> 145.7 per 1,000 requests at 1.5x the rate) while hot ones spilled (imbalance 1.09-1.17).
+_SPILL_SHARE = 0.2
 
 
 class Decision(Enum):
@@ -63,6 +85,8 @@ class Choice:
     matched: int = 0  # routing-prefix chunks of the request the pod holds from the start
     download: bool = False  # a cold load there downloads the adapter first (its disk tier lacks it)
     outstanding: int = 0  # requests running and waiting there, with those the router started since its read
+    share: float = 0.0  # requests the router sent there lately, decayed (router/decayed.py)
+    waits_for_slot: bool = False  # its adapter would wait there for a slot: every slot serving or pinned
 
 
 def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
@@ -80,13 +104,16 @@ def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
 
 def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
          extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = (),
-         chain: Sequence[int] = (), remote_key: int | None = None) -> list[Choice]:
+         chain: Sequence[int] = (), remote_key: int | None = None,
+         shares: Mapping[str, float] | None = None) -> list[Choice]:
     """``pods`` best first for a request naming ``adapter`` ("" = the base model), cheapest cost first,
     ties by pod id. ``extra_running`` adds requests the router started on a pod since its state was read
     (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago;
     ``chain`` is the request's routing prefix (empty: a prompt shorter than one chunk); ``remote_key`` is the
-    disk key of the adapter's registered weights when its source is remote (None: a local source)."""
+    disk key of the adapter's registered weights when its source is remote (None: a local source); ``shares``
+    are the requests the router sent each pod lately (``Choice.share``; missing: 0)."""
     extra_running = extra_running or {}
+    shares = shares or {}
     residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
                       Decision.FREE_SLOT: weights.cold(True), Decision.EVICT: weights.cold(False)}
     choices = []
@@ -97,32 +124,46 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         matched = pod.matched(chain) if weights.prefix else 0
         download = d in (Decision.FREE_SLOT, Decision.EVICT) and pod.must_download(remote_key)
         residency = residency_cost[d] * (1 + pod.load_times.download_factor() if download else 1)
-        if d in (Decision.CPU_HIT, Decision.EVICT) and not pod.slot_takeable:
+        waits = d in (Decision.CPU_HIT, Decision.EVICT) and not pod.slot_takeable
+        if waits:
             residency += weights.slot_wait  # every slot pinned or serving: it waits for one to go idle
         choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download,
-                              running + pod.waiting))
+                              running + pod.waiting, shares.get(pod.id, 0.0), waits))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))
 
 
-def bounded(ranked: list[Choice], epsilon: float) -> list[Choice]:
-    """``ranked`` (best first) with the pods past the load bound moved behind the others, each part in its
-    order: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018) over the cost's
-    ranking. The pods weighed are those of the best pod's precision, the ones the request may be sent to
-    (router/forwarder.py); each may hold ``ceil((1 + epsilon) * (their outstanding requests + 1) / their
-    number)`` with this request, and never fewer than ``_BOUND_FLOOR``; one already at that bound is past it.
-    Pods of another precision stay where they ranked, but never first: the first choice is the best pod of that
-    precision within the bound (the least loaded always is), so the bound never changes the precision a request
-    is computed in. The pods offered are the same ones (a pod without adapter slots was never among them).
-    ``epsilon`` 0: no bound."""
-    if epsilon <= 0 or len(ranked) < 2:
+def bounded(ranked: list[Choice], load_bound: float, share_bound: float = 0.0,
+            adapter_share: float = math.inf) -> list[Choice]:
+    """``ranked`` (best first) with the pods past either bound moved behind the others, each part in its order
+    (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, 2018, over the cost's ranking).
+    The pods weighed are those of the best pod's precision, the ones the request may be sent to
+    (router/forwarder.py). With this request, each may hold:
+
+    - when the best pod would make the request wait for a slot (``Choice.waits_for_slot``),
+      ``ceil((1 + load_bound) * (their outstanding requests + 1) / their number)``, never fewer than
+      ``_BOUND_FLOOR``;
+    - when ``adapter_share`` (the adapter's own requests lately, as ``Choice.share`` counts them) is at least
+      ``_SPILL_SHARE`` of their mean share, ``(1 + share_bound) * (their shares + 1) / their number`` of the
+      requests lately, never less than ``_SHARE_FLOOR``.
+
+    One already at a bound is past it. Pods of another precision stay where they ranked, but never first: the
+    first choice is the best pod of that precision within both bounds, so the bounds never change the precision
+    a request is computed in; where every pod of it is past one bound or the other (each bound leaves its least
+    loaded pod within), the ranking stays as it was. The pods offered are the same ones. A bound of 0: none."""
+    if len(ranked) < 2:
         return ranked
     precision = ranked[0].pod.precision
-    peers = [c.outstanding for c in ranked if c.pod.precision == precision]
-    cap = max(math.ceil((1 + epsilon) * (sum(peers) + 1) / len(peers)), _BOUND_FLOOR)
-
-    def past(c: Choice) -> bool:
-        return c.pod.precision == precision and c.outstanding >= cap
-
-    kept = [c for c in ranked if not past(c)]
-    first = next(c for c in kept if c.pod.precision == precision)
-    return [first, *(c for c in kept if c is not first), *(c for c in ranked if past(c))]
+    peers = [c for c in ranked if c.pod.precision == precision]
+    past: set[str] = set()
+    if load_bound > 0 and ranked[0].waits_for_slot:
+        cap = max(math.ceil((1 + load_bound) * (sum(c.outstanding for c in peers) + 1) / len(peers)), _BOUND_FLOOR)
+        past.update(c.pod.id for c in peers if c.outstanding >= cap)
+    shares = sum(c.share for c in peers)
+    if share_bound > 0 and adapter_share >= _SPILL_SHARE * shares / len(peers):
+        cap = max((1 + share_bound) * (shares + 1) / len(peers), _SHARE_FLOOR)
+        past.update(c.pod.id for c in peers if c.share >= cap)
+    kept = [c for c in ranked if c.pod.id not in past]
+    first = next((c for c in kept if c.pod.precision == precision), None)
+    if not past or first is None:
+        return ranked
+    return [first, *(c for c in kept if c is not first), *(c for c in ranked if c.pod.id in past)]

@@ -45,7 +45,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     pod_dialer = config.pod_dialer()
     channels = PodChannels(pod_dialer)
     refresher = StateRefresher(config, token, channels, metrics)
-    picker = PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight), load_bound=config.load_bound)
+    picker = PodPicker(lambda: refresher.view, Weights(prefix=config.prefix_weight), load_bound=config.load_bound,
+                       share_bound=config.share_bound)
     forwarder = Forwarder(picker, channels, metrics, config.retries)
     access = build_access(config, metrics)
     door = Door(forwarder, access, metrics)

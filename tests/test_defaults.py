@@ -154,6 +154,8 @@ def test_the_chart_routes_by_prefix_and_bounds_load_as_the_processes_do_by_defau
     assert _template_flags("router.yaml")["--prefix-weight"] == "{{ $r.prefixWeight | quote }}"
     assert values["router"]["loadBound"] == RouterConfig.load_bound
     assert _template_flags("router.yaml")["--load-bound"] == "{{ $r.loadBound | quote }}"
+    assert values["router"]["shareBound"] == RouterConfig.share_bound
+    assert _template_flags("router.yaml")["--share-bound"] == "{{ $r.shareBound | quote }}"
     assert _template_flags("data-plane.yaml")["--prefix-report-size"] == "{{ $dp.prefixReportSize | quote }}"
 
 

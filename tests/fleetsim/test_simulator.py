@@ -122,12 +122,12 @@ def test_requests_that_can_never_run_are_reported_instead_of_waited_for_forever(
         sim.run()
 
 
-def test_the_routers_bound_on_load_evens_out_the_tokens_each_pod_decodes():
+def test_the_routers_bounds_on_load_even_out_the_tokens_each_pod_decodes():
     # a fleet below its seats, where the cost alone piles hot adapters onto the pods that hold them
     fleet, trace = FleetConfig(pods=16, cpu_entries=32), make_trace(TraceConfig(adapters=500, rate=30.0,
                                                                                 duration_s=60.0, seed=3))
-    cost_only, bounded = (Simulation(fleet, trace, Ours(load_bound=bound), (), seed=1, warmup_s=20.0).run()
-                          for bound in (0, None))
-    assert Ours().load_bound == 0.2  # the router's shipped --load-bound
+    cost_only, bounded = (Simulation(fleet, trace, Ours(load_bound=bound, share_bound=bound), (), seed=1,
+                                     warmup_s=20.0).run() for bound in (0, None))
+    assert (Ours().load_bound, Ours().share_bound) == (0.2, 0.1)  # the router's shipped --load-bound, --share-bound
     assert bounded.imbalance <= 1.2 < 1.4 < cost_only.imbalance
     assert bounded.completed == bounded.requests == cost_only.requests

@@ -47,6 +47,9 @@ def test_routing_is_at_most_one_second_stale_by_default(token_file):
     ({"prefix_weight": 1001.0}, "--prefix-weight must be within"),
     ({"load_bound": -0.1}, r"--load-bound must be within \[0, 100\] \(0: no bound\), got -0.1"),
     ({"load_bound": float("nan")}, "--load-bound must be within"),
+    ({"share_bound": -0.1}, r"--share-bound must be within \[0, 100\] \(0: no bound\), got -0.1"),
+    ({"share_bound": float("nan")}, "--share-bound must be within"),
+    ({"share_bound": 101.0}, "--share-bound must be within"),
 ])
 def test_a_bad_value_is_refused_with_what_to_fix(token_file, change, words):
     with pytest.raises(ConfigError, match=words):
