@@ -72,7 +72,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = itertools.count()
         rng = np.random.default_rng(seed)
-        rank_of = dict(zip(trace.names, trace.ranks.tolist(), strict=True))
+        rank_of = self._rank_of = dict(zip(trace.names, trace.ranks.tolist(), strict=True))
         self.pods = [SimPod(i, config, trace.adapters, trace.tokens, trace.names, self._push, self._admitted,
                             self._finished, np.random.default_rng(rng.integers(1 << 63)), self.clock, rank_of)
                      for i in range(config.pods)]
@@ -182,7 +182,8 @@ class Simulation:
                                for name, ready in p.cpu.items() if ready},
                     running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage,
                     disk=p.disk.keys(self._remote), load_times=self._load_times(p))
-            for p in self.pods), self.now, remote=self._remote)
+            for p in self.pods), self.now, remote=self._remote,
+            ranks={name: self._rank_of[name] for p in self.pods for name, ready in p.cpu.items() if ready})
 
     @staticmethod
     def _load_times(pod: SimPod) -> LoadTimes:

@@ -77,7 +77,8 @@ class PodPicker:
         # only the pods whose count moved since the view was read (most do not, in a large fleet)
         extra = {pod: n - self._baseline[pod] for pod, n in self._inflight.items() if n != self._baseline[pod]}
         shares = {pod.id: self._pod_shares.get(pod.id, now) for pod in pods} if self._share_bound > 0 else None
-        ranked = bounded(rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter), shares),
+        ranked = bounded(rank(adapter, pods, self._weights, extra, just_sent, chain, view.remote.get(adapter), shares,
+                              view.size(adapter)),
                          self._load_bound, self._share_bound, self._adapter_shares.get(adapter, now))
         if not any(until > now for until in self._full_until.values()):
             return ranked

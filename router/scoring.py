@@ -5,7 +5,8 @@ the residency of its adapter (a device slot costs nothing, the CPU cache a copy 
 slot a read of the weights, a full pod that read plus another adapter's eviction, and either of the last two
 waits for a slot besides where every slot holds a pinned or serving adapter; an adapter with a remote
 source that the pod's disk tier lacks adds its download, that cold cost again times what a download takes
-on that pod against a read from its disk, as the pod measured both) plus the pod's load
+on that pod against a read from its disk, as the pod measured both; a copy, read or download in proportion to
+the adapter's bytes against the fleet's mean adapter's, by rank, ``FleetView.size``) plus the pod's load
 (running and waiting requests, KV-cache pressure), plus the prefill of the part of the prompt the pod does
 not hold in its prefix cache (by the routing-prefix chain, conventions/prefix_chain.py). So a device hit
 wins until its pod is busier than a cold load is slow, and then the next pod takes the overflow; a pod
@@ -105,17 +106,18 @@ def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
 def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
          extra_running: Mapping[str, int] | None = None, just_sent_to: Collection[str] = (),
          chain: Sequence[int] = (), remote_key: int | None = None,
-         shares: Mapping[str, float] | None = None) -> list[Choice]:
+         shares: Mapping[str, float] | None = None, size: float = 1.0) -> list[Choice]:
     """``pods`` best first for a request naming ``adapter`` ("" = the base model), cheapest cost first,
     ties by pod id. ``extra_running`` adds requests the router started on a pod since its state was read
     (negative when some finished); ``just_sent_to`` are pods this adapter was routed to moments ago;
     ``chain`` is the request's routing prefix (empty: a prompt shorter than one chunk); ``remote_key`` is the
     disk key of the adapter's registered weights when its source is remote (None: a local source); ``shares``
-    are the requests the router sent each pod lately (``Choice.share``; missing: 0)."""
+    are the requests the router sent each pod lately (``Choice.share``; missing: 0); ``size`` is how many times
+    the fleet's mean adapter the adapter weighs (``FleetView.size``): its copies and loads take as much longer."""
     extra_running = extra_running or {}
     shares = shares or {}
-    residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit,
-                      Decision.FREE_SLOT: weights.cold(True), Decision.EVICT: weights.cold(False)}
+    residency_cost = {Decision.BASE: 0.0, Decision.DEVICE_HIT: 0.0, Decision.CPU_HIT: weights.cpu_hit * size,
+                      Decision.FREE_SLOT: weights.cold(True) * size, Decision.EVICT: weights.cold(False) * size}
     choices = []
     for pod in pods:
         d = decision(adapter, pod, pod.id in just_sent_to)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 
 from lorafleet.v1 import adapter_admin_pb2 as admin_pb
 from lorafleet.v1 import data_plane_admin_pb2 as pod_pb
@@ -105,6 +106,20 @@ class FleetView:
     # Adapters with a remote source (http, s3, hf): the disk key of their registered sha256. A pod loads one
     # from its disk tier when it holds that copy, else downloads it first.
     remote: Mapping[str, int] = field(default_factory=dict)
+    # Adapters' LoRA ranks as the registry has them from the pods holding them (Adapter.rank); an adapter no pod
+    # holds is missing.
+    ranks: Mapping[str, int] = field(default_factory=dict)
+
+    def size(self, adapter: str) -> float:
+        """How many times the bytes of the fleet's mean adapter ``adapter`` weighs, by rank (an adapter's
+        weights grow in proportion to its rank on the same modules): what its loads take against the mean load
+        the pods measured. 1 where its rank is not known."""
+        rank = self.ranks.get(adapter, 0)
+        return rank / self._mean_rank if rank else 1.0
+
+    @cached_property
+    def _mean_rank(self) -> float:
+        return sum(self.ranks.values()) / len(self.ranks)
 
 
 def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod],
@@ -140,4 +155,4 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
     remote = {a.name: disk_key(a.sha256) for a in adapters
               if a.source.startswith(_REMOTE) and _SHA256.fullmatch(a.sha256)}
     return FleetView(frozenset(a.name for a in adapters), tuple(sorted(views, key=lambda v: v.id)), read_at,
-                     base_model, remote)
+                     base_model, remote, {a.name: a.rank for a in adapters if a.rank})

@@ -123,3 +123,18 @@ def test_a_pod_whose_every_slot_is_pinned_or_serving_makes_a_cpu_hit_wait_and_lo
     # a device hit needs no slot: the busy slots are its own
     assert rank("x", [PodView("a", "a:1", slots_total=2, slots_used=2, slots_busy=2,
                               residency={"x": Tier.DEVICE})])[0].cost == 0.0
+
+
+def test_a_cold_load_costs_in_proportion_to_the_adapters_rank_against_the_fleets_mean():
+    adapters = [admin_pb.Adapter(name=name, rank=r) for name, r in (("r8", 8), ("r16", 16), ("r64", 64))]
+    adapters.append(admin_pb.Adapter(name="held-nowhere"))  # rank 0: no pod holds it, so its rank is unknown
+    view = build_view(adapters, [], {}, 0.0)
+    assert view.ranks == {"r8": 8, "r16": 16, "r64": 64}
+    mean = (8 + 16 + 64) / 3
+    assert [view.size(a) for a in ("r8", "r16", "r64", "held-nowhere")] == [8 / mean, 16 / mean, 64 / mean, 1.0]
+    w = Weights()
+    # a pod running 20 requests that holds the adapter in host memory, beside an idle one with a free slot
+    holder, idle = pod("holder", {"x": Tier.CPU}, running=20), pod("idle")
+    assert order("x", holder, idle, size=1.0)[0] == ("idle", Decision.FREE_SLOT)  # 14 < 20.5
+    assert order("x", holder, idle, size=2.0)[0] == ("holder", Decision.CPU_HIT)  # 28 > 21
+    assert rank("x", [idle], size=2.0)[0].cost == 2 * w.free_slot and rank("x", [idle])[0].cost == w.free_slot
