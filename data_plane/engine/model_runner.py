@@ -85,7 +85,7 @@ class ModelRunner:
         num_new = [item.num_new for item in batch]
         starts = [seq.num_computed + item.num_cached for seq, item in zip(seqs, batch, strict=True)]
         ends = list(map(add, starts, num_new))
-        samples = list(map(eq, ends, [len(seq.prompt_ids) + len(seq.output_ids) for seq in seqs]))
+        samples = list(map(eq, ends, [len(seq.request.prompt_ids) + len(seq.output_ids) for seq in seqs]))
         persistent = self.rows
         persistent.hold_all(seqs, rows, slots)
         decode = num_new.count(1) == n and all(samples)  # each sequence computes its last token, and samples
@@ -95,7 +95,7 @@ class ModelRunner:
             fed = self._fed(seqs, rows, starts, num_new, samples, pending, decode)
         if decode:
             token_ids = [0] * n if len(fed) == n else \
-                [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
+                [seq.output_ids[-1] if seq.output_ids else seq.request.prompt_ids[-1] for seq in seqs]
         else:
             token_ids = []
             for seq, start, end in zip(seqs, starts, ends, strict=True):

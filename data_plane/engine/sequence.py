@@ -1,11 +1,12 @@
-"""A request as the engine sees it."""
+"""A request as the engine sees it: what was asked (``Request``, immutable), and as it runs (``Sequence``: the
+request, its progress and place, and its timing)."""
 
 from __future__ import annotations
 
 import enum
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from data_plane.engine.grammar import Constraint, GrammarState
@@ -96,56 +97,130 @@ class Timing:
     last_token_time: float | None = None
 
 
-@dataclass(eq=False)  # identity: a sequence is one request, whatever its fields
-class Sequence:
+@dataclass(frozen=True, eq=False)  # identity: one request, whatever its fields
+class Request:
+    """What one request asks, fixed from its admission to its end: its ids, prompt, adapter, sampling
+    parameters and the key of its draws, who it is billed to, and its bounds in tokens and time. Nothing
+    that runs it writes here (its ``Sequence`` holds that). A caller that sets one of these fields through
+    its ``Sequence`` after admission replaces the request whole (``Sequence``'s setters), never changes it."""
+
     request_id: str
     adapter: str | None
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # read and sliced as a list, never changed
     params: SamplingParams
     max_total: int  # prompt + completion never exceeds this (max_tokens or context limit)
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float  # time.monotonic() at its admission
     deadline: float | None = None  # time.monotonic() after which nobody waits for the answer
     tenant: str | None = None  # who the request is billed to (GenerateRequest.tenant); fair shares weigh it
-    status: SequenceStatus = SequenceStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    # How many of the last output_ids are PENDING: sampled by a step whose ids the host has not read yet. Each
-    # is appended by the step's postprocess at launch and settled (Scheduler.settle) when its id is read.
-    pending: int = 0
-    # Tokens whose K/V are in the cache. One writer: the step's postprocess (Scheduler.postprocess), which
-    # adds a step's chunk (and the cached tokens found at admission) and sets 0 after a preemption.
-    num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
-    kv_row: int = -1  # its row of the block manager's table while it holds blocks
-    cache_salt: str = ""  # what its cached blocks are keyed under besides their tokens (adapter content, precision)
-    prefix_ids: list[int] = field(default_factory=list)  # content id of each leading full block in the prefix cache
-    slot: int = -1  # adapter slot while running, -1 = base model
-    finish_reason: FinishReason | None = None
-    grammar: GrammarState | None = None  # a constrained request's matcher; advanced by postprocess only
+    salt: str = ""  # its own part of its cached blocks' key (GenerateRequest.cache_salt: a tenant's cache scope)
     # The key of every draw this request makes (with the token's position as the counter): its seed if
     # given, else a random one, so that a recomputation after preemption draws the same tokens again.
-    sampling_seed: int = field(init=False)
-    started_at_standing: float | None = None  # its tenant's fair-share standing when it last started running
-    started_at_computed: int = 0  # its tokens in the KV cache (computed or cached) when it last started running
-    timing: Timing = field(default_factory=Timing)
-    request_salt: str = ""  # the request's own part of that key (GenerateRequest.cache_salt: a tenant's cache scope)
+    sampling_seed: int = 0
 
-    def __post_init__(self) -> None:
-        self.sampling_seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
+    @classmethod
+    def new(cls, request_id: str, adapter: str | None, prompt_ids: list[int], params: SamplingParams, max_total: int,
+            arrival: float | None = None, deadline: float | None = None, tenant: str | None = None,
+            salt: str = "") -> Request:
+        """The request, arrived now unless ``arrival`` is given, its draws keyed by its seed or a random one."""
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return cls(request_id, adapter, prompt_ids, params, max_total, time.monotonic() if arrival is None else arrival,
+                   deadline, tenant, salt, seed)
+
+
+def _request_field(name: str, doc: str) -> property:
+    """A field of ``Sequence.request`` read through the sequence (what the scheduler's modules read); setting
+    it replaces the request with one that differs in that field."""
+
+    def get(self: Sequence):
+        return getattr(self.request, name)
+
+    def put(self: Sequence, value) -> None:
+        self.request = replace(self.request, **{name: value})
+
+    return property(get, put, doc=doc)
+
+
+class Sequence:
+    """One request as the engine runs it, in three parts: the request (``request``, immutable: what was asked),
+    its progress and place (the attributes below: tokens computed and generated, blocks, row, slot, status;
+    progress's one writer is the step's postprocess, progress.py), and its timing (``timing``: when things
+    happened, read for metrics and promises). Identity: a sequence is one request, whatever its fields."""
+
+    request_id = _request_field("request_id", "the request's id (Request.request_id)")
+    adapter = _request_field("adapter", "the adapter it runs with, None for the base model (Request.adapter)")
+    prompt_ids = _request_field("prompt_ids", "its prompt's token ids (Request.prompt_ids)")
+    params = _request_field("params", "its sampling parameters (Request.params)")
+    max_total = _request_field("max_total", "prompt + completion never exceeds this (Request.max_total)")
+    arrival = _request_field("arrival", "time.monotonic() at its admission (Request.arrival)")
+    deadline = _request_field("deadline", "after which nobody waits for the answer (Request.deadline)")
+    tenant = _request_field("tenant", "who it is billed to (Request.tenant)")
+    sampling_seed = _request_field("sampling_seed", "the key of its draws (Request.sampling_seed)")
+    request_salt = _request_field("salt", "its own part of its cached blocks' key (Request.salt)")
+
+    def __init__(self, request_id: str, adapter: str | None, prompt_ids: list[int], params: SamplingParams,
+                 max_total: int, arrival: float | None = None, deadline: float | None = None, tenant: str | None = None,
+                 *, request_salt: str = "", request: Request | None = None,
+                 status: SequenceStatus = SequenceStatus.WAITING, output_ids: list[int] | None = None,
+                 pending: int = 0, num_computed: int = 0, block_table: list[int] | None = None, kv_row: int = -1,
+                 cache_salt: str = "", prefix_ids: list[int] | None = None, slot: int = -1,
+                 finish_reason: FinishReason | None = None, grammar: GrammarState | None = None,
+                 started_at_standing: float | None = None, started_at_computed: int = 0,
+                 timing: Timing | None = None) -> None:
+        """The sequence of a new request (``Request.new`` of the first arguments), or of ``request`` where
+        given (the first arguments are then not read); the keywords after it set its progress."""
+        self.request = request or Request.new(request_id, adapter, prompt_ids, params, max_total, arrival, deadline,
+                                              tenant, request_salt)
+        # ---- progress and place ----
+        self.status = status
+        self.output_ids: list[int] = output_ids if output_ids is not None else []
+        # How many of the last output_ids are PENDING: sampled by a step whose ids the host has not read yet.
+        # Each is appended by the step's postprocess at launch and settled (Scheduler.settle) when its id is read.
+        self.pending = pending
+        # Tokens whose K/V are in the cache. One writer: the step's postprocess (Scheduler.postprocess), which
+        # adds a step's chunk (and the cached tokens found at admission) and sets 0 after a preemption.
+        self.num_computed = num_computed
+        self.block_table: list[int] = block_table if block_table is not None else []
+        self.kv_row = kv_row  # its row of the block manager's table while it holds blocks
+        # what its cached blocks are keyed under besides their tokens (adapter content, precision, its salt)
+        self.cache_salt = cache_salt
+        # content id of each leading full block in the prefix cache
+        self.prefix_ids: list[int] = prefix_ids if prefix_ids is not None else []
+        self.slot = slot  # adapter slot while running, -1 = base model
+        self.finish_reason = finish_reason
+        self.grammar = grammar  # a constrained request's matcher; advanced by postprocess only
+        # its tenant's fair-share standing, and its tokens in the KV cache (computed or cached), when it last
+        # started running
+        self.started_at_standing = started_at_standing
+        self.started_at_computed = started_at_computed
+        # ---- timing ----
+        self.timing = timing if timing is not None else Timing()
+
+    @classmethod
+    def of(cls, request: Request, **progress) -> Sequence:
+        """A sequence of ``request`` (its fields are not copied: sequences of one request share it), with
+        ``progress`` as ``__init__``'s keywords after ``request`` set it."""
+        return cls(request.request_id, request.adapter, request.prompt_ids, request.params, request.max_total,
+                   request=request, **progress)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, adapter={self.adapter!r}, {self.status.value}, "
+                f"{self.num_computed}/{self.num_tokens} computed, slot {self.slot}, row {self.kv_row})")
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.request.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_ids[start:end]`` without copying the whole context."""
-        n = len(self.prompt_ids)
+        prompt = self.request.prompt_ids
+        n = len(prompt)
         if start >= n:
             return self.output_ids[start - n : end - n]
-        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
+        return prompt[start:end] + self.output_ids[: max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.request.prompt_ids) + len(self.output_ids)
 
     @property
     def num_known(self) -> int:
@@ -154,7 +229,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        return len(self.request.prompt_ids) + len(self.output_ids) - self.num_computed
 
     @property
     def is_finished(self) -> bool:

@@ -103,7 +103,7 @@ def test_the_device_table_follows_appends_frees_and_reused_rows():
     blocks.free(a)
     c = _seq(blocks, 13, 0, 13, 1, "c")  # a's row and blocks, and more
     assert c.kv_row == row_of_a
-    b.prompt_ids += [7, 8, 9]
+    b.output_ids += [7, 8, 9]  # three tokens generated since
     blocks.allocate(b, 5)  # b grows into a second block
     assert len(b.block_table) == 2
     inputs = _build(builder, [(c, 0, 13), (b, 2, 3)])
