@@ -1,15 +1,16 @@
 """What a pod's steps cost on this CPU, per precision: decode steps of 1, 8 and 32 sequences and a
 512-token prefill chunk on the demo model with the serving mix of adapters (benchmarks/serve.py:
-base model, the three demo adapters, a random rank-16 one). Run on two trees, it measures what batch
-invariance costs (fixed row tiles in the projections and LoRA, tiled attention) against the code
-before it; benchmarks/RESULTS.md ("Batch invariance") says how the figures there were taken.
+base model, the three demo adapters, a random rank-16 one). Run with and without ``--fastest`` (one
+oneDNN call per projection, which does not keep a row's bits), it measures what the probed rule costs
+against the fastest path in the same tree; run on two trees, against the code before it.
+benchmarks/RESULTS.md ("Batch invariance") says how the figures there were taken.
 
 Each step kind runs ``--steps`` times after two warm runs; the median and the fastest are reported,
 in milliseconds of wall time on ``--threads`` threads, or with ``--cpu-time`` (one thread) of the
 thread's CPU time, which other jobs on a shared machine barely change. Prints one markdown row per
 step kind.
 
-    python benchmarks/invariance_cost.py --dtype float32 [--steps 15] [--label after] [--cpu-time]
+    python benchmarks/invariance_cost.py --dtype float32 [--steps 15] [--label after] [--cpu-time] [--fastest]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +28,8 @@ from processes import cpu_flags, cpu_model, load_average  # benchmarks/processes
 
 from data_plane.engine.scheduler import ScheduledSeq
 from data_plane.engine.sequence import SamplingParams, Sequence
+from data_plane.model import cpu_linear
+from data_plane.model.row_rule import Tiling
 
 CONTEXT = 150  # tokens each decode sequence has before its step
 PREFILL = 512
@@ -48,6 +52,9 @@ def main() -> None:
     parser.add_argument("--cpu-attention", choices=("native", "tiled"), help="the pod's --cpu-attention (default: "
                         "the pod's; a tree older than the option takes none)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time")
+    parser.add_argument("--fastest", action="store_true", help="the fastest path, not batch-invariant: every "
+                        "projection and the head in one unpadded oneDNN call (attention and LoRA as probed), what "
+                        "the probed rule's cost is measured against in the same tree")
     args = parser.parse_args()
     if args.cpu_time:
         args.threads = 1
@@ -56,6 +63,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"cpu_attention": args.cpu_attention} if args.cpu_attention else {}
         engine, slots = build_demo_engine(32, Path(tmp), args.dtype, **settings)
+        if args.fastest:  # oneDNN's weights laid out for its cpu_linear tile of rows, every call unpadded
+            model = engine.model
+            dtypes = {"projection": model.precision.matmul_dtype, "head": model.head_weight.dtype}
+            fastest = {path: Tiling(cpu_linear.ROW_TILES[dtype], whole=True, ragged=True)
+                       for path, dtype in dtypes.items()}
+            model.use_row_rule(replace(model.row_rule, **fastest))
         kinds = {f"decode {n}": decode_batch(engine, slots, n, CONTEXT) for n in (1, 8, 32)}
         first_free = 32 * -(-(CONTEXT + 1) // engine.limits.block_size)
         kinds[f"prefill {PREFILL}"] = prefill_batch(engine, slots[1], first_free)
