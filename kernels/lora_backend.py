@@ -1,7 +1,8 @@
 """Where a LoRA layer's adapter product runs: one backend per layer, chosen by device when the
 layer is built, called once per forward.
 
-- ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer.
+- ``TritonBackend`` (CUDA): the shrink and expand Triton kernels, one launch each per layer, or both in
+  one launch (``kernels.lora_fused``) where the GPU's tuned table chose it for the layer's shape.
 - ``CpuBackend`` (everywhere else, where Triton's interpreter is slower than torch by orders of
   magnitude): one C++ call per layer where the pod's start-up probe chose it (``kernels.native_lora``),
   else batched matmuls per adapter segment over fixed row tiles (one shrink, one expand per adapted
@@ -61,17 +62,29 @@ def lora_backend(slots: LoraSlots) -> LoraBackend:
 
 
 class TritonBackend:
-    """The Triton kernels, which read the slots directly: nothing to rebuild when a slot changes."""
+    """The Triton kernels, which read the slots directly: nothing to rebuild when a slot changes.
+
+    The kernel is chosen once, for the layer's shape, when the backend is built
+    (``kernels.lora_fused.fused_tiles``): the fused launch where the GPU's tuned table measured it faster,
+    else the split shrink and expand. Every step then runs the same kernel, so a row's bits do not depend
+    on what shares its step. ``fused`` may be set to other tiles (or None) before the first step."""
 
     def __init__(self, slots: LoraSlots) -> None:
+        # Imported here: Triton is an optional dependency (the `cuda` extra) that CPU installs lack.
+        from kernels.lora_fused import fused_tiles
+
         self.slots = slots
+        self.fused = fused_tiles(slots.lora_a, slots.lora_b)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, meta: LoraMeta) -> None:
-        # Imported here: Triton is an optional dependency (the `cuda` extra) that CPU installs lack.
         from kernels.lora_expand import lora_expand
+        from kernels.lora_fused import lora_fused
         from kernels.lora_shrink import lora_shrink
 
         sl = self.slots
+        if self.fused is not None:
+            lora_fused(y, x, sl.lora_a, sl.lora_b, sl.ranks, sl.slice_offsets, meta, self.fused)
+            return
         buf = meta.buffer[: sl.lora_a.shape[0], : x.shape[0]]  # [S, num_tokens, max_rank] float32 scratch
         lora_shrink(x, sl.lora_a, sl.ranks, meta, buf)
         lora_expand(y, buf, sl.lora_b, sl.ranks, sl.slice_offsets, meta)

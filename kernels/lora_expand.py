@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import lora_launch, lora_tuning, segments
-from kernels.lora_launch import Tiles, segment_block
+from kernels.lora_launch import Tiles, add_to_rows, block_tokens
 from kernels.lora_meta import LoraMeta
 
 
@@ -49,13 +49,11 @@ def _lora_expand_kernel(
     COL_TILES: tl.constexpr,  # column tiles of BLOCK_N a program walks
     UPCAST: tl.constexpr,  # dot in float32 (the interpreter misreads bf16 operands)
 ):
-    slot, first, end = segment_block(seg_slots_ptr, seg_starts_ptr, num_segments, tl.program_id(1), SEG_BLOCK, BLOCK_M)
+    slot, tokens, m_mask = block_tokens(sorted_tokens_ptr, seg_slots_ptr, seg_starts_ptr, num_segments,
+                                        tl.program_id(1), SEG_BLOCK, BLOCK_M)
     if slot < 0:
         return
 
-    offs_m = first + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    tokens = tl.load(sorted_tokens_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
     # A program walks COL_TILES column tiles: its token block and slot are read once for all of them.
     for c in tl.static_range(COL_TILES):
         n0 = (tl.program_id(0) * COL_TILES + c) * BLOCK_N
@@ -102,15 +100,7 @@ def _lora_expand_kernel(
                             acc = tl.dot(h_lo, b, acc)
 
         y_tile = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        # Two copies of the read-add-write: a mask that varies along a row stops the common case, a
-        # tile inside adapted slices, from using vector loads and stores.
-        if tl.sum(touched.to(tl.int32), axis=0) == BLOCK_N:
-            y = tl.load(y_tile, mask=m_mask[:, None], other=0.0)
-            tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=m_mask[:, None])
-        else:
-            mask = m_mask[:, None] & touched[None, :]
-            y = tl.load(y_tile, mask=mask, other=0.0)
-            tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+        add_to_rows(y_tile, acc, m_mask, touched, tl.sum(touched.to(tl.int32), axis=0) == BLOCK_N)
 
 
 def default_tiles(max_rank: int) -> Tiles:
@@ -154,8 +144,7 @@ def lora_expand(
     under the interpreter.
     """
     # Check.
-    if lora_b.dim() != 3 or not lora_b.is_contiguous():
-        raise ValueError(f"lora_b must be contiguous [max_loras, out_features, max_rank], got {tuple(lora_b.shape)}")
+    lora_launch.check_lora_b(lora_b, y.device)
     num_slots, out_features, max_rank = lora_b.shape
     if buf.dim() != 3:
         raise ValueError(f"buf must be [S, num_tokens, {max_rank}], got {tuple(buf.shape)}")
@@ -163,22 +152,9 @@ def lora_expand(
     if y.shape != (num_tokens, out_features):
         raise ValueError(f"y must be [{num_tokens}, {out_features}] to match buf and lora_b, got {tuple(y.shape)}")
     lora_launch.check_rows("y", y)
-    if lora_b.dtype not in lora_launch.DTYPES or lora_b.device != y.device:
-        raise ValueError(
-            f"lora_b must be one of {lora_launch.DTYPES} on {y.device}, got {lora_b.dtype} on {lora_b.device}"
-        )
     lora_launch.check_buf(buf, num_slices, num_tokens, max_rank, y.device)
     lora_launch.check_ranks(ranks, num_slices, num_slots, y.device)
-    if (
-        not isinstance(slice_offsets, torch.Tensor)
-        or slice_offsets.shape != (num_slices + 1,)
-        or slice_offsets.dtype != torch.int32
-        or slice_offsets.device != y.device
-    ):
-        got = slice_offsets
-        if isinstance(slice_offsets, torch.Tensor):
-            got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
-        raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {y.device}, got {got}")
+    lora_launch.check_slice_offsets(slice_offsets, num_slices, y.device)
     lora_launch.check_meta(meta, num_tokens, y.device)
     tiles = (tiles or lora_tuning.on_device("expand", num_slices, out_features, max_rank, lora_b.dtype, y.device)
              or default_tiles(max_rank))

@@ -40,6 +40,88 @@ def segment_block(
     return tl.where(segment >= 0, slot, -1), first, end
 
 
+@triton.jit
+def block_tokens(
+    sorted_tokens_ptr,  # [num_tokens] int32
+    seg_slots_ptr,
+    seg_starts_ptr,
+    num_segments,
+    pid,
+    SEG_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(slot, tokens, m_mask) of ``segment_block``'s block: ``tokens`` [BLOCK_M] int64 row indices, valid
+    where ``m_mask``; nothing is loaded (and ``slot`` is -1) when the program has no tokens."""
+    slot, first, end = segment_block(seg_slots_ptr, seg_starts_ptr, num_segments, pid, SEG_BLOCK, BLOCK_M)
+    offs_m = first + tl.arange(0, BLOCK_M)
+    m_mask = (offs_m < end) & (slot >= 0)
+    tokens = tl.load(sorted_tokens_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    return slot, tokens, m_mask
+
+
+@triton.jit
+def dot_features(
+    acc,  # [BLOCK_M, BLOCK_R] float32
+    x_rows,  # [BLOCK_M, 1] pointers to the rows of x
+    a_rows,  # [1, BLOCK_R] pointers to the rows of A
+    m_mask,  # [BLOCK_M]
+    r_mask,  # [BLOCK_R]: rows of A to load (past the rank: never)
+    k_lo,
+    k_hi,
+    in_features,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``acc + x[:, k_lo:k_hi] @ A[:, k_lo:k_hi].T``, in ``BLOCK_K`` steps from ``k_lo``: the shrink's sum
+    over in_features, the same instructions in the split shrink and the fused kernel."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < in_features
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        a = tl.load(a_rows + k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
+        if UPCAST or x_rows.dtype.element_ty == tl.float32:
+            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, a, acc)  # tensor cores in the input dtype, float32 accumulator
+    return acc
+
+
+@triton.jit
+def add_to_rows(y_tile, acc, m_mask, n_mask, whole):
+    """``y_tile += acc`` (float32, rounded once to y's dtype) at rows ``m_mask`` and columns ``n_mask``;
+    ``whole``: every column of the tile is in ``n_mask``. Two copies of the read-add-write: a mask that
+    varies along a row stops the common case, a whole tile, from using vector loads and stores."""
+    if whole:
+        y = tl.load(y_tile, mask=m_mask[:, None], other=0.0)
+        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=m_mask[:, None])
+    else:
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_tile, mask=mask, other=0.0)
+        tl.store(y_tile, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def check_slice_offsets(slice_offsets: torch.Tensor, num_slices: int, device: torch.device) -> None:
+    """An int32 tensor [num_slices + 1] on ``device`` (its values live there and are not checked)."""
+    if (
+        not isinstance(slice_offsets, torch.Tensor)
+        or slice_offsets.shape != (num_slices + 1,)
+        or slice_offsets.dtype != torch.int32
+        or slice_offsets.device != device
+    ):
+        got = slice_offsets
+        if isinstance(slice_offsets, torch.Tensor):
+            got = f"{slice_offsets.dtype} {tuple(slice_offsets.shape)} on {slice_offsets.device}"
+        raise ValueError(f"slice_offsets must be an int32 tensor [{num_slices + 1}] on {device}, got {got}")
+
+
+def check_lora_b(lora_b: torch.Tensor, device: torch.device) -> None:
+    if lora_b.dim() != 3 or not lora_b.is_contiguous():
+        raise ValueError(f"lora_b must be contiguous [max_loras, out_features, max_rank], got {tuple(lora_b.shape)}")
+    if lora_b.dtype not in DTYPES or lora_b.device != device:
+        raise ValueError(f"lora_b must be one of {DTYPES} on {device}, got {lora_b.dtype} on {lora_b.device}")
+
+
 def check_meta(meta: LoraMeta, num_tokens: int, device: torch.device) -> None:
     """Raises ValueError unless ``meta`` describes ``num_tokens`` tokens in int32 buffers on ``device``."""
     if meta.num_tokens != num_tokens:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import lora_launch, lora_tuning, segments
-from kernels.lora_launch import Tiles, segment_block
+from kernels.lora_launch import Tiles, dot_features, segment_block
 from kernels.lora_meta import SPLIT_TOKENS, LoraMeta
 
 
@@ -66,7 +66,6 @@ def _lora_shrink_kernel(
     tokens = tl.load(sorted_tokens_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank  # rows of A past the real rank are never loaded
-    offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_xm  # [BLOCK_M, 1]
     a_base = (slice_id * num_slots + slot).to(tl.int64) * MAX_RANK
     a_rows = lora_a_ptr + (a_base + offs_r[None, :]) * in_features  # [1, BLOCK_R]
@@ -79,15 +78,8 @@ def _lora_shrink_kernel(
     total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for c in range(first_chunk, last_chunk):
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, in_features), BLOCK_K):
-            k = k0 + offs_k
-            k_mask = k < in_features
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            a = tl.load(a_rows + k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
-            if UPCAST or x_ptr.dtype.element_ty == tl.float32:
-                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, a, acc)  # tensor cores in the input dtype, float32 accumulator
+        acc = dot_features(acc, x_rows, a_rows, m_mask, r_mask, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, in_features),
+                           in_features, BLOCK_K, UPCAST)
         total += acc
 
     if SPLIT:
