@@ -44,7 +44,8 @@ for p in .peers ../shared/peers; do
   if [ -d "$p/vllm_lora" ] && [ -d "$p/sglang_lora" ]; then peers=(--peers "$p"); break; fi
 done
 if [ $tiny = 1 ]; then
-  device=(--device cpu); sweep=(--tiny); gpu=(--model tiny)
+  # gpu.py in the GPU's dtype (bfloat16): its parity stages run as on the GPU, float32 one among them
+  device=(--device cpu); sweep=(--tiny); gpu=(--model tiny --dtype bfloat16)
   budget=3600  # the interpreter on a loaded CPU: the steps are checked, not timed
 else
   device=(--device cuda); sweep=(); gpu=()

@@ -1,12 +1,13 @@
 """benchmarks/gpu.py, the GPU evaluation's pods and kernels, runs end to end in its tiny CPU mode (as
 benchmarks/gpu_run.sh --tiny runs it: tests/benchmarks/conftest.py): every section writes finite figures,
-and our pod matches transformers + peft. Its parity check fails a pod whose log-probabilities are off or
-that ignored the adapter."""
+and our pod matches transformers + peft in float32. Its parity check fails a pod whose log-probabilities are
+off, that ignored the adapter, or, in bfloat16, that applied it at half strength."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +77,15 @@ def test_tiny_cpu_run_passes_and_writes_every_section(tiny_run):
 def test_tiny_cpu_run_matches_transformers_and_peft_with_and_without_graphs(tiny_run):
     _, data = tiny_run
     rows = data["parity"]
-    pods = ("enforce_eager=False", "enforce_eager=True")
+    # the run's dtype (bfloat16, as on a GPU) with CUDA graphs on and off, and a float32 pod
+    pods = ("bfloat16, enforce_eager=False", "bfloat16, enforce_eager=True", "float32, enforce_eager=False")
     assert {(r["pod"], r["adapter"]) for r in rows} == {(p, a) for p in pods for a in ("base", "r8", "r16-0", "r64")}
     for r in rows:
         assert r["ok"] and r["max_diff"] < r["atol"] and r["greedy_gap"] <= r["atol"], r
+        if r["dtype"] == "float32":  # against float32 transformers + peft: no rounding to allow for
+            assert r["atol"] == 2e-3 and r["reference_rounding"] is None, r
+        else:  # three times what rounding to bfloat16 costs transformers + peft on the same tokens
+            assert r["atol"] == max(2e-3, 3 * r["reference_rounding"]), r
         if r["adapter"] != "base":  # the adapters move the log-probabilities far past the tolerance
             assert r["adapter_effect"] > 10 * r["atol"], r
 
@@ -99,56 +105,81 @@ def test_tiny_cpu_run_compares_an_fp8_base_with_the_unquantized_one(tiny_run):
         assert _finite(figures["decode_b1_ms"], figures["prefill_s"], figures["base only"], figures["8 adapters"])
     assert 0 < pods["agreeing_prefix_tokens"] <= pods["compared_tokens"]
     assert 0 < pods["kv_fp8_agreeing_prefix_tokens"] <= pods["compared_tokens"]
-    # the FP8 KV cache's elements are 1 byte: at least twice the FP8 pod's blocks in the same bytes (4x float32's)
+    # the FP8 KV cache's elements are 1 byte: at least twice the FP8 pod's blocks (bfloat16) in the same bytes
     assert pods["fp8+kv-fp8"]["kv_blocks"] >= 1.9 * pods["fp8"]["kv_blocks"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def references(tmp_path_factory):
+    """transformers + peft on the tiny checkpoint in float32 and in bfloat16, with a rank-16 adapter and
+    the same adapter at half strength (its lora_alpha halved), and gpu_reference's module."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(BENCHMARKS))
+        import gpu_reference
         from gpu_checkpoint import TINY, write_adapters, write_checkpoint
-        from gpu_reference import Reference, parity_row
 
     root = tmp_path_factory.mktemp("checkpoint")
     model_dir = write_checkpoint(root, TINY, torch.float32, "cpu")
     write_adapters(root / "adapters", TINY, {"r16": 16}, torch.float32, "cpu")
-    return Reference(model_dir, root / "adapters", ["r16"], "cpu", torch.float32), parity_row
+    shutil.copytree(root / "adapters" / "r16", root / "adapters" / "r16-half")
+    config_path = root / "adapters" / "r16-half" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] /= 2
+    config_path.write_text(json.dumps(config))
+    names = ["r16", "r16-half"]
+    return (gpu_reference.Reference(model_dir, root / "adapters", names, "cpu", torch.float32),
+            gpu_reference.Reference(model_dir, root / "adapters", names, "cpu", torch.bfloat16), gpu_reference)
 
 
 PROMPT = [256, 72, 101, 108, 108, 111]
 
 
-def _greedy(ref, adapter: str | None, new_tokens: int = 4, top: int = 5) -> list[TokenOut]:
-    """transformers' own greedy tokens with their log-probabilities, as the pod reports them."""
+def _greedy(ref, adapter: str | None, new_tokens: int = 6, top: int = 5) -> list[TokenOut]:
+    """``ref``'s own greedy tokens with their log-probabilities, as the pod reports them."""
     ids, out = list(PROMPT), []
     for _ in range(new_tokens):
-        logprobs, _ = ref.logprobs(adapter, ids)
-        values, index = logprobs[-1].topk(top)
+        values, index = ref.logprobs(adapter, ids)[-1].topk(top)
         out.append(TokenOut(int(index[0]), float(values[0]), tuple(zip(index.tolist(), values.tolist(), strict=True))))
         ids.append(int(index[0]))
     return out
 
 
-def test_parity_passes_for_the_references_own_tokens(reference):
-    ref, parity_row = reference
-    for adapter, rank in ((None, 0), ("r16", 16)):
-        assert parity_row(ref, torch.float32, adapter, rank, PROMPT, _greedy(ref, adapter))["ok"]
+def _row(references, adapter: str | None, tokens: list[TokenOut], dtype: torch.dtype = torch.float32) -> dict:
+    """The parity row of a pod in ``dtype`` that returned ``tokens`` for ``adapter``."""
+    truth, rounded, module = references
+    read = module.read
+    reading = None if dtype == torch.float32 else read(rounded, adapter, PROMPT, tokens)
+    return module.parity_row(adapter, tokens, read(truth, adapter, PROMPT, tokens), reading)
 
 
-def test_parity_fails_a_log_probability_off_by_more_than_the_tolerance(reference):
-    ref, parity_row = reference
-    tokens = _greedy(ref, None)
-    atol = parity_row(ref, torch.float32, None, 0, PROMPT, tokens)["atol"]
+def test_parity_passes_for_the_references_own_tokens(references):
+    truth, _, module = references
+    for adapter in (None, "r16"):
+        row = _row(references, adapter, _greedy(truth, adapter))
+        assert row["ok"] and row["atol"] == module.FLOAT32_ATOL and row["max_diff"] < 1e-5, row
+
+
+def test_parity_fails_a_log_probability_off_by_more_than_the_tolerance(references):
+    tokens = _greedy(references[0], None)
     t = tokens[2]
-    tokens[2] = TokenOut(t.id, t.logprob, (*t.top[:-1], (t.top[-1][0], t.top[-1][1] + 2 * atol)))
-    assert not parity_row(ref, torch.float32, None, 0, PROMPT, tokens)["ok"]
+    tokens[2] = TokenOut(t.id, t.logprob, (*t.top[:-1], (t.top[-1][0], t.top[-1][1] + 2 * references[2].FLOAT32_ATOL)))
+    assert not _row(references, None, tokens)["ok"]
 
 
-def test_parity_fails_a_pod_that_ignored_the_adapter(reference):
-    ref, parity_row = reference
-    row = parity_row(ref, torch.float32, "r16", 16, PROMPT, _greedy(ref, None))
+def test_parity_fails_a_pod_that_ignored_the_adapter(references):
+    row = _row(references, "r16", _greedy(references[0], None))
     assert not row["ok"] and row["max_diff"] > row["atol"]
+
+
+def test_a_bfloat16_pod_is_held_to_what_rounding_costs_transformers_and_fails_an_adapter_at_half_strength(references):
+    _, rounded, module = references
+    # a pod as exact as transformers in bfloat16 passes, at a tolerance of three times that rounding
+    row = _row(references, "r16", _greedy(rounded, "r16"), torch.bfloat16)
+    assert row["ok"], row
+    assert module.FLOAT32_ATOL < row["atol"] == pytest.approx(module.ROUNDING_FACTOR * row["reference_rounding"])
+    # the same pod applying the adapter at half its strength does not
+    half = _row(references, "r16", _greedy(rounded, "r16-half"), torch.bfloat16)
+    assert not half["ok"] and half["max_diff"] > half["atol"], half
 
 
 @pytest.mark.slow
