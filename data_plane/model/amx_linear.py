@@ -33,7 +33,7 @@ def kernel() -> ctypes.CDLL | None:
     if lib is not None and lib.amx_linear.argtypes is None:
         lib.amx_pack.argtypes = [_P, _I, _I, _P]
         lib.amx_pack.restype = None
-        lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, _I]
+        lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I]
         lib.amx_linear.restype = _I
         lib.amx_linear_available.restype = _I
     return lib
@@ -61,15 +61,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, outs: int) -> torch.Tensor:
-    """``x`` [rows, in] bfloat16 times the weight ``pack`` made of [outs, in], transposed: [rows, outs]
-    float32, on this thread's torch threads."""
+def matmul(x: torch.Tensor, packed: torch.Tensor, outs: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [rows, in] bfloat16 times the weight ``pack`` made of [outs, in], transposed, plus ``bias``
+    [outs] (any float dtype, added in float32), rounded once to bfloat16: [rows, outs], on this thread's
+    torch threads."""
     rows, ins = x.shape
-    x = F.pad(x, (0, -ins % TILE_K, 0, -rows % TILE_ROWS)).contiguous()
-    blocks = -(-outs // TILE_OUTS)
-    out = torch.empty(x.shape[0], blocks * TILE_OUTS)
-    failed = kernel().amx_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), blocks, out.data_ptr(),
-                                 torch.get_num_threads())
+    if ins % TILE_K or rows % TILE_ROWS:
+        x = F.pad(x, (0, -ins % TILE_K, 0, -rows % TILE_ROWS))
+    x = x.contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(rows, outs, dtype=torch.bfloat16)
+    failed = kernel().amx_linear(x.data_ptr(), rows, x.shape[1], packed.data_ptr(), outs,
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if failed:
         raise RuntimeError("the AMX kernel refused its call (no tiles for this process)")
-    return out[:rows, :outs]
+    return out

@@ -100,8 +100,7 @@ class AmxWeight(CpuWeight):
     outs: int = 0  # the weight's rows: the product's width
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = amx_linear.matmul(x, self.weight, self.outs)
-        return (out if bias is None else out.add_(bias.float())).to(self.dtype)
+        return amx_linear.matmul(x, self.weight, self.outs, bias)
 
 
 def onednn_serves(dtype: torch.dtype) -> bool:

@@ -11,8 +11,10 @@
 //
 // Weights are laid out once (amx_pack) in the instruction's tiles: for each block of 16 outputs and 32
 // inputs, 16 rows of 64 bytes, row p holding inputs 2p and 2p + 1 of each of the 16 outputs. The caller
-// pads x to a multiple of 16 rows and of 32 columns (zeros), and reads the first `out` columns of a
-// result that has the packed width.
+// pads x to a multiple of 32 columns (zeros) and gives it rows up to a multiple of 16 (their contents are
+// read, never written out). Each finished tile goes through a small buffer: the bias added in float32,
+// rounded to bfloat16 to nearest even (torch's rounding), written into the result [rows, outs] at once,
+// so a prompt chunk's float32 products never travel through memory.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -48,11 +50,33 @@ bool tiles_permitted() {  // Linux hands a process the tiles' register state onl
 }
 
 struct Problem {
-  const uint16_t* x;  // [rows, in]
+  const uint16_t* x;  // [rows rounded up to TILE_ROWS, in]
   const uint16_t* packed;  // amx_pack's tiles of w
-  float* out;  // [rows, out_blocks * TILE_OUTS]
-  int rows, in, out_blocks;
+  const float* bias;  // [outs], or null
+  uint16_t* out;  // [rows, outs] bfloat16
+  int rows, in, outs;
 };
+
+// The result's block (row block m, output block n), stored from its accumulator tile in `buffer`, into
+// p.out: plus the bias, each float32 rounded to bfloat16 to nearest even (a NaN to 0x7FC0), as torch
+// rounds; rows and outputs past the result's are left out.
+void put(const Problem& p, int m, int n, const float* buffer) {
+  const int first_row = m * TILE_ROWS, first_out = n * TILE_OUTS;
+  const int rows = std::min(TILE_ROWS, p.rows - first_row), outs = std::min(TILE_OUTS, p.outs - first_out);
+  const __mmask16 columns = outs == TILE_OUTS ? __mmask16(0xFFFF) : __mmask16((1u << outs) - 1);
+  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(columns, p.bias + first_out) : _mm512_setzero_ps();
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  for (int r = 0; r < rows; ++r) {
+    __m512 v = _mm512_load_ps(buffer + r * TILE_OUTS);
+    if (p.bias) v = _mm512_add_ps(v, bias);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(p.out + size_t(first_row + r) * p.outs + first_out, columns,
+                             _mm512_cvtepi32_epi16(rounded));
+  }
+}
 
 // The result's columns of output blocks [first, last) for every row, two blocks of rows by two of outputs
 // at a time (one where a count is odd).
@@ -60,8 +84,9 @@ void run_blocks(const Problem& p, int first, int last) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = TILE_ROWS;
   _tile_loadconfig(&config);
-  const int k_blocks = p.in / TILE_K, row_blocks = p.rows / TILE_ROWS;
-  const size_t x_stride = size_t(p.in) * 2, out_stride = size_t(p.out_blocks) * TILE_OUTS * 4;
+  alignas(64) float buffer[TILE_ROWS * TILE_OUTS];
+  const int k_blocks = p.in / TILE_K, row_blocks = (p.rows + TILE_ROWS - 1) / TILE_ROWS;
+  const size_t x_stride = size_t(p.in) * 2;
   auto weights = [&](int block, int k) { return p.packed + (size_t(block) * k_blocks + k) * TILE_K * TILE_OUTS; };
   for (int n = first; n < last; n += 2) {
     const bool two_n = n + 1 < last;
@@ -87,12 +112,20 @@ void run_blocks(const Problem& p, int first, int last) {
           if (two_n) _tile_dpbf16ps(3, 5, 7);
         }
       }
-      char* out = reinterpret_cast<char*>(p.out) + size_t(m) * TILE_ROWS * out_stride + size_t(n) * TILE_OUTS * 4;
-      _tile_stored(0, out, out_stride);
-      if (two_n) _tile_stored(1, out + TILE_OUTS * 4, out_stride);
+      constexpr int row_bytes = TILE_OUTS * 4;
+      _tile_stored(0, buffer, row_bytes);
+      put(p, m, n, buffer);
+      if (two_n) {
+        _tile_stored(1, buffer, row_bytes);
+        put(p, m, n + 1, buffer);
+      }
       if (two_m) {
-        _tile_stored(2, out + TILE_ROWS * out_stride, out_stride);
-        if (two_n) _tile_stored(3, out + TILE_ROWS * out_stride + TILE_OUTS * 4, out_stride);
+        _tile_stored(2, buffer, row_bytes);
+        put(p, m + 1, n, buffer);
+        if (two_n) {
+          _tile_stored(3, buffer, row_bytes);
+          put(p, m + 1, n + 1, buffer);
+        }
       }
     }
   }
@@ -131,15 +164,17 @@ void amx_pack(const uint16_t* w, int outs, int in, uint16_t* packed) {
     }
 }
 
-// out [rows, out_blocks * 16] float32 = x [rows, in] · the packed weights' transpose, on up to `threads`
-// threads (each a share of the output blocks). rows a multiple of 16, in of 32. Returns 0, or 1 where the
-// tile instructions are not to be had here (nothing computed).
-int amx_linear(const uint16_t* x, int rows, int in, const uint16_t* packed, int out_blocks, float* out,
-               int threads) {
+// out [rows, outs] bfloat16 = x [rows, in] · the packed weights' transpose (+ bias [outs] float32, or null),
+// summed in float32 and rounded once, on up to `threads` threads (each a share of the output blocks). x
+// holds rows rounded up to a multiple of 16 (the rows past `rows` are read, their results dropped), `in` a
+// multiple of 32. Returns 0, or 1 where the tile instructions are not to be had here (nothing computed).
+int amx_linear(const uint16_t* x, int rows, int in, const uint16_t* packed, int outs, const float* bias,
+               uint16_t* out, int threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (!tiles_permitted() || rows % TILE_ROWS != 0 || in % TILE_K != 0) return 1;
-  const Problem p{x, packed, out, rows, in, out_blocks};
+  if (!tiles_permitted() || in % TILE_K != 0) return 1;
+  const Problem p{x, packed, bias, out, rows, in, outs};
   // pairs of output blocks, split evenly
+  const int out_blocks = (outs + TILE_OUTS - 1) / TILE_OUTS;
   const int pairs = (out_blocks + 1) / 2, workers = std::max(1, std::min(threads, pairs));
   auto share = [&](int t) { return std::min(out_blocks, 2 * (pairs * t / workers)); };
   std::vector<std::thread> pool;
@@ -154,7 +189,7 @@ int amx_linear(const uint16_t* x, int rows, int in, const uint16_t* packed, int 
   for (auto& t : pool) t.join();
   return 0;
 #else
-  (void)x, (void)rows, (void)in, (void)packed, (void)out_blocks, (void)out, (void)threads;
+  (void)x, (void)rows, (void)in, (void)packed, (void)outs, (void)bias, (void)out, (void)threads;
   return 1;
 #endif
 }

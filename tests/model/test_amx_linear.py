@@ -1,5 +1,6 @@
 """bfloat16 projections through our AMX kernel (``amx_linear``): the product of the rounded operands summed
-in float32 (against float64, within float32's summation error), each row the same bits alone, in any call
+in float32 (against float64, within float32's summation error) and rounded to bfloat16 as torch rounds,
+the bias added before, each row the same bits alone, in any call
 and at any place, odd widths padded away, the bias as oneDNN's; where the kernel cannot serve, the probe
 says why and keeps oneDNN's tiles. The kernel's tests run where this CPU gives AMX tiles; the fallback's
 run everywhere."""
@@ -28,10 +29,29 @@ def _operands(rows: int, outs: int, ins: int, seed: int) -> tuple[torch.Tensor, 
 def test_the_product_is_the_rounded_operands_summed_in_float32(rows, outs, ins):
     x, w = _operands(rows, outs, ins, rows + outs)
     out = amx_linear.matmul(x, amx_linear.pack(w), outs)
-    assert out.dtype == torch.float32 and out.shape == (rows, outs)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, outs)
     exact = (x.double() @ w.double().T).float()
     rtol, atol = tolerances(torch.float32, depth=ins, scale=magnitude(x.float().abs() @ w.float().abs().T))
-    torch.testing.assert_close(out, exact, rtol=rtol, atol=atol)
+    # the float32 sum's error, then one rounding to bfloat16 (half a unit in its last place)
+    torch.testing.assert_close(out.float(), exact, rtol=rtol + 2**-8, atol=atol)
+
+
+@needs_amx
+def test_each_output_is_its_float32_sum_plus_the_bias_rounded_to_nearest_even_as_torch_rounds():
+    gen = torch.Generator().manual_seed(5)
+    outs, ins = 200, 64  # 200 outputs: a last block of 8
+    w = ((torch.rand(outs, ins, generator=gen) + 0.5) * torch.randn(outs, ins, generator=gen).sign()).to(torch.bfloat16)
+    bias = torch.randn(outs, generator=gen)
+    pairs = [(r % ins, (5 * r + 3) % ins) for r in range(20)]  # two inputs of 1 per row: an exact float32 sum
+    x = torch.zeros(len(pairs), ins, dtype=torch.bfloat16)
+    for r, (a, b) in enumerate(pairs):
+        x[r, a] = x[r, b] = 1
+    wf = w.float()
+    sums = torch.stack([wf[:, a] + wf[:, b] for a, b in pairs])
+    packed = amx_linear.pack(w)
+    assert torch.equal(amx_linear.matmul(x, packed, outs), sums.to(torch.bfloat16))
+    assert torch.equal(amx_linear.matmul(x, packed, outs, bias), (sums + bias).to(torch.bfloat16))
+    assert amx_linear.matmul(x, packed, outs, torch.full((outs,), float("nan"))).isnan().all()
 
 
 @needs_amx
@@ -76,8 +96,8 @@ def test_the_probe_turns_down_a_kernel_whose_rows_depend_on_each_other(monkeypat
         pytest.skip(amx_linear.unusable(torch.bfloat16))
     matmul = amx_linear.matmul
     # a kernel that sums a call's rows otherwise once it holds more than 16 (as a library switching kernels)
-    monkeypatch.setattr(amx_linear, "matmul", lambda x, packed, outs: matmul(x, packed, outs) * (
-        1 + 2**-12 * (x.shape[0] > 16)))
+    monkeypatch.setattr(amx_linear, "matmul", lambda x, packed, outs, bias=None: matmul(x, packed, outs, bias) * (
+        1 + 2**-6 * (x.shape[0] > 16)))
     rule = _probe("tiny", torch.bfloat16)
     assert not rule.projection.native
 
