@@ -67,7 +67,7 @@ def replay(rate: float, seconds: float, seed: int, max_queue_delay_s: float,
         scheduler = Scheduler(SchedulerLimits(MAX_NUM_SEQS, MAX_BATCHED_TOKENS), BlockManager(4096, 16), cache,
                               lambda adapter: True, prefill_budget=costs.prefill_budget, step_time=costs.predict)
         # the engine's own estimate, over these parts (it reads nothing else of the engine)
-        engine = SimpleNamespace(scheduler=scheduler, delays=DelayEstimator(MAX_NUM_SEQS, costs),
+        engine = SimpleNamespace(scheduler=scheduler, delays=DelayEstimator(costs),
                                  limits=SimpleNamespace(max_queue_delay_s=max_queue_delay_s))
         admitted: list[Sequence] = []
         first_token: dict[str, float] = {}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from data_plane.engine.queue_plan import Landing, work_plan
 from data_plane.engine.step_cost import StepCost, StepShape
 
-# Weight of the newest sample in the moving average of service time: about the last ten requests count.
+# Weight of the newest sample in the moving average of how late first tokens came: about the last ten count.
 _EWMA = 0.2
 # The estimate corrects itself by how late or early recent first tokens came: within these factors, and
 # from estimates of at least this long (shorter ones are mostly noise of one step).
@@ -60,37 +60,12 @@ _ARRIVAL_QUANTILE = 0.6
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 60.0
 
 
-@dataclass(frozen=True)
-class Ahead:
-    """What a new request would wait behind, as a list rather than a plan (``DelayEstimator.estimate``,
-    ``Scheduler.ahead_of``): requests admitted before it (that still need a seat) and the uncomputed
-    tokens of the prefill work before it, ``sizes`` that work item by item in order (default:
-    ``tokens`` shared evenly by ``requests``); ``seat_now`` when it would not wait for a seat (its account
-    has none and takes one at the next step)."""
-
-    requests: int
-    tokens: int
-    seat_now: bool = False
-    sizes: tuple[int, ...] = field(default=(), compare=False)
-    adapters: tuple[object, ...] = field(default=(), compare=False)  # each of ``sizes``' adapter (None: base)
-
-    def work(self) -> list[tuple[int, object]]:
-        """(tokens, adapter) of each work item, in order; the base model's where the adapters are not known."""
-        return list(zip(self.items(), self.adapters or [None] * len(self.items()), strict=True))
-
-    def items(self) -> list[int]:
-        if self.sizes:
-            return list(self.sizes)
-        n = max(1, self.requests)
-        return [t for t in (self.tokens // n + (i < self.tokens % n) for i in range(n)) if t]
-
-
 class Arrivals:
-    """Each flow's requests (an adapter's, or the base model's) admitted over the last ``window_s``: how many
-    more to expect within a wait, their mean prompt and completion sizes, and when the plan of the queue
-    expects them (``coming``). Under fair share a request is overtaken by other flows' later requests
-    (each takes the turns the rules give it), so a wait planned from the queues alone comes out short when
-    the other flows' queues are short now and fill while it waits."""
+    """Each flow's requests (an adapter's, or the base model's) admitted over the last ``window_s``: when the
+    plan of the queue expects more of them, and of what sizes (``coming``). Under fair share a request is
+    overtaken by other flows' later requests (each takes the turns the rules give it), so a wait planned
+    from the queues alone comes out short when the other flows' queues are short now and fill while it
+    waits."""
 
     def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
         self.window_s = window_s
@@ -101,24 +76,6 @@ class Arrivals:
                tenant: str | None = None) -> None:
         self._seen.setdefault(flow, deque()).append((now, prompt_tokens, new_tokens, tenant))
         self._forget(now)
-
-    def recent(self, now: float) -> list[object]:
-        """Flows with requests admitted within the window."""
-        self._forget(now)
-        return list(self._seen)
-
-    def expected(self, flow: object, within_s: float, now: float) -> int:
-        """Requests of ``flow`` expected within the next ``within_s`` seconds at its recent rate, rounded."""
-        seen = self._seen.get(flow)
-        if not seen or within_s <= 0:
-            return 0
-        # the rate over the whole window, however recent the first of them: a burst sent at once is not
-        # taken for a rate that lasts
-        return round(len(seen) * within_s / self.window_s)
-
-    def mean_prompt(self, flow: object) -> int:
-        seen = self._seen.get(flow)
-        return round(sum(tokens for _, tokens, _, _ in seen) / len(seen)) if seen else 0
 
     def coming(self, within_s: float, now: float, besides: object = ...) -> Iterator[tuple[float, object, str | None,
                                                                                         int, int]]:
@@ -158,11 +115,9 @@ class Arrivals:
 
 @dataclass(frozen=True)
 class Load:
-    """The engine's load when a request arrives."""
+    """The running decodes when a request arrives: what a prompt's own prefill is computed beside."""
 
-    running: int
     running_decodes: int  # running requests past their prefill: one token each per step
-    running_remaining: tuple[int, ...]  # tokens each running request may still produce (its max_total)
     decode_adapters: frozenset = frozenset()  # distinct adapters among the running decodes (the base model not)
 
     @property
@@ -192,10 +147,8 @@ class Calibration:
 
 
 class DelayEstimator:
-    def __init__(self, max_num_seqs: int, costs: StepCost) -> None:
-        self._max_num_seqs = max_num_seqs
+    def __init__(self, costs: StepCost) -> None:
         self.costs = costs
-        self.service_s: float | None = None  # moving average of admission to last token
         self.pod = Calibration()  # every first token's
         self._accounts: dict[object, Calibration] = {}  # each account's own (fair_share.account_of), LRU order
         self._step_ends = 0.0  # time.monotonic() the step in flight is predicted to end
@@ -236,10 +189,6 @@ class DelayEstimator:
             if model_s * calibration.bias >= _MIN_CALIBRATED_S:
                 calibration.observe(seconds / (model_s * calibration.bias))
 
-    def observe_service(self, seconds: float) -> None:
-        """A request finished ``seconds`` after it was first scheduled."""
-        self.service_s = _average(self.service_s, seconds)
-
     def in_flight_s(self) -> float:
         """What is left of the step in flight, as predicted when it began."""
         return max(0.0, self._step_ends - time.monotonic())
@@ -252,44 +201,14 @@ class DelayEstimator:
             return 0.0
         return (self.in_flight_s() + landing.seconds) * self.calibration(account).bias
 
-    def estimate(self, ahead: Ahead, prompt_tokens: int, load: Load, enough_s: float = math.inf,
-                 account: object = None, adapter: object = None) -> float:
-        """Seconds a new request of ``account`` on ``adapter`` (None: the base model) with ``prompt_tokens``
-        would wait for its first token behind ``ahead``, a list of the work before it rather than the
-        scheduler's state (the engine reads the plan of its queue: ``first_token``): the plan of that work in
-        order beside the running decodes (``queue_plan.work_plan``), and a seat's turnover for each seat short;
-        0.0 until a step has been timed (an idle pod with nothing measured has nothing to wait for). Past
-        ``enough_s`` the steps are no longer followed one by one: the rest counts at the last step's rate."""
-        if self.costs.coef is None:
-            return 0.0
-        bias = self.calibration(account).bias
-        wait = self.in_flight_s() + self._prefill_s(
-            [*ahead.work(), (prompt_tokens, adapter)], load, enough_s / bias)
-        short = load.running + ahead.requests + 1 - self._max_num_seqs  # seats that must free up first
-        if short > 0 and not ahead.seat_now:
-            wait += short * self._seat_turnover_s(load) / self._max_num_seqs
-        return wait * bias
-
     def own_prefill(self, prompt_tokens: int, load: Load, account: object = None, adapter: object = None) -> float:
         """Seconds the prefill of ``prompt_tokens`` on ``adapter`` alone takes beside the running decodes,
-        with the same correction as ``estimate``: the part of a wait that is not spent behind other work."""
+        with the same correction as ``first_token``: the part of a wait that is not spent behind other work."""
         if self.costs.coef is None:
             return 0.0
-        return self._prefill_s([(prompt_tokens, adapter)], load) * self.calibration(account).bias
-
-    def _prefill_s(self, work: list[tuple[int, object]], load: Load, enough_s: float = math.inf) -> float:
-        """Seconds until the last item of prefill ``work`` ((tokens, adapter), in order) is computed beside the
-        running decodes: a plan of that work alone (``queue_plan.work_plan``)."""
-        return work_plan(work, load.running_decodes, load.decode_adapters, self.costs.prefill_budget,
-                         self.costs.predict, self.costs.max_batched_tokens, enough_s)
-
-    def _seat_turnover_s(self, load: Load) -> float:
-        if self.service_s is not None:
-            return self.service_s
-        # nothing finished yet: a running request holds its seat for its remaining tokens at most
-        remaining = load.running_remaining or (1,)
-        decode_s = self.costs.predict(StepShape(load.running_decodes, adapters=load.adapters))
-        return sum(remaining) / len(remaining) * decode_s
+        seconds = work_plan([(prompt_tokens, adapter)], load.running_decodes, load.decode_adapters,
+                            self.costs.prefill_budget, self.costs.predict, self.costs.max_batched_tokens)
+        return seconds * self.calibration(account).bias
 
 
 @dataclass(frozen=True)
@@ -338,10 +257,6 @@ def retry_after(estimate_s: float, allowed_s: float) -> float:
     """How long a refused request should wait before it is sent here again: until the queue ahead of it
     would have drained to what it allows."""
     return min(_MAX_RETRY_S, max(_MIN_RETRY_S, estimate_s - allowed_s))
-
-
-def _average(current: float | None, sample: float) -> float:
-    return sample if current is None else current + _EWMA * (sample - current)
 
 
 @functools.cache

@@ -167,7 +167,7 @@ class Engine:
                                    self._prefix_salt, self.costs.prefill_budget, step_time=self.costs.predict)
         self.grammars = GrammarCompiler(tokenizer.to_json, model.config.vocab_size, tokenizer.eos_token_ids,
                                         metrics.grammar_compile.observe)
-        self.delays = DelayEstimator(limits.max_num_seqs, self.costs)
+        self.delays = DelayEstimator(self.costs)
         # Every step runs on this one thread: per-thread state of the math libraries (oneDNN's
         # kernels and scratch buffers, the allocator's arenas, OpenMP's team) then exists once, not once per worker.
         self._model_thread = model_thread(compute_threads)
@@ -509,7 +509,6 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self.metrics.e2e.observe(now - seq.arrival)
-                self.delays.observe_service(now - seq.timing.first_scheduled)
             stream.queue.put_nowait(StepOutput(text, (tok,), reason, len(seq.prompt_ids),
                                                seq.num_known - len(seq.prompt_ids)))
         self.metrics.generated_tokens.inc(delivered)

@@ -60,19 +60,6 @@ class FairShare:
             return self._served.get(account_of(flow, None), self._floor)
         return min(self.account_served(a) for a in accounts)
 
-    def standing(self, flow: Flow, tenant: str | None = None) -> float:
-        """The flow's priority as it would stand now for a request billed to ``tenant``: ``served`` for a
-        flow with requests; for one without, its account's counter where the account has requests on
-        other flows, else the counter it would join at (no lower than the lowest among active accounts,
-        less the credit)."""
-        if self._in_flow.get(flow):
-            return self.served(flow)
-        account = account_of(flow, tenant)
-        if self._requests[account]:
-            return self._served[account]
-        floor = max(min((self._served[a] for a in self._requests), default=self._floor), self._floor)
-        return max(self._served.get(account, -math.inf), floor - self._credit / self.weight(flow))
-
     def account_served(self, account: Account) -> float:
         """The account's counter (for one never charged or forgotten, the floor)."""
         return self._served.get(account, self._floor)

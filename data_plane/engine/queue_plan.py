@@ -29,7 +29,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from data_plane.engine.fair_order import FairOrder, Policy
@@ -189,14 +189,17 @@ _NO_PROMISE = _Promise()
 @dataclass(frozen=True)
 class Landing:
     """Where a new request lands in the plan: ``seconds`` from the plan's first step to the end of the step
-    that computes the last of its prompt (its first token), after ``steps`` steps; ``ahead`` prompt tokens
-    of others computed before then; ``followed``: False when the plan stopped at its horizon and the rest
-    was counted at the last step's rate."""
+    that computes the last of its prompt (its first token), after ``steps`` steps; ``ahead``: the prompt
+    tokens of other requests computed in those steps (prompts being chunked, waiting requests, later
+    arrivals, recomputations), ``by_flow`` the same per flow; ``followed``: False when the plan stopped at
+    its horizon and the rest was counted at the last step's rate. A request that takes a seat at once and
+    whose prompt fits the first step's budget lands after one step."""
 
     seconds: float
     steps: int
     ahead: int = 0
     followed: bool = True
+    by_flow: Mapping[Flow, int] = field(default_factory=dict)
 
 
 class _Copy:
@@ -221,6 +224,7 @@ class _Copy:
         self._untokened: list[Planned] = []  # decoding the last token of a prompt: the next step samples
         self.steps = 0  # steps done
         self.elapsed = 0.0  # their seconds
+        self.computed: Counter[Flow] = Counter()  # prompt tokens computed, per flow (``Landing.by_flow``)
 
     # ---- what the plan begins with -----------------------------------------------------------------
     def run(self, seq: Planned) -> None:
@@ -316,10 +320,12 @@ class _Copy:
             if seq.decoding_since is not None:
                 seq.output_ids.append(0)
                 seq.first_token_s = self.elapsed
+                self.computed[seq.adapter] += 1  # the last of its prompt, computed as a decode row
         self._untokened.clear()
         for item in batch:
             seq: Planned = item.seq  # type: ignore[assignment]
             seq.num_computed += item.num_cached + item.num_new
+            self.computed[seq.adapter] += item.num_new
             if seq.num_uncomputed > 1:
                 continue
             self.prefilling.remove(seq)
@@ -408,6 +414,7 @@ def _follow(state: _Copy, step_time: Callable[[StepShape], float], done: Callabl
             if repeats > 0:
                 seq.num_computed += repeats * tokens
                 computed += repeats * tokens
+                state.computed[seq.adapter] += repeats * tokens
                 state.steps += repeats
                 state.elapsed += repeats * step_s
         last = now
@@ -472,7 +479,10 @@ class QueuePlan:
         most_steps = FOLLOWED_STEPS if horizon_s < math.inf else UNBOUNDED_STEPS
         landing = _follow(state, self._step_time, lambda: new.first_token_s is not None, left, horizon_s, most_steps,
                           coming)
-        return Landing(landing.seconds, landing.steps, max(0, landing.ahead - prompt_tokens), landing.followed)
+        by_flow = state.computed
+        by_flow[flow] -= prompt_tokens if new.first_token_s is not None else new.num_computed  # its own
+        by_flow = {f: tokens for f, tokens in by_flow.items() if tokens > 0}
+        return Landing(landing.seconds, landing.steps, sum(by_flow.values()), landing.followed, by_flow)
 
 
 def work_plan(work: Iterable[tuple[int, Flow]], decodes: int, decode_adapters: Collection[Flow],

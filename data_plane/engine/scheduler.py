@@ -28,13 +28,12 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from data_plane.engine.admission import Ahead, Arrivals, Load
+from data_plane.engine.admission import Arrivals, Load
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.fair_order import STARTED_QUANTUM, FairOrder, Policy
 from data_plane.engine.fair_share import Account, FairShare, Flow, account_of
 from data_plane.engine.floods import Floods
 from data_plane.engine.progress import Progress, ScheduledSeq
-from data_plane.engine.queue_ahead import ahead_of
 from data_plane.engine.queue_plan import Decodes, QueuePlan, step
 from data_plane.engine.seats import Seats
 from data_plane.engine.sequence import Sequence, SequenceStatus
@@ -104,22 +103,10 @@ class Scheduler:
         """Waiting requests that can never run since pins changed, with their errors; the caller ends them."""
         return self.slots.refused(self.queues)
 
-    def ahead_of(self, flow: Flow, prompt_tokens: int, within_s: float = 0.0, billed_to: str | None = None) -> Ahead:
-        """The prefill work a new request of ``flow`` billed to ``billed_to`` (its tenant) would come after, by
-        the fair shares' counters alone (``queue_ahead.py``), and whether it takes a seat at once
-        (``seats.py``): a summary without steps; admission reads the plan (``plan``)."""
-        fair = self.policy is Policy.FAIR
-        seat_now = fair and flow not in self.queues and self.seats.would_take_one(account_of(flow, billed_to),
-                                                                                  self.running)
-        prefilling = [seq for seq in self.running if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed > 1]
-        return ahead_of(flow, prompt_tokens, within_s, billed_to, prefilling=prefilling, queues=self.queues,
-                        shares=self.shares, arrivals=self.arrivals, fair=fair, seat_now=seat_now)
-
     def load(self) -> Load:
         """What is running now, for the admission estimate."""
         decoding = [seq for seq in self.running if seq.num_uncomputed <= 1]
-        return Load(len(self.running), len(decoding), tuple(seq.max_total - seq.num_tokens for seq in self.running),
-                    frozenset(seq.adapter for seq in decoding if seq.adapter is not None))
+        return Load(len(decoding), frozenset(seq.adapter for seq in decoding if seq.adapter is not None))
 
     def expired(self, now: float) -> list[Sequence]:
         """Waiting requests whose deadline has passed; the caller ends them."""

@@ -49,8 +49,3 @@ class Seats:
             return None
         preempt(victim)
         return (min(seatless, key=lambda flow: (self._shares.served(flow), queues[flow][0].arrival)),)
-
-    def would_take_one(self, account: Account, running: Seq[Sequence]) -> bool:
-        """Whether a new request of ``account``, whose flow has nothing queued, takes a seat at the next step."""
-        seats = self.held(running)
-        return account not in seats and max(seats.values(), default=0) >= 2

@@ -1,15 +1,26 @@
-"""The estimate of how long a new request waits for its first token: the step in flight, the prefill of
-the work ahead and its own in steps of the prefill budget (timed by the step-time model), and waiting
-for a seat when the running requests fill them."""
+"""The estimate of how long a new request waits for its first token: the step in flight, then the steps of
+the plan of the queue up to the one that ends its prompt (each timed by the step-time model: the work
+ahead and its own in steps of the prefill budget, waiting for a seat when the running requests fill
+them), corrected by how late recent first tokens came; and whether to refuse it."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from data_plane.engine.admission import Ahead, DelayEstimator, Load, lateness, retry_after
+from data_plane.engine.admission import DelayEstimator, Load, lateness, retry_after
+from data_plane.engine.block_manager import BlockManager
+from data_plane.engine.fair_order import Policy
+from data_plane.engine.queue_plan import Landing
+from data_plane.engine.scheduler import Scheduler, SchedulerLimits
+from data_plane.engine.sequence import SamplingParams, Sequence
 from data_plane.engine.step_cost import StepCost, StepShape
+from data_plane.lora.adapter_cache import AdapterCache
+from data_plane.lora.peft_adapter import LoraAdapter
 
-IDLE = Load(running=0, running_decodes=0, running_remaining=())
+IDLE = Load(running_decodes=0)
+ONE_STEP = Landing(0.13, 1)  # where the plan lands a 30-token prompt on an idle pod (one step of 30 tokens)
 
 
 def device_costs() -> StepCost:
@@ -22,66 +33,85 @@ def device_costs() -> StepCost:
     return costs
 
 
-def estimator(service_s: float | None = None, costs: StepCost | None = None) -> DelayEstimator:
-    e = DelayEstimator(max_num_seqs=4, costs=costs or device_costs())
-    if service_s is not None:
-        e.observe_service(service_s)
-    return e
+def estimator(costs: StepCost | None = None) -> DelayEstimator:
+    return DelayEstimator(costs=costs or device_costs())
+
+
+def pod(e: DelayEstimator, *remaining: int, policy: Policy = Policy.FCFS, adapter: str | None = None) -> Scheduler:
+    """A scheduler of four seats whose steps take what ``e``'s step-time model predicts, with a running
+    request decoding for each of ``remaining`` (the tokens it has left), on ``adapter``; first come, first
+    served unless ``policy`` says otherwise; no later arrival planned."""
+    cache = AdapterCache({}, max_loras=4, max_cpu_loras=4)
+    for name in "xyzw":
+        cache.insert(LoraAdapter(name, name * 64, 8, (), 0))
+    s = Scheduler(SchedulerLimits(4, 100), BlockManager(4096, 16), cache, lambda name: True, policy=policy,
+                  prefill_budget=e.costs.prefill_budget, step_time=e.costs.predict)
+    s.arrivals.coming = lambda *_, **__: iter(())
+    for i, left in enumerate(remaining):
+        s.add(Sequence(f"decode{i}", adapter, [0, 0], SamplingParams(max_tokens=left + 1), 3 + left))
+    if remaining:
+        batch = s.schedule()  # their 2-token prompts; each samples its first token
+        s.postprocess(batch, [0] * len(batch))
+    return s
+
+
+def queued(s: Scheduler, *prompts: int, adapter: str | None = None) -> Scheduler:
+    """``s`` with a waiting request of each of ``prompts`` tokens, each decoding long after it."""
+    for i, tokens in enumerate(prompts):
+        s.add(Sequence(f"waiting{i}-{tokens}", adapter, [0] * tokens, SamplingParams(max_tokens=10**6), tokens + 10**6))
+    return s
+
+
+def wait(e: DelayEstimator, s: Scheduler, prompt: int, adapter: str | None = None,
+         horizon_s: float = math.inf) -> float:
+    """The estimate of a new request's first token, as the engine makes it: where the plan of ``s``'s queue
+    lands it (``Scheduler.plan``), from the end of the step in flight, with the pod's correction."""
+    return e.first_token(s.plan().landing(adapter, None, prompt, horizon_s))
 
 
 def test_nothing_measured_yet_estimates_no_wait():
-    assert estimator(costs=StepCost()).estimate(Ahead(50, 5000), 10, IDLE) == 0.0
+    e = estimator(costs=StepCost())
+    assert e.first_token(Landing(50.0, 500)) == 0.0 and e.own_prefill(5000, IDLE) == 0.0
 
 
 def test_with_free_seats_the_wait_is_the_prefill_of_the_work_ahead_and_its_own():
     e = estimator()
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.13)  # one step of 30 tokens
+    assert wait(e, pod(e), 30) == pytest.approx(0.13)  # one step of 30 tokens
     # one prompt of 250 ahead and nothing decoding: steps of 100 (0.2 s), 100, then its last 50 with our 30
-    assert e.estimate(Ahead(0, 250), 30, IDLE) == pytest.approx(2 * 0.2 + 0.18)
+    assert wait(e, queued(pod(e), 250), 30) == pytest.approx(2 * 0.2 + 0.18)
     # two prompts of 125 ahead: the first is done in the second step and decodes from the third, when a
     # step prefills only 40 tokens beside it (0.14 s): 100, 100 (25 + 75), 40, then the last 10 and our 30
-    assert e.estimate(Ahead(2, 250), 30, IDLE) == pytest.approx(2 * 0.2 + 2 * 0.14)
-    # the same work item by item as the scheduler lists it
-    assert e.estimate(Ahead(2, 250, sizes=(125, 125)), 30, IDLE) == e.estimate(Ahead(2, 250), 30, IDLE)
+    assert wait(e, queued(pod(e), 125, 125), 30) == pytest.approx(2 * 0.2 + 2 * 0.14)
     # two requests decoding already: every step prefills 40 tokens, 280 tokens take seven
-    assert e.estimate(Ahead(0, 250), 30, Load(2, 2, (5, 5))) == pytest.approx(7 * 0.14)
+    assert wait(e, queued(pod(e, 1000, 1000), 250), 30) == pytest.approx(7 * 0.14)
 
 
-def test_when_seats_are_full_each_missing_seat_waits_a_share_of_the_service_time():
-    e = estimator(service_s=8.0)
-    full = Load(running=4, running_decodes=4, running_remaining=(50, 50, 50, 50))
-    # four seats turn over once per 8 s of service: one seat frees every 2 s
-    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.104 + 2.0)
-    assert e.estimate(Ahead(3, 30), 4, full) == pytest.approx(0.134 + 4 * 2.0)
+def test_when_seats_are_full_a_new_request_waits_for_running_requests_to_end():
+    e = estimator()
+    # four seats, each decoding for 50 more tokens (a step of four rows takes 0.1 s): the first seat frees
+    # after 50 steps, then its own step of 4 tokens beside the three left (0.104 s)
+    assert wait(e, pod(e, 50, 50, 50, 50), 4) == pytest.approx(50 * 0.1 + 0.104)
+    # they end after 10, 20, 30 and 40 more tokens: the first seat frees after 10 steps
+    assert wait(e, pod(e, 10, 20, 30, 40), 4) == pytest.approx(10 * 0.1 + 0.104)
+    # three requests of 10 tokens waiting ahead take the first three seats to free: it takes the fourth,
+    # after 40 steps, and the steps that admitted each of the three prefilled 10 tokens more (0.01 s)
+    assert wait(e, queued(pod(e, 10, 20, 30, 40), 10, 10, 10), 4) == pytest.approx(40 * 0.1 + 3 * 0.01 + 0.104)
 
 
 def test_a_request_that_takes_a_seat_at_the_next_step_waits_only_for_prefill():
-    e = estimator(service_s=8.0)
-    full = Load(running=4, running_decodes=4, running_remaining=(50, 50, 50, 50))
-    assert e.estimate(Ahead(0, 0, seat_now=True), 4, full) == pytest.approx(0.104)
-
-
-def test_before_any_request_finished_a_seat_turns_over_in_the_running_requests_remaining_tokens():
     e = estimator()
-    full = Load(running=4, running_decodes=4, running_remaining=(10, 20, 30, 40))
-    # a decode step of four rows takes 0.1 s: the average remaining 25 tokens take 2.5 s per seat
-    assert e.estimate(Ahead(0, 0), 4, full) == pytest.approx(0.104 + 25 * 0.1 / 4)
+    # under fair share, x holds all four seats: a request of y takes one of them at the next step (seats.py)
+    full = pod(e, 50, 50, 50, 50, policy=Policy.FAIR, adapter="x")
+    assert wait(e, full, 4, adapter="y") == pytest.approx(0.104)
 
 
 def test_the_step_in_flight_adds_what_is_left_of_it():
     e = estimator()
-    before = e.estimate(Ahead(0, 0), 30, IDLE)
+    before = e.first_token(ONE_STEP)
     e.step_began(StepShape(0, 9900, 1))  # predicted 10 s
-    assert 9.0 < e.estimate(Ahead(0, 0), 30, IDLE) - before <= 10.0
+    assert 9.0 < e.first_token(ONE_STEP) - before <= 10.0
     e.observe_step(StepShape(0, 9900, 1), 10.0)  # it ended
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(before, rel=0.01)
-
-
-def test_the_service_average_follows_recent_samples():
-    e = estimator(service_s=10.0)
-    for _ in range(40):
-        e.observe_service(4.0)
-    assert e.service_s == pytest.approx(4.0, rel=1e-3)
+    assert e.first_token(ONE_STEP) == pytest.approx(before, rel=0.01)
 
 
 def test_a_first_token_later_than_the_queue_delay_or_the_deadline_is_refused_with_the_time_to_wait():
@@ -127,23 +157,23 @@ def test_the_retry_hint_is_the_excess_over_the_time_allowed_within_bounds():
 
 def test_first_tokens_later_than_estimated_make_later_estimates_longer_within_bounds():
     e = estimator()
-    plain = e.estimate(Ahead(0, 0), 30, IDLE)
+    plain = e.first_token(ONE_STEP)
     for _ in range(40):  # every first token came twice as late as estimated
-        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 2 * e.estimate(Ahead(0, 0), 30, IDLE))
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(4.0 * plain)  # capped at 4x
+        e.observe_first_token(e.first_token(ONE_STEP), 2 * e.first_token(ONE_STEP))
+    assert e.first_token(ONE_STEP) == pytest.approx(4.0 * plain)  # capped at 4x
     for _ in range(200):  # then they come as estimated by the model alone
-        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), plain)
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(plain, rel=0.01)
+        e.observe_first_token(e.first_token(ONE_STEP), plain)
+    assert e.first_token(ONE_STEP) == pytest.approx(plain, rel=0.01)
 
 
 def test_first_tokens_earlier_than_estimated_make_estimates_shorter_and_tiny_estimates_teach_nothing():
     e = estimator()
-    plain = e.estimate(Ahead(0, 0), 30, IDLE)
+    plain = e.first_token(ONE_STEP)
     e.observe_first_token(0.01, 1.0)  # under 50 ms: one step's noise, not a trend
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(plain)
+    assert e.first_token(ONE_STEP) == pytest.approx(plain)
     for _ in range(100):
-        e.observe_first_token(e.estimate(Ahead(0, 0), 30, IDLE), 0.7 * plain)
-    assert e.estimate(Ahead(0, 0), 30, IDLE) == pytest.approx(0.7 * plain, rel=0.01)
+        e.observe_first_token(e.first_token(ONE_STEP), 0.7 * plain)
+    assert e.first_token(ONE_STEP) == pytest.approx(0.7 * plain, rel=0.01)
 
 
 def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_their_estimates():
@@ -168,12 +198,12 @@ def test_admission_judges_by_the_slowest_tenth_of_recent_first_tokens_against_th
 def test_an_account_is_judged_by_its_own_first_tokens_once_it_has_had_enough():
     e = estimator()
     flood, trickle = ("tenant", "big"), ("tenant", "small")
-    model = e.estimate(Ahead(0, 0), 30, IDLE)  # nothing learnt yet: the model's estimate
+    model = e.first_token(ONE_STEP)  # nothing learnt yet: the model's estimate
 
     def admitted(account, lateness: float) -> None:
         """A request of ``account`` estimated as admission estimates it, whose first token came ``lateness``
         times the model's estimate."""
-        estimate = e.estimate(Ahead(0, 0), 30, IDLE, account=account)
+        estimate = e.first_token(ONE_STEP, account)
         e.observe_first_token(estimate, lateness * model, account, e.calibration(account).bias)
 
     for _ in range(60):  # the flood's first tokens come three times as late as the model says
@@ -185,7 +215,7 @@ def test_an_account_is_judged_by_its_own_first_tokens_once_it_has_had_enough():
     admitted(trickle, 1.0)  # its eighth: from now on its own, which started from the pod's and learnt
     own = e.calibration(trickle)
     assert own is not e.pod and own.bias < 1.5 and e.calibration(flood).bias == pytest.approx(3.0, rel=0.01)
-    assert e.estimate(Ahead(0, 0), 30, IDLE, account=trickle) < e.estimate(Ahead(0, 0), 30, IDLE, account=flood) / 2
+    assert e.first_token(ONE_STEP, trickle) < e.first_token(ONE_STEP, flood) / 2
     assert e.own_prefill(30, IDLE, trickle) < e.own_prefill(30, IDLE, flood) / 2
     assert e.calibration(("tenant", "unseen")) is e.pod
 
@@ -202,13 +232,13 @@ def test_the_accounts_kept_are_the_most_recently_seen():
 
 def test_a_requests_own_prefill_is_its_estimate_with_nothing_ahead_beside_the_same_decodes():
     e = estimator()
-    decoding = Load(2, 2, (5, 5))
-    assert e.own_prefill(250, IDLE) == pytest.approx(e.estimate(Ahead(0, 0), 250, IDLE))
+    decoding = Load(2)
+    assert e.own_prefill(250, IDLE) == pytest.approx(wait(e, pod(e), 250))
     assert e.own_prefill(250, IDLE) == pytest.approx(0.2 + 0.2 + 0.15)
     # 40 tokens a step beside two decodes: six steps of 40, then the last 10 (0.11 s)
     assert e.own_prefill(250, decoding) == pytest.approx(6 * 0.14 + 0.11)
     # the work ahead adds to the estimate, never to its own part; the correction applies to both
-    assert e.estimate(Ahead(1, 100), 250, IDLE) > e.own_prefill(250, IDLE)
+    assert wait(e, queued(pod(e), 100), 250) > e.own_prefill(250, IDLE)
     e.pod.bias = 2.0
     assert e.own_prefill(250, decoding) == pytest.approx(2 * (6 * 0.14 + 0.11))
     assert estimator(costs=StepCost()).own_prefill(250, IDLE) == 0.0
@@ -222,33 +252,31 @@ def test_a_prompt_of_an_adapter_the_decodes_have_not_got_pays_that_adapter_in_ea
                      (StepShape(0, 100, 1, 1), 0.22)):
         costs.observe_prior(shape, s)
     e = estimator(costs=costs)
-    base_decodes = Load(2, 2, (5, 5))
+    base_decodes = Load(2)
     # beside base-model decodes a base-model prompt gets 40 tokens a step; one of adapter x 20 (x costs 20 ms)
     assert e.own_prefill(100, base_decodes) == pytest.approx(0.14 + 0.14 + 0.12)
     assert e.own_prefill(100, base_decodes, adapter="x") == pytest.approx(5 * 0.14)
-    assert e.estimate(Ahead(0, 0), 100, base_decodes, adapter="x") == pytest.approx(5 * 0.14)
+    assert wait(e, pod(e, 1000, 1000), 100, adapter="x") == pytest.approx(5 * 0.14)
     # work ahead on adapter y pays y's cost; once its prompt is done y decodes, and its steps cost that
-    ahead = Ahead(1, 20, sizes=(20,), adapters=("y",))
-    assert e.estimate(ahead, 40, base_decodes) == pytest.approx(0.14 + 2 * 0.14)  # then 20 a step beside y
+    assert wait(e, queued(pod(e, 1000, 1000), 20, adapter="y"), 40) == pytest.approx(0.14 + 2 * 0.14)
     # beside decodes of x an x prompt brings nothing: the 20 ms of the decodes' x leave 20 tokens a step
-    x_decodes = Load(2, 2, (5, 5), frozenset({"x"}))
+    x_decodes = Load(2, frozenset({"x"}))
     assert e.own_prefill(100, x_decodes, adapter="x") == pytest.approx(e.own_prefill(100, x_decodes))
 
 
 def test_work_past_the_steps_followed_one_by_one_counts_at_the_last_steps_rate():
     e = estimator()
-    decoding = Load(2, 2, (5, 5))  # 40 tokens a step of 0.14 s
+    decoding = Load(2)  # 40 tokens a step of 0.14 s
     huge = 40 * 4096 * 3  # three times what the steps followed one by one hold
     assert e.own_prefill(huge, decoding) == pytest.approx(3 * 4096 * 0.14)
     # the work ahead of a huge prompt still shows in the part of its wait that is not its own
-    ahead = e.estimate(Ahead(1, 40 * 100), huge, decoding) - e.own_prefill(huge, decoding)
+    ahead = wait(e, queued(pod(e, 10**7, 10**7), 40 * 100), huge) - e.own_prefill(huge, decoding)
     assert ahead == pytest.approx(100 * 0.14)
 
 
 def test_an_estimate_past_what_admission_allows_counts_the_rest_at_the_last_steps_rate():
     e = estimator()
-    decoding = Load(2, 2, (5, 5))  # 40 tokens a step of 0.14 s
-    followed = e.estimate(Ahead(1, 40 * 100), 40, decoding)
+    followed = wait(e, queued(pod(e, 10**7, 10**7), 40 * 100), 40)  # 40 tokens a step of 0.14 s
     assert followed == pytest.approx(101 * 0.14)
     # stopped after 1 s (8 steps), the other 93 at the same rate: the same wait, as long as steps are alike
-    assert e.estimate(Ahead(1, 40 * 100), 40, decoding, enough_s=1.0) == pytest.approx(followed)
+    assert wait(e, queued(pod(e, 10**7, 10**7), 40 * 100), 40, horizon_s=1.0) == pytest.approx(followed)

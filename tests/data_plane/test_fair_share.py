@@ -82,22 +82,23 @@ def test_the_admission_estimate_knows_a_new_tenant_takes_a_seat_from_a_tenant_wh
         seq.tenant = "big"
         s.add(seq)
     step(s)
-    # big holds all four seats, one per adapter: a request of small would take one at once (as ``step``
-    # then does), and so would one with no tenant (its own account, e's flow, holds none); one of big's
-    # own waits for one to turn over
-    assert s.ahead_of("e", 4, billed_to="small").seat_now
-    assert s.ahead_of("e", 4).seat_now
-    assert not s.ahead_of("e", 4, billed_to="big").seat_now
+    # big holds all four seats, one per adapter: the plan of the queue gives a request of small one at once
+    # (as ``step`` then does), its first token at the next step, and so one with no tenant (its own account,
+    # e's flow, holds none); one of big's own waits for one to turn over
+    assert s.plan().landing("e", "small", 4).steps == 1
+    assert s.plan().landing("e", None, 4).steps == 1
+    assert s.plan().landing("e", "big", 4).steps > 1
 
 
-def ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants: bool):
-    """One seat, taken by a flood request on a; then three 5-token flood requests queued on each of a, b and c
-    (tenant "big", or no tenant); what a 7-token request on d (tenant "small", or none) would wait behind.
-    Without the join credit: the shares alone."""
-    s = scheduler(max_num_seqs=1, max_loras=4, adapters="abcd", join_credit=0)
+def quiet_request_beside_a_flood_on_three_adapters(tenants: bool) -> dict:
+    """A flood request on a served its 4-token prompt; then three 5-token flood requests queued on each of a,
+    b and c (tenant "big", or no tenant), each ending at its first token; where the plan lands a 7-token
+    request on d (tenant "small", or none): the prompt tokens of others computed by its first token, per
+    adapter. Steps of 12 tokens, seats to spare, without the join credit: the shares alone."""
+    s = scheduler(max_num_seqs=16, budget=12, num_blocks=256, max_loras=4, adapters="abcd", join_credit=0)
 
     def add(name: str, adapter: str, n: int) -> None:
-        seq = Sequence(name, adapter, list(range(n)), SamplingParams(max_tokens=50), n + 50)
+        seq = Sequence(name, adapter, list(range(n)), SamplingParams(max_tokens=1), n + 1)
         seq.tenant = "big" if tenants else None
         s.add(seq)
 
@@ -106,43 +107,49 @@ def ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants: bool):
     for adapter in "abc":
         for i in range(3):
             add(f"{adapter}{i}", adapter, 5)
-    return s.ahead_of("d", 7, billed_to="small" if tenants else None)
+    landing = s.plan().landing("d", "small" if tenants else None, 7)
+    assert landing.followed
+    return dict(landing.by_flow)
 
 
 def test_the_admission_estimate_counts_a_tenant_s_share_once_whatever_its_adapters():
-    # the quiet request's 7 tokens are matched by 7 of the flood's: once for tenant big, whose three
-    # adapters share one counter, and once per adapter where each adapter is its own share
-    assert ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants=True).tokens == 7
-    assert ahead_of_a_quiet_request_beside_a_flood_on_three_adapters(tenants=False).tokens == 3 * 7
+    # where big's three adapters share one counter, the quiet request's first token comes in the first step,
+    # beside one of the flood's prompts; where each adapter is its own share, in the second, after one prompt
+    # of each of a, b and c (its step carries 2 tokens of a's next after it)
+    assert quiet_request_beside_a_flood_on_three_adapters(tenants=True) == {"a": 5}
+    assert quiet_request_beside_a_flood_on_three_adapters(tenants=False) == {"a": 7, "b": 5, "c": 5}
 
 
 def test_the_admission_estimate_counts_a_tenant_s_work_on_its_other_adapters_as_its_own():
-    s = scheduler(max_num_seqs=1, max_loras=4, adapters="abcd", join_credit=0)
-    for name, adapter, tenant, tokens in (("running", "a", "big", 5), ("big-b", "b", "big", 20),
+    s = scheduler(max_num_seqs=16, budget=32, num_blocks=256, max_loras=4, adapters="abcd", join_credit=0)
+    for name, adapter, tenant, tokens in (("running", "a", "big", 5), ("big-b", "b", "big", 300),
                                           ("small-c", "c", "small", 5)):
-        seq = Sequence(name, adapter, list(range(tokens)), SamplingParams(max_tokens=50), tokens + 50)
+        seq = Sequence(name, adapter, list(range(tokens)), SamplingParams(max_tokens=1), tokens + 1)
         seq.tenant = tenant
         s.add(seq)
         if name == "running":
             step(s)  # big's counter: 5, where small joins
-    # a new 7-token request of big on d: big's 20 tokens queued on b are its own, all ahead of it (not a
-    # share of 7), and small's 5 are within the 7 it is served alongside
-    assert s.ahead_of("d", 7, billed_to="big").tokens == 20 + 5
-    # billed to small: small's 5 on c are its own; big's are a share, the 7 it is served alongside
-    assert s.ahead_of("d", 7, billed_to="small").tokens == 5 + 7
+    # a new 7-token request of big on d: big's 300 tokens queued on b are its own, all ahead of it, and
+    # small's 5 go first (small is less served)
+    assert s.plan().landing("d", "big", 7).by_flow == {"b": 300, "c": 5}
+    # billed to small: small's 5 on c are its own; big's prompt, started, keeps its standing for a quantum
+    # (128 tokens) and then shares the steps with small's: 180 of its 300 come before
+    assert s.plan().landing("d", "small", 7).by_flow == {"b": 180, "c": 5}
 
 
 def test_a_flow_without_requests_stands_where_its_next_request_would_join():
     shares = FairShare()
     shares.join("x")
     shares.charge("x", 40)
-    assert shares.standing("x") == shares.served("x") == 40
-    # y has no requests: it would join at the lowest active counter (x's 40), not at the stale floor (0)
-    assert shares.served("y") == 0 and shares.standing("y") == 40
+    assert shares.served("x") == 40
+    # y has no requests: its next one joins at the lowest active counter (x's 40), not at the stale floor (0)
+    assert shares.served("y") == 0
     shares.join("y")
+    assert shares.served("y") == 40
     shares.charge("y", 100)
     shares.leave("y")
-    assert shares.standing("y") == 140  # a flow that was served more keeps its counter when it returns
+    shares.join("y")
+    assert shares.served("y") == 140  # a flow that was served more keeps its counter when it returns
 
 
 def test_an_account_that_becomes_active_starts_the_credit_below_the_floor_but_not_below_its_own_counter():
@@ -151,7 +158,9 @@ def test_an_account_that_becomes_active_starts_the_credit_below_the_floor_but_no
     shares.charge("x", 500)
     shares.join("y")  # the floor is x's 400, the lowest active counter: y starts 100 below it
     assert shares.served("y") == 300
-    assert shares.standing("w") == 400 - 50  # w's weight is 2: its credit counts half on its counter
+    shares.join("w")
+    assert shares.served("w") == 400 - 50  # w's weight is 2: its credit counts half on its counter
+    shares.leave("w")
     shares.charge("y", 200)
     shares.leave("y")
     shares.join("y")  # y left at 500, above where a joiner starts: it keeps its counter

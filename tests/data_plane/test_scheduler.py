@@ -3,7 +3,7 @@ work (prompts being chunked and waiting requests) by fair share across adapters 
 one) within the step's prefill budget and token budget, the sequence
 limit, the free KV blocks and the adapter slots; preemption when blocks run out; the bound on
 waiting for an adapter slot, and the refusal of a request no slot can ever serve; the FCFS
-policy; what a new request would wait behind (for admission by deadline), and expired requests."""
+policy; where the plan of the queue lands a new request (for admission by deadline), and expired requests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from data_plane.engine.admission import Ahead, Arrivals
+from data_plane.engine.admission import Arrivals
 from data_plane.engine.block_manager import BlockManager
 from data_plane.engine.floods import FLOOD_MEMORY_S
 from data_plane.engine.scheduler import STARTED_QUANTUM, Policy, Scheduler, SchedulerLimits
@@ -672,107 +672,140 @@ def test_under_fcfs_the_latest_admitted_request_gives_back_its_blocks():
     assert late.status is SequenceStatus.WAITING and s.num_preemptions == 1
 
 
-# ---- what a new request would wait behind -------------------------------------------------------
+# ---- where the plan of the queue lands a new request ---------------------------------------------
 
-def flooded(policy: Policy = Policy.FAIR, weights=None, y_before: tuple[float, ...] = ()) -> Scheduler:
-    """x floods behind a running x request, y0 waits; ``y_before``: earlier y requests of 6 tokens, seconds ago.
-    Without the join credit: the estimates below count the shares alone."""
-    s = scheduler(max_num_seqs=1, policy=policy, weights=weights, join_credit=0)
+def flooded(policy: Policy = Policy.FAIR, weights=None, y_before: tuple[float, ...] = (),
+            step_s: float = 0.0) -> Scheduler:
+    """x was served a 4-token prompt; then ten 5-token x requests and a 7-token y request (y0) wait, each
+    ending at its first token; steps of 8 tokens, seats to spare, no join credit (the shares alone).
+    ``y_before``: how long ago y sent each of its earlier 6-token prompts; ``step_s``: each step's seconds
+    (0: no time passes in the plan, so no later arrival comes)."""
+    s = scheduler(max_num_seqs=16, budget=8, num_blocks=256, policy=policy, weights=weights, join_credit=0,
+                  step_time=lambda shape: step_s)
     now = time.monotonic()
     for ago in y_before:
         s.arrivals.record("y", 6, now - ago)
-    request(s, "running", 4, adapter="x")
+    request(s, "running", 4, adapter="x", max_tokens=1)
     step(s)
     for i in range(10):
-        request(s, f"x{i}", 5, adapter="x")
-    request(s, "y0", 7, adapter="y")
+        request(s, f"x{i}", 5, adapter="x", max_tokens=1)
+    request(s, "y0", 7, adapter="y", max_tokens=1)
+    return s
+
+
+def lands(s: Scheduler, flow: str | None, prompt: int, tenant: str | None = None) -> tuple[int, dict]:
+    """Where the plan of ``s``'s queue lands a new request (``QueuePlan.landing``): the step that gives it
+    its first token, and the prompt tokens of others, per flow, computed in the steps up to it."""
+    landing = s.plan().landing(flow, tenant, prompt)
+    assert landing.followed
+    return landing.steps, dict(landing.by_flow)
+
+
+def no_arrivals(s: Scheduler) -> Scheduler:
+    s.arrivals.coming = lambda *_, **__: iter(())  # the plan expects no later arrival
     return s
 
 
 def test_under_fair_share_a_quiet_adapter_is_prefilled_beside_a_flood_and_the_flood_behind_itself():
-    s = flooded()  # x was served 4 tokens (the running request's prompt); y joined at that floor
-    # a 7-token y request comes after y0; x is served alongside until its counter reaches y's then
-    # (4 + 7 + 7): 14 more tokens, two x prompts and part of a third, each still needing a seat
-    assert s.ahead_of("y", 7) == Ahead(requests=1 + 3, tokens=7 + 14)
-    assert s.ahead_of("x", 5) == Ahead(requests=10 + 1, tokens=10 * 5 + 7)  # all of x's own, all of y0
-    assert sorted(s.ahead_of("x", 5).adapters) == ["x"] * 10 + ["y"]  # each item's adapter, for its cost
-    # the base model, served nothing yet, joins at the floor: 5 tokens of x's and of y's go alongside
-    assert s.ahead_of(None, 5) == Ahead(requests=2, tokens=5 + 5)
+    s = flooded()  # x was served 4 tokens (the first request's prompt); y joined at that counter
+    # x and y take turns by their counters, 8 tokens a step: a new y request's first token comes in the
+    # third step, after y0 and two of x's prompts, not behind all ten
+    assert lands(s, "y", 7) == (3, {"x": 10, "y": 7})
+    # a new x request comes after all of x's own and all of y0
+    assert lands(s, "x", 5) == (8, {"x": 50, "y": 7})
+    # the base model, served nothing yet, joins at the floor and goes alongside: its first token in the
+    # third step, beside y0 and three of x's prompts (the last in part, in its own step)
+    assert lands(s, None, 5) == (3, {"x": 12, "y": 7})
 
 
 def test_a_new_request_of_a_tenant_without_a_seat_takes_one_at_once_and_one_with_a_seat_does_not():
-    s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz")
-    request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
-    step(s)
-    assert s.ahead_of("y", 4).seat_now and s.ahead_of(None, 4).seat_now
-    assert not s.ahead_of("x", 4).seat_now
+    def x_holds_both_seats(policy: Policy = Policy.FAIR) -> Scheduler:
+        s = scheduler(max_num_seqs=2, max_loras=3, adapters="xyz", policy=policy)
+        request(s, "x0", 4, adapter="x"), request(s, "x1", 4, adapter="x")
+        step(s)
+        return s
+
+    s = x_holds_both_seats()
+    # a y or base-model request takes one of x's seats at the next step: its first token then
+    assert s.plan().landing("y", None, 4).steps == s.plan().landing(None, None, 4).steps == 1
+    assert s.plan().landing("x", None, 4).steps > 1  # x's own waits for one of its requests to end
     request(s, "y0", 4, adapter="y")
-    assert not s.ahead_of("y", 4).seat_now  # y0 takes the seat; the next y request waits behind it
-    assert not scheduler(max_num_seqs=2, policy=Policy.FCFS).ahead_of("y", 4).seat_now
+    assert s.plan().landing("y", None, 4).steps > 1  # y0 takes the seat; the next y request waits behind it
+    assert x_holds_both_seats(Policy.FCFS).plan().landing("y", None, 4).steps > 1  # no seat changes hands
 
 
 def test_requests_of_other_adapters_expected_while_one_waits_take_their_share_before_it():
-    s = flooded(y_before=(8.0, 6.0, 4.0, 2.0))  # y sent four 6-token prompts over the last 8 s, then y0
-    assert s.ahead_of("x", 5) == Ahead(requests=11, tokens=10 * 5 + 7)
-    # waiting 6 s, an x request expects y's 5 requests in the last 10 s to go on at that rate: 3 more y
-    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) served before its own is done
-    assert s.ahead_of("x", 5, within_s=6.0) == Ahead(requests=10 + 4, tokens=10 * 5 + 7 + 3 * 6)
-    # but no more than their share: x, however many it sends, is served 14 tokens before a y request
-    assert s.ahead_of("y", 7, within_s=100.0) == s.ahead_of("y", 7) == Ahead(requests=4, tokens=7 + 14)
-    # first come, first served: nobody arriving later goes first
-    fcfs = flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0))
-    assert fcfs.ahead_of("x", 5, within_s=6.0) == fcfs.ahead_of("x", 5)
+    def busy_y() -> Scheduler:  # y sent four 6-token prompts over the last 8 s, then y0; steps of 0.5 s
+        return flooded(y_before=(8.0, 6.0, 4.0, 2.0), step_s=0.5)
+
+    s, unexpected = busy_y(), no_arrivals(busy_y())
+    assert lands(unexpected, "x", 5) == (8, {"x": 50, "y": 7})
+    # waiting 5 s, an x request expects y's 5 requests in the last 10 s to go on at that rate: 2 more y
+    # requests of y's mean prompt ((4 × 6 + 7) / 5, rounded: 6) are served before its own is done
+    assert lands(s, "x", 5) == (10, {"x": 50, "y": 7 + 2 * 6})
+    # but no more than their share: x's requests expected meanwhile queue behind x's own, and a y request
+    # lands where it would without them
+    assert s.plan().landing("y", None, 7) == unexpected.plan().landing("y", None, 7)
+    # first come, first served: nobody arriving later goes first (a later y prompt may share its last step)
+    fcfs = flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0), step_s=0.5)
+    fcfs_unexpected = no_arrivals(flooded(Policy.FCFS, y_before=(8.0, 6.0, 4.0, 2.0), step_s=0.5))
+    assert fcfs.plan().landing("x", None, 5).seconds == fcfs_unexpected.plan().landing("x", None, 5).seconds
 
 
 def test_arrivals_forget_what_is_older_than_their_window_and_rate_over_the_whole_window():
     arrivals = Arrivals(window_s=10.0)
     arrivals.record("x", 100, 0.0)
     arrivals.record("x", 300, 5.0)
-    assert arrivals.recent(5.0) == ["x"] and arrivals.mean_prompt("x") == 200
-    assert arrivals.expected("x", 10.0, 5.0) == 2  # 2 in the window: 2 per 10 s
-    assert arrivals.expected("x", 0.0, 5.0) == 0
-    assert arrivals.expected("y", 5.0, 5.0) == 0 and arrivals.mean_prompt("y") == 0
-    assert arrivals.recent(12.0) == ["x"] and arrivals.mean_prompt("x") == 300  # the first left the window
-    assert arrivals.recent(15.5) == []
+    # 2 in the window: 2 per 10 s, each of their mean prompt
+    assert [prompt for _, _, _, prompt, _ in arrivals.coming(10.0, 5.0)] == [200, 200]
+    assert list(arrivals.coming(0.0, 5.0)) == []
+    assert list(arrivals.coming(5.0, 5.0, besides="x")) == []  # no other flow sent any
+    assert [prompt for _, _, _, prompt, _ in arrivals.coming(10.0, 12.0)] == [300]  # the first left the window
+    assert list(arrivals.coming(100.0, 15.5)) == []
     for _ in range(30):  # a burst of 30 at once counts as 30 per window, not as a rate over an instant
         arrivals.record("z", 10, 20.0)
-    assert arrivals.expected("z", 1.0, 20.0) == 3
+    assert len(list(arrivals.coming(1.0, 20.0))) == 3
 
 
 def test_under_fcfs_every_waiting_request_is_ahead():
     s = flooded(Policy.FCFS)
-    assert s.ahead_of("y", 7) == s.ahead_of(None, 1) == Ahead(requests=11, tokens=10 * 5 + 7)
+    assert lands(s, "y", 7) == lands(s, None, 1) == (8, {"x": 50, "y": 7})
 
 
 def test_weights_scale_the_share_another_adapter_is_served_alongside():
-    s = flooded(weights={"x": 3.0})
-    # x's counter and y's start at 4 / 3; until y's reaches 4 / 3 + 14, x is served 3 x 14 = 42 tokens
-    assert s.ahead_of("y", 7) == Ahead(requests=1 + 9, tokens=7 + 42)
+    # x's weight is 3: its counter grows a third as fast, so 26 of x's tokens go alongside before a new y
+    # request's first token (in the fifth step), against 10 at equal weights
+    assert lands(flooded(weights={"x": 3.0}), "y", 7) == (5, {"x": 26, "y": 7})
 
 
-def test_the_load_lists_running_requests_their_decodes_and_remaining_tokens():
+def test_the_load_lists_the_running_decodes_and_their_adapters():
     s = scheduler(budget=8)
     request(s, "long", 12, adapter="x", max_tokens=10)
     request(s, "short", 4, max_tokens=3)
     step(s)  # long: 8 of its 12 prompt tokens; short not admitted (budget)
     step(s)  # long's last 4, short's 4
     load = s.load()
-    assert (load.running, load.running_decodes, sorted(load.running_remaining)) == (2, 2, [2, 9])
+    assert load.running_decodes == 2
     assert load.decode_adapters == {"x"} and load.adapters == 1  # the base model's decodes bring none
     request(s, "prompt", 40, adapter="y")
     step(s)  # y's prompt is being prefilled, 8 tokens a step: its adapter is not yet among the decodes
-    assert s.load().decode_adapters == {"x"} and s.load().running == 3
+    assert s.load().decode_adapters == {"x"} and s.load().running_decodes == 2
 
 
 def test_prompts_being_chunked_count_as_prefill_work_ahead_but_hold_their_seats():
     s = scheduler(max_num_seqs=2, prefill_budget=lambda decodes, adapters, rush, *_: 4, join_credit=0)  # shares alone
     request(s, "flood", 12, adapter="x")
     step(s)  # 8 of its tokens still to compute; it holds one of the two seats
-    assert s.ahead_of("x", 4) == Ahead(0, 8)
-    assert s.ahead_of(None, 8) == Ahead(0, 8)  # as many of the flood's tokens as its own, from its chunked prompt
-    assert s.ahead_of(None, 3) == Ahead(0, 3)
+    # a new request takes the other seat and comes after the flood's 8: a started prompt keeps its
+    # standing for a quantum (fair_order.py), whatever the new request's flow and size
+    assert lands(s, "x", 4) == (3, {"x": 8})
+    assert lands(s, None, 8) == (4, {"x": 8})
+    assert lands(s, None, 3) == (3, {"x": 8})
     request(s, "flood2", 6, adapter="x")
-    assert s.ahead_of("x", 4) == Ahead(1, 14)
+    # flood2 takes the second seat: a new x request comes after both prompts and waits for a seat, until one
+    # of them has decoded its 100 tokens (past the steps a plan follows)
+    landing = s.plan().landing("x", None, 4)
+    assert landing.by_flow == {"x": 8 + 6} and not landing.followed
 
 
 def test_waiting_requests_past_their_deadline_are_expired_and_running_ones_are_not():
