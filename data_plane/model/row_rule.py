@@ -16,7 +16,9 @@ there), while attention needed no padding and a float32 projection held in one c
 The native kernels sum each row in an order fixed by the row alone, so they need no tiles: attention
 (``native_attention``) and LoRA (``kernels.native_lora``, one call per layer) run natively where their
 kernel builds here and a check of its own (``_native_breaks``, ``_native_lora_breaks``) finds every row the
-same bits alone and beside others; elsewhere the torch paths' tiles are probed.
+same bits alone and beside others; elsewhere the torch paths' tiles are probed. bfloat16 projections and
+heads likewise take our AMX kernel (``amx_linear``: one call over any rows, each row summed on its own)
+first where this CPU gives its tiles, as a candidate probed like the others.
 
 So the pod does not trust a rule measured elsewhere: ``probe`` runs each path's own code on this machine,
 in the model's shapes, over every candidate tile (the cheapest first), and keeps the first under which
