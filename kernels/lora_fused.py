@@ -132,13 +132,17 @@ def _lora_fused_kernel(
 
 def candidates(max_rank: int, dtype: torch.dtype) -> list[Tiles]:
     """The tiles a tuned table may name for the fused kernel (``benchmarks/lora_sweep.py`` times these,
-    tests/kernels/test_gpu_compile.py compiles them): blocks of 16 rows, column groups of 128 to 1,024,
-    in_features steps of 64-128 (float32 operands: no tensor cores, both tiles in registers: 32-64)."""
+    tests/kernels/test_gpu_compile.py compiles them without spills at rank 64): blocks of 16 rows, column
+    groups of 128 to 1,024, in_features steps of 64-128. float32 operands (no tensor cores: the dots run
+    on FMAs from registers) take column tiles of 32 (64 with 8 warps): at 64 with 4 warps, or 128, a
+    rank-64 program spills on sm_80 and sm_90."""
     if max_rank > MAX_FUSED_RANK:
         return []
-    steps = (32, 64) if dtype == torch.float32 else (64, 128)
-    out = [Tiles(m=16, n=n, k=k, col_tiles=c) for k in steps for n, c in ((64, 2), (128, 2), (128, 4), (128, 8))]
-    return out + [Tiles(m=16, n=128, k=steps[-1], col_tiles=4, num_warps=8)]
+    if dtype == torch.float32:
+        out = [Tiles(m=16, n=32, k=k, col_tiles=c) for k in (32, 64) for c in (4, 8)]
+        return out + [Tiles(m=16, n=64, k=32, col_tiles=4, num_warps=8)]
+    out = [Tiles(m=16, n=n, k=k, col_tiles=c) for k in (64, 128) for n, c in ((64, 2), (128, 2), (128, 4), (128, 8))]
+    return out + [Tiles(m=16, n=128, k=128, col_tiles=4, num_warps=8)]
 
 
 def fused_tiles(lora_a: torch.Tensor, lora_b: torch.Tensor) -> Tiles | None:

@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from kernels import attention_launch, attention_unified, fused_activation, fused_norm, fused_rotary
 from kernels import lora_expand as expand_module
+from kernels import lora_fused as fused_module
 from kernels import lora_shrink as shrink_module
 
 MAX_RANK = 64
@@ -117,6 +118,32 @@ def _lora_kernels(arch: int) -> list[Compiled]:
         config = f"{num_tokens} tokens, rank {MAX_RANK}; tiles {tiles.m}x{tiles.n}x{tiles.k}" + (
             ", 4 column tiles a program" if split else "")
         rows.append(_record("lora_expand", arch, dtype, config, expand))
+    return rows + _lora_fused_kernels(arch, pointers, aligned)
+
+
+def _lora_fused_kernels(arch: int, pointers: dict[str, str], aligned: set[str]) -> list[Compiled]:
+    """The fused shrink + expand with every tile shape a tuned table may name (``lora_fused.candidates``;
+    of the column-group widths, the widest per column tile: the most unrolled), at the largest rank it
+    holds, over three slices (q/k/v)."""
+    rows = []
+    for dtype in ("bf16", "fp32"):
+        shapes: dict[tuple[int, int, int], object] = {}
+        for tiles in fused_module.candidates(fused_module.MAX_FUSED_RANK, TORCH_DTYPES[dtype]):
+            key = (tiles.n, tiles.k, tiles.num_warps)
+            if key not in shapes or tiles.col_tiles > shapes[key].col_tiles:
+                shapes[key] = tiles
+        for tiles in shapes.values():
+            rank = fused_module.MAX_FUSED_RANK
+            kernel = _compile_for(arch, fused_module._lora_fused_kernel, {
+                "y_ptr": "*fp16", "x_ptr": f"*{dtype}", "lora_a_ptr": f"*{dtype}", "lora_b_ptr": f"*{dtype}",
+            } | pointers, {
+                "SEG_BLOCK": 64, "NUM_SLICES": 3, "MAX_RANK": rank, "RANK_ALIGN": 8,
+                "BLOCK_R": fused_module.rank_block(rank), "BLOCK_M": tiles.m, "BLOCK_N": tiles.n, "BLOCK_K": tiles.k,
+                "COL_TILES": tiles.col_tiles, "UPCAST": False,
+            }, aligned, tiles.num_warps)  # fmt: skip
+            config = (f"rank {rank}, 3 slices; tiles {tiles.m}x{tiles.n}x{tiles.k}, {tiles.col_tiles} column tiles "
+                      f"a program, {tiles.num_warps} warps")
+            rows.append(_record("lora_fused", arch, dtype, config, kernel))
     return rows
 
 
@@ -239,7 +266,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills_and_within_shared_memo
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [Compiled(**row) for row in json.loads(done.stdout)]
     kernels = {r.kernel for r in rows}
-    assert {"lora_shrink", "lora_expand", "attention_unified"} <= kernels
+    assert {"lora_shrink", "lora_expand", "lora_fused", "attention_unified"} <= kernels
     assert {r.arch for r in rows} == set(ARCHS)
     assert {"add_rms_norm", "rotary", "act_mul"} <= kernels
     for r in rows:
