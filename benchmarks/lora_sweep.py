@@ -12,16 +12,22 @@ benchmarks/gpu_kernels.py. For each projection and rank:
    replay, L2 flushed) at each decode token count (up to SPLIT_TOKENS: the shrink split one program per
    chunk) and at a prefill-sized count; the one with the least geometric-mean time wins, one set for
    every step of the shape, so a row runs the same instructions in any step;
-2. the winners are merged into ``kernels/tuned/<device>.json`` (read by the launchers at start-up;
-   shapes this run did not reach keep their entries) and written beside the JSON report.
+2. the split pair (the two winners, one after the other) against shrink and expand fused in one launch
+   (kernels/lora_fused.py, each of its ``candidates``), timed alike at the same counts: where the best
+   fused tiles have the lesser geometric mean, the shape's table entry ``fused/...`` holds them and the
+   layers run the fused kernel in every step of that shape; else there is none and they run the pair;
+3. the winners are merged into ``kernels/tuned/<device>.json`` (read by the launchers at start-up;
+   shapes this run did not reach keep their entries, a fused entry of a shape measured again goes where
+   the pair won) and written beside the JSON report.
 
-Then one layer (all four projections) per rank and token count: ours with the tuned tiles, ours with
-the tiles the kernels had before the split shrink (one program over all of in_features), each peer,
-and the time to read the layer's bytes once at this device's copy bandwidth; ``ours / peer`` rows.
-Last, the bits, for every projection and rank with the tiles the launchers now take: a decode row
-alone, beside 255 others, and inside a prefill-sized step; the split shrink against the one-program
-shrink, replayed (200 times for the first shape: the last program to arrive adds the partials, and a
-broken ordering would show as a mismatch).
+Then one layer (all four projections) per rank and token count: ours as the layers run it (the table's
+choice of kernel and tiles), ours split (the pair with the tuned tiles), ours fused (each projection's
+best fused tiles), ours with the tiles the kernels had before the split shrink (one program over all of
+in_features), each peer, and the time to read the layer's bytes once at this device's copy bandwidth;
+``ours / peer`` rows. Last, the bits, for every projection and rank with the kernel and tiles the
+layers now take, and with the best fused tiles: a decode row alone, beside 255 others, and inside a
+prefill-sized step; the split shrink against the one-program shrink, replayed (200 times for the first
+shape: the last program to arrive adds the partials, and a broken ordering would show as a mismatch).
 
 ``--tiny --device cpu`` runs all of it at tiny sizes under Triton's interpreter in about a minute
 (tests/benchmarks/test_lora_sweep.py); its times say nothing about speed. Figures are printed and
@@ -55,7 +61,8 @@ SIZES = {  # ranks, decode token counts, prefill token count, adapters, timed ru
 
 def candidates(kind: str, rank: int, dtype: torch.dtype, tiny: bool):
     """Tiles to try, all in blocks of 16 rows (one kind of tensor-core instruction: kernels/lora_tuning.py).
-    Shrink: K steps x chunks x rank tiles; expand: column tiles, warps and column tiles a program walks."""
+    Shrink: K steps x chunks x rank tiles; expand: column tiles, warps and column tiles a program walks;
+    fused: ``kernels.lora_fused.candidates`` (column groups, in_features steps, warps)."""
     from kernels.lora_launch import Tiles
 
     rank_tile = min(64, max(16, 1 << (rank - 1).bit_length()))
@@ -66,6 +73,12 @@ def candidates(kind: str, rank: int, dtype: torch.dtype, tiny: bool):
         out = [Tiles(m=16, n=16, k=k, chunk=k * c) for k in steps for c in (1, 2) if k * c >= 64]
         out += [Tiles(m=16, n=16, k=128, chunk=256, num_warps=2)]
         return out + ([Tiles(m=16, n=rank_tile, k=128, chunk=256)] if rank_tile > 16 else [])
+    if kind == "fused":
+        from kernels.lora_fused import candidates as fused_candidates
+
+        if tiny:
+            return [Tiles(m=16, n=32, k=64), Tiles(m=16, n=32, k=64, col_tiles=2)]
+        return fused_candidates(rank, dtype)
     if tiny:
         return [Tiles(m=16, n=32, k=rank_tile), Tiles(m=16, n=32, k=rank_tile, col_tiles=2)]
     out = [Tiles(m=16, n=n, k=rank_tile) for n in (32, 64, 128)] + [Tiles(m=16, n=64, k=rank_tile, num_warps=2)]
@@ -108,6 +121,25 @@ class Problem:
 
         lora_expand(self.y, self.buf, self.b, self.ranks, self.slice_offsets, self.meta, tiles=tiles)
 
+    def fused(self, tiles) -> None:
+        from kernels.lora_fused import lora_fused
+
+        lora_fused(self.y, self.x, self.a, self.b, self.ranks, self.slice_offsets, self.meta, tiles)
+
+    def split(self, shrink_tiles=None, expand_tiles=None) -> None:
+        self.shrink(shrink_tiles)
+        self.expand(expand_tiles)
+
+    def apply(self) -> None:
+        """What a layer of this shape runs (kernels/lora_backend.py): the kernel and tiles the table chose."""
+        from kernels.lora_fused import fused_tiles
+
+        tiles = fused_tiles(self.a, self.b)
+        if tiles is None:
+            self.split()
+        else:
+            self.fused(tiles)
+
     def expected(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(buf, y) by ``kernels.reference`` from the problem's inputs."""
         from kernels import reference
@@ -139,10 +171,12 @@ class Sweep:
         self.report: dict = {"device": device_label(args.device), "torch": torch.__version__,
                              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                                 time.gmtime()),
-                             "command": " ".join(sys.argv), "copy_gbs": gbs, "tuning": [], "layer": [], "bits": [],
-                             "failures": []}
+                             "command": " ".join(sys.argv), "copy_gbs": gbs, "tuning": [], "choices": [],
+                             "layer": [], "bits": [], "failures": []}
         self.started = time.perf_counter()
         self.tuned: dict[str, dict] = {}
+        self.fused_measured: set[str] = set()  # fused keys of the shapes this run timed, chosen or not
+        self.fused_best: dict[tuple[str, int], object] = {}  # (projection, rank) -> best fused Tiles
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -161,31 +195,55 @@ class Sweep:
 
     def tune(self, name: str, in_features: int, widths: tuple[int, ...], rank: int) -> None:
         """The shrink's and the expand's tiles for one projection at one rank: one set for every step,
-        the least geometric-mean time over decode and prefill token counts."""
+        the least geometric-mean time over decode and prefill token counts; then the pair of winners
+        against the fused kernel's best tiles, the choice of kernel for the shape."""
         from kernels.lora_tuning import entry_key
 
         ranks, decode_counts, prefill_count, adapters, _, _ = SIZES[self.args.size]
         counts = (*decode_counts, prefill_count)
         problems = [Problem(in_features, widths, rank, n, adapters, self.dtype, self.clock.device) for n in counts]
-        for kind in ("shrink", "expand"):
+        winners = {}
+        for kind in ("shrink", "expand", "fused"):
             best = None
             for tiles in candidates(kind, rank, self.dtype, self.args.size == "tiny"):
-                times = self.try_tiles(kind, tiles, problems)
-                if times is None:
-                    continue
-                score = math.exp(sum(math.log(t) for t in times) / len(times))
-                self.report["tuning"].append({"projection": name, "rank": rank, "kernel": kind, "tiles": vars(tiles),
-                                              "tokens": list(counts), "ms": times, "geomean_ms": score})
-                if best is None or score < best[0]:
-                    best = (score, tiles)
+                best = self.score(name, rank, kind, tiles, problems, counts, best)
             if best is None:
                 self.fail(f"{name} rank {rank} {kind}: no candidate tiles ran correctly")
                 continue
-            features = in_features if kind == "shrink" else sum(widths)
-            self.tuned[entry_key(kind, len(widths), features, rank, self.dtype)] = vars(best[1])
+            winners[kind] = best
+            if kind != "fused":
+                features = in_features if kind == "shrink" else sum(widths)
+                self.tuned[entry_key(kind, len(widths), features, rank, self.dtype)] = vars(best[1])
             print(f"[{self.elapsed():4.0f} s] {name} r{rank} {kind}: {best[1]} geomean {best[0] * 1e3:.1f} us",
                   flush=True)
+        if {"shrink", "expand", "fused"} <= winners.keys():
+            pair = (winners["shrink"][1], winners["expand"][1])
+            split = self.score(name, rank, "split", pair, problems, counts, None)
+            fused_key = entry_key("fused", len(widths), in_features, rank, self.dtype, out_features=sum(widths))
+            self.fused_measured.add(fused_key)
+            self.fused_best[(name, rank)] = winners["fused"][1]
+            chosen = split is None or winners["fused"][0] < split[0]
+            if chosen:
+                self.tuned[fused_key] = vars(winners["fused"][1])
+            self.report["choices"].append({
+                "projection": name, "rank": rank, "kernel": "fused" if chosen else "split",
+                "fused_geomean_ms": winners["fused"][0], "split_geomean_ms": split[0] if split else None})
+            print(f"[{self.elapsed():4.0f} s] {name} r{rank}: {'fused' if chosen else 'split'} (fused "
+                  f"{winners['fused'][0] * 1e3:.1f} us, split {split[0] * 1e3 if split else math.nan:.1f} us geomean)",
+                  flush=True)
         self.save()
+
+    def score(self, name: str, rank: int, kind: str, tiles, problems: list[Problem], counts: tuple[int, ...], best):
+        """Times one candidate at every count (a row in the report); (geomean, tiles) of it or ``best``,
+        whichever is less; ``best`` where it computes wrong."""
+        times = self.try_tiles(kind, tiles, problems)
+        if times is None:
+            return best
+        score = math.exp(sum(math.log(t) for t in times) / len(times))
+        shown = [vars(t) for t in tiles] if kind == "split" else vars(tiles)
+        self.report["tuning"].append({"projection": name, "rank": rank, "kernel": kind, "tiles": shown,
+                                      "tokens": list(counts), "ms": times, "geomean_ms": score})
+        return (score, tiles) if best is None or score < best[0] else best
 
     def try_tiles(self, kind: str, tiles, problems: list[Problem]) -> list[float] | None:
         """Times of ``tiles`` at each problem's token count; None (and a failure) if it computes wrong."""
@@ -197,12 +255,17 @@ class Sweep:
                 p.shrink(tiles)
                 got, want = p.buf, buf_ref
                 fn = lambda p=p: p.shrink(tiles)  # noqa: E731
-            else:
+            elif kind == "expand":
                 p.buf.copy_(buf_ref)
                 p.y.copy_(p.y0)
                 p.expand(tiles)
                 got, want = p.y, y_ref
                 fn = lambda p=p: p.expand(tiles)  # noqa: E731
+            else:  # fused, or split: the shrink and expand tiles, one launch after the other
+                p.y.copy_(p.y0)
+                fn = (lambda p=p: p.fused(tiles)) if kind == "fused" else (lambda p=p: p.split(*tiles))  # noqa: E731
+                fn()
+                got, want = p.y, y_ref
             if not close(got, want):
                 self.fail(f"{kind} {tiles} at {p.x.shape[0]} tokens: off the reference")
                 return None
@@ -218,7 +281,11 @@ class Sweep:
         floor = sum(p.bytes_read_once() for p in problems) / self.gbs / 1e6
         before = (Tiles(m=16, n=16, k=256 if self.dtype != torch.float32 else 128), Tiles(m=16, n=64, k=min(64, max(
             16, 1 << (rank - 1).bit_length())))) if tokens <= 256 else (None, None)
-        runs = {"ours": lambda: [(p.shrink(None), p.expand(None)) for p in problems]}
+        runs = {"ours": lambda: [p.apply() for p in problems],
+                "ours split": lambda: [p.split() for p in problems]}
+        fused = [self.fused_best.get((name, rank)) for name in layer]
+        if all(fused):
+            runs["ours fused"] = lambda: [p.fused(t) for p, t in zip(problems, fused, strict=True)]
         if before[0] is not None:
             runs["ours before"] = lambda: [(p.shrink(before[0]), p.expand(before[1])) for p in problems]
         expected = [p.expected()[1] for p in problems]
@@ -239,8 +306,7 @@ class Sweep:
         row = {"rank": rank, "tokens": tokens, "adapters": min(tokens, adapters), "floor_ms": floor}
         for p, want in zip(problems, expected, strict=True):
             p.y.copy_(p.y0)
-            p.shrink(None)
-            p.expand(None)
+            p.apply()
             if not close(p.y, want):
                 self.fail(f"ours at rank {rank}, {tokens} tokens: off the reference")
         for label, fn in runs.items():
@@ -258,16 +324,19 @@ class Sweep:
         print(f"[{self.elapsed():4.0f} s] layer r{rank} {tokens} tok: {cells}  {ratios}", flush=True)
 
     def bits(self, name: str, in_features: int, widths: tuple[int, ...], rank: int, replays: int) -> None:
-        """A decode row's bits alone, beside others and in a prefill-sized step, through shrink and expand
-        with the launchers' own tiles; the split shrink against one program, replayed."""
+        """A decode row's bits alone, beside others and in a prefill-sized step, with the kernel and tiles
+        the layers take, and with the best fused tiles; the split shrink against one program, replayed."""
         ranks, decode_counts, prefill_count, adapters, _, _ = SIZES[self.args.size]
-        rows = {}
-        for tokens in (1, decode_counts[-1], prefill_count):
-            p = Problem(in_features, widths, rank, tokens, adapters, self.dtype, self.clock.device)
-            p.shrink(None)
-            p.expand(None)
-            rows[tokens] = p.y[0].clone()
-        same = {f"alone = in {n} tokens": bool(torch.equal(rows[1], rows[n])) for n in list(rows)[1:]}
+        fused = self.fused_best.get((name, rank))
+        runs = {"": Problem.apply} | ({"fused: ": lambda p: p.fused(fused)} if fused else {})
+        same = {}
+        for label, run in runs.items():
+            rows = {}
+            for tokens in (1, decode_counts[-1], prefill_count):
+                p = Problem(in_features, widths, rank, tokens, adapters, self.dtype, self.clock.device)
+                run(p)
+                rows[tokens] = p.y[0].clone()
+            same |= {f"{label}alone = in {n} tokens": bool(torch.equal(rows[1], rows[n])) for n in list(rows)[1:]}
         p = Problem(in_features, widths, rank, decode_counts[-1], adapters, self.dtype, self.clock.device, seed=7)
         from kernels.lora_shrink import default_tiles
         from kernels.lora_tuning import on_device
@@ -337,6 +406,7 @@ def main() -> None:
 
         path = table_path(sweep.report["device"])
         kept = json.loads(path.read_text())["tiles"] if path.exists() else {}
+        kept = {k: v for k, v in kept.items() if k not in sweep.fused_measured}  # the pair won there this time
         table = {"device": sweep.report["device"], "date": sweep.report["date"], "command": sweep.report["command"],
                  "tiles": {**kept, **sweep.tuned}}
         path.parent.mkdir(parents=True, exist_ok=True)
