@@ -1,5 +1,6 @@
 """The decode step's two memory-bound kernels against the time to read the bytes they touch:
-multi-adapter LoRA (shrink + expand, ``kernels.lora_shrink`` / ``kernels.lora_expand``) over one
+multi-adapter LoRA (shrink + expand, ``kernels.lora_shrink`` / ``kernels.lora_expand``, or the two fused
+in one launch, ``kernels.lora_fused``, where the GPU's tuned table chose it) over one
 decoder layer's four LoRA projections, and paged attention (``kernels.paged_attention``, one launch for
 decodes and prefill chunks) over one layer's KV cache. Every row is first checked against
 ``kernels.reference`` on the same inputs.
@@ -23,6 +24,7 @@ from kernels import reference
 from kernels.attention_launch import AttentionTiles
 from kernels.attention_unified import AttentionWorkspace, default_tiles, unified_attention
 from kernels.lora_expand import lora_expand
+from kernels.lora_fused import fused_tiles, lora_fused
 from kernels.lora_meta import LoraMetaBuilder, partial_rows
 from kernels.lora_shrink import lora_shrink
 from tests.tolerances import RTOL, eps, magnitude, sum_atol, tolerances
@@ -68,8 +70,14 @@ class LoraLayer:
             })
 
     def run(self) -> None:
-        """shrink + expand of every projection, into each one's ``y``, through the shared scratch buffer."""
+        """Every projection's LoRA into its ``y``, as the layers run it: the fused launch where this GPU's
+        tuned table chose it for the shape (``kernels.lora_fused``), else shrink + expand through the
+        shared scratch buffer."""
         for op in self.ops:
+            tiles = fused_tiles(op["a"], op["b"])
+            if tiles is not None:
+                lora_fused(op["y"], op["x"], op["a"], op["b"], op["ranks"], op["offsets"], self.meta, tiles)
+                continue
             buf = self.meta.buffer[: op["a"].shape[0], : self.tokens]  # [S, tokens, rank] float32
             lora_shrink(op["x"], op["a"], op["ranks"], self.meta, buf)
             lora_expand(op["y"], buf, op["b"], op["ranks"], op["offsets"], self.meta)

@@ -19,9 +19,13 @@ reads its ``x`` rows and ``A[s, slot]`` (``r * in_features`` elements) ``G_s`` t
 per rank tile. The rereads come from L2: the bytes from memory stay the adapters' once. Example,
 Llama-3-8B's q/k/v (4096 -> 4096 | 1024 | 1024) at rank 16 in groups of 512 columns: G = 8 + 2 + 2 =
 12 programs per token block, 4x the split shrink's FLOPs (12 against 3 slice products) and 12 reads of
-a 128 KiB ``A`` slice from L2 against 3; the expand's work is the same. A wider group bounds the
-rework; a narrower one gives a decode step's few rows more programs. ``benchmarks/lora_sweep.py``
-times both against the split pair.
+a 128 KiB ``A`` slice from L2 against 3; the expand's work is the same. In groups of 4,096 columns: 2
+programs (q; k and v), h computed once per slice, no rework at all, but a decode step of one row then
+has 2 programs each reading 1-2 slices of A alone. gate/up (2 x 14,336) in groups of 4,096: 7 programs,
+4x; the o and down projections (4,096 columns): 1 program, 1x. A wider group bounds the rework (the
+column tiles of a group are a loop, not unrolled, so a group may be wide); a narrower one gives a few
+rows more programs. ``candidates`` spans 512 to 4,096 columns and ``benchmarks/lora_sweep.py`` times
+them against the split pair.
 
 Which kernel runs (``fused_tiles``) is a property of the projection's shape alone, never of the step:
 the fused kernel where the GPU's tuned table (``kernels.lora_tuning``) holds a ``fused`` entry for the
@@ -109,7 +113,7 @@ def _lora_fused_kernel(
             # lets loads vectorise, and tl.where drops the columns past the rank, NaN included.
             rank_loaded = tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
             r_load = offs_r < rank_loaded
-            for c in tl.static_range(COL_TILES):
+            for c in range(0, COL_TILES):  # a loop, not unrolled: a group may span many tiles
                 n0 = g0 + c * BLOCK_N
                 if (lo < n0 + BLOCK_N) & (hi > n0):
                     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -133,16 +137,18 @@ def _lora_fused_kernel(
 def candidates(max_rank: int, dtype: torch.dtype) -> list[Tiles]:
     """The tiles a tuned table may name for the fused kernel (``benchmarks/lora_sweep.py`` times these,
     tests/kernels/test_gpu_compile.py compiles them without spills at rank 64): blocks of 16 rows, column
-    groups of 128 to 1,024, in_features steps of 64-128. float32 operands (no tensor cores: the dots run
-    on FMAs from registers) take column tiles of 32 (64 with 8 warps): at 64 with 4 warps, or 128, a
-    rank-64 program spills on sm_80 and sm_90."""
+    groups of 512 to 4,096 (h recomputed at most out_features / 512 times per token block: see the
+    module docstring), in_features steps of 64-128 (tiles of 128 x 128 with 8 warps). float32 operands
+    (no tensor cores: the dots run on FMAs from registers) take column tiles of 32 (64 with 8 warps)
+    and steps of 32: wider, a rank-64 program spilled on sm_80 and sm_90."""
     if max_rank > MAX_FUSED_RANK:
         return []
     if dtype == torch.float32:
-        out = [Tiles(m=16, n=32, k=k, col_tiles=c) for k in (32, 64) for c in (4, 8)]
-        return out + [Tiles(m=16, n=64, k=32, col_tiles=4, num_warps=8)]
-    out = [Tiles(m=16, n=n, k=k, col_tiles=c) for k in (64, 128) for n, c in ((64, 2), (128, 2), (128, 4), (128, 8))]
-    return out + [Tiles(m=16, n=128, k=128, col_tiles=4, num_warps=8)]
+        out = [Tiles(m=16, n=32, k=32, col_tiles=c) for c in (16, 32, 64, 128)]
+        return out + [Tiles(m=16, n=64, k=32, col_tiles=16, num_warps=8)]
+    # 128 x 128 A and B tiles need 8 warps: with 4, a rank-64 program spilled on sm_90.
+    out = [Tiles(m=16, n=128, k=64, col_tiles=c) for c in (4, 8, 16, 32)]
+    return out + [Tiles(m=16, n=64, k=128, col_tiles=16), Tiles(m=16, n=128, k=128, col_tiles=8, num_warps=8)]
 
 
 def fused_tiles(lora_a: torch.Tensor, lora_b: torch.Tensor) -> Tiles | None:

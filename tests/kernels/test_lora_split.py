@@ -10,7 +10,9 @@ here; on a GPU, benchmarks/lora_sweep.py replays the split launch 200 times agai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import random
 
 import pytest
@@ -156,3 +158,42 @@ def test_decode_launches_at_llama3_8b_shapes_keep_serial_loops_short_and_fill_th
         busy_expand = -(-out_features // expand.n) * tokens
         if tokens >= 64:
             assert min(busy_shrink, busy_expand) >= H100_SMS, f"{name}: {busy_shrink} / {busy_expand} programs"
+
+
+# Llama-3-8B's output slices per projection (q/k/v with 8 kv heads of 128, gate/up).
+LLAMA3_8B_SLICES = {"qkv": (4096, 1024, 1024), "o": (4096,), "gate_up": (14336, 14336), "down": (4096,)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_launches_at_llama3_8b_shapes_fill_the_gpu_from_64_rows_and_bound_the_recomputed_shrink(dtype):
+    # The fused kernel (kernels/lora_fused.py) has no split along in_features: each program walks all of it
+    # (in_features / k steps: 32-64 at 4096, 112-224 for the down projection) for each slice its column
+    # group meets, and is taken only where a table measured it faster than the split pair (below). For
+    # every tile shape a table may name: from 64 rows the programs fill an H100, or else (the widest groups
+    # on q/k/v, o and down: 1-2 programs per token block) h is computed at most twice per slice; h is
+    # recomputed at most 28 times per slice (gate/up in groups of 512), and some candidate keeps that to
+    # at most 4 on every projection (groups of 4,096: q/k/v, o and down 1x, gate/up 4x).
+    from kernels import lora_fused, lora_tuning
+
+    rank = 16
+    least = dict.fromkeys(LLAMA3_8B, math.inf)
+    for tiles in lora_fused.candidates(rank, dtype):
+        width = tiles.n * tiles.col_tiles
+        assert 512 <= width <= 4096, tiles
+        for name, (slices, _, out_features) in LLAMA3_8B.items():
+            offsets = [0, *itertools.accumulate(LLAMA3_8B_SLICES[name])]
+            assert offsets[-1] == out_features
+            grid = lora_fused.launch_grid(64, out_features, 64, tiles)
+            met = [sum(lo < g * width + width and hi > g * width for lo, hi in itertools.pairwise(offsets))
+                   for g in range(grid[0])]
+            rework = sum(met) / slices  # h computed per token block and slice; the split pair's: 1
+            assert rework <= 28, f"{name} {tiles}: h computed {rework}x"
+            assert grid[0] * 64 >= H100_SMS or rework <= 2, f"{name} {tiles}: {grid[0] * 64} programs, {rework}x"
+            least[name] = min(least[name], rework)
+    assert max(least.values()) <= 4, least
+    # Without a table (or with the committed H200 one, measured before the fused kernel) the layers take
+    # the split pair at every shape: defaults keep today's kernels.
+    for device_name in ("NVIDIA H200", ""):
+        for slices, in_features, out_features in LLAMA3_8B.values():
+            assert lora_tuning.tuned("fused", slices, in_features, rank, torch.bfloat16, device_name,
+                                     out_features=out_features) is None
