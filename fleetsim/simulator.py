@@ -174,13 +174,13 @@ class Simulation:
 
     def _read_view(self) -> FleetView:
         """What the router's refresher reads: each pod's GetState (slots, residency, disk tier, measured load
-        times, load) and the registry's remote adapters, as ``router.view.build_view`` makes them."""
+        times, load, seats) and the registry's remote adapters, as ``router.view.build_view`` makes them."""
         return FleetView(self._all_adapters, tuple(
             PodView(p.id, f"{p.id}:1", slots_total=self.config.slots, slots_used=len(p.slots),
                     slots_busy=sum(1 for name in p.slots if name in p.pinned or p.in_use[name]),
                     residency={name: Tier.DEVICE if p.slots.get(name) else Tier.CPU
                                for name, ready in p.cpu.items() if ready},
-                    running=p.running, waiting=len(p.waiting), kv_usage=p.kv_usage,
+                    running=p.running, waiting=len(p.waiting), seats=self.config.max_num_seqs, kv_usage=p.kv_usage,
                     disk=p.disk.keys(self._remote), load_times=self._load_times(p))
             for p in self.pods), self.now, remote=self._remote,
             ranks={name: self._rank_of[name] for p in self.pods for name, ready in p.cpu.items() if ready})

@@ -101,10 +101,11 @@ class RouterConfig:
         " of it, in running requests; 0 routes blind to prefixes", Weights.prefix)
     # The bounds on load over the cost's ranking (router/scoring.py, ``bounded``), measured in the fleet
     # simulator against the imbalance target and the peers' queue p99 (benchmarks/RESULTS.md, "Fleet simulation:
-    # a bound on the share of requests").
+    # a bound on the share of requests" and "the outstanding bound where a request would wait for a seat").
     load_bound: float = option(
         "how far above the mean of the pods' outstanding requests (a fraction: 0.2 is a fifth more) a pod may go"
-        " before a request that would wait there for an adapter slot goes to the next-best pod instead; 0: no bound",
+        " before a request that would wait there for an adapter slot or a seat goes to the next-best pod instead;"
+        " 0: no bound",
         LOAD_BOUND)
     share_bound: float = option(
         "how far above the mean of the requests this router sent the pods lately (decayed over 30 s; a fraction:"

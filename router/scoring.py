@@ -19,8 +19,10 @@ decay, router/decayed.py) is past it; over minutes that share is the pod's share
 request's length does not depend on its pod. It moves only requests of an adapter that asks for a fair part of a
 pod's traffic itself: a rarely used adapter is held by one pod, each of its requests moved would load it
 elsewhere, and it cannot carry a pod past the bound alone. The bound on outstanding requests: where the best pod
-would make the request wait for an adapter slot (every slot serving or pinned), a pod whose requests running and
-waiting would pass (1 + epsilon) times the mean is past it, since the wait there is longest.
+would make the request wait, for an adapter slot (every slot serving or pinned) or for a seat (as many requests
+running as it runs at once, ``max_num_seqs``), a pod whose requests running and waiting would pass (1 + epsilon)
+times the mean is past it, since the wait there is longest. Where the best pod has a seat and a slot for the
+request, its ranking stands: a request that would not wait is not moved by a momentary queue.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ __all__ = ["LOAD_BOUND", "SHARE_BOUND", "SHARE_DECAY_S", "Choice", "Decision", "
            "decision", "rank"]
 
 # How far above the mean of the candidate pods' outstanding requests (a fraction) a pod may go before a request
-# that would wait there for a slot goes to the next-best pod by cost: the shipped --load-bound. How far above the
-# mean of the requests the router sent the pods lately one may go before an adapter's requests spill to the next:
-# the shipped --share-bound. The fleet simulator (benchmarks/fleet_sim.py) measured both against the imbalance
-# target of 1.2 (max / mean of tokens per pod) and the queue p99 of the peers (benchmarks/RESULTS.md, "Fleet
-# simulation: a bound on the share of requests").
+# that would wait there for a slot or a seat goes to the next-best pod by cost: the shipped --load-bound. How far
+# above the mean of the requests the router sent the pods lately one may go before an adapter's requests spill to
+# the next: the shipped --share-bound. The fleet simulator (benchmarks/fleet_sim.py) measured both against the
+# imbalance target of 1.2 (max / mean of tokens per pod) and the queue p99 of the peers (benchmarks/RESULTS.md,
+# "Fleet simulation: a bound on the share of requests"; the seat: "Fleet simulation: the outstanding bound where a
+# request would wait for a seat").
 LOAD_BOUND = 0.2
 SHARE_BOUND = 0.1
 # The time constant of the share each pod and adapter had of the router's requests lately (router/decayed.py):
@@ -89,6 +92,12 @@ class Choice:
     outstanding: int = 0  # requests running and waiting there, with those the router started since its read
     share: float = 0.0  # requests the router sent there lately, decayed (router/decayed.py)
     waits_for_slot: bool = False  # its adapter would wait there for a slot: every slot serving or pinned
+    waits_for_seat: bool = False  # it would wait there for a seat: as many running as the pod runs at once
+
+    @property
+    def waits(self) -> bool:
+        """Whether the request would wait there before its first step, for a slot or for a seat."""
+        return self.waits_for_slot or self.waits_for_seat
 
 
 def decision(adapter: str, pod: PodView, just_sent: bool = False) -> Decision:
@@ -131,7 +140,7 @@ def rank(adapter: str, pods: Collection[PodView], weights: Weights = Weights(),
         if waits:
             residency += weights.slot_wait  # every slot pinned or serving: it waits for one to go idle
         choices.append(Choice(pod, d, residency + load + weights.prefill(matched, len(chain)), matched, download,
-                              running + pod.waiting, shares.get(pod.id, 0.0), waits))
+                              running + pod.waiting, shares.get(pod.id, 0.0), waits, pod.seats_taken(running)))
     return sorted(choices, key=lambda c: (c.cost, c.pod.id))
 
 
@@ -142,7 +151,7 @@ def bounded(ranked: list[Choice], load_bound: float, share_bound: float = 0.0,
     The pods weighed are those of the best pod's precision, the ones the request may be sent to
     (router/forwarder.py). With this request, each may hold:
 
-    - when the best pod would make the request wait for a slot (``Choice.waits_for_slot``),
+    - when the best pod would make the request wait, for a slot or for a seat (``Choice.waits``),
       ``ceil((1 + load_bound) * (their outstanding requests + 1) / their number)``, never fewer than
       ``_BOUND_FLOOR``;
     - when ``adapter_share`` (the adapter's own requests lately, as ``Choice.share`` counts them) is at least
@@ -158,7 +167,7 @@ def bounded(ranked: list[Choice], load_bound: float, share_bound: float = 0.0,
     precision = ranked[0].pod.precision
     peers = [c for c in ranked if c.pod.precision == precision]
     past: set[str] = set()
-    if load_bound > 0 and ranked[0].waits_for_slot:
+    if load_bound > 0 and ranked[0].waits:
         cap = max(math.ceil((1 + load_bound) * (sum(c.outstanding for c in peers) + 1) / len(peers)), _BOUND_FLOOR)
         past.update(c.pod.id for c in peers if c.outstanding >= cap)
     shares = sum(c.share for c in peers)

@@ -61,6 +61,7 @@ class PodView:
     residency: Mapping[str, Tier] = field(default_factory=dict)  # adapter -> fastest tier holding it
     running: int = 0
     waiting: int = 0
+    seats: int = 0  # the most requests it runs at once (PodState.max_num_seqs); 0: not reported
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     precision: str = ""  # what it computes in (PodState.precision); pods of one precision answer alike
     prefixes: frozenset[int] = frozenset()  # routing-prefix hashes whose KV blocks it holds (PodState.prefix_hashes)
@@ -87,6 +88,11 @@ class PodView:
     def slot_takeable(self) -> bool:
         """Whether an adapter not in a slot could get one now (free, or held by an idle, unpinned adapter)."""
         return self.slots_busy < self.slots_total
+
+    def seats_taken(self, running: int) -> bool:
+        """Whether a new request would wait here for a seat, with ``running`` requests running (False where the pod
+        reports no seats)."""
+        return 0 < self.seats <= running
 
     def must_download(self, key: int | None) -> bool:
         """Whether a load of the adapter whose remote copy has disk key ``key`` (None: a local source) must
@@ -146,7 +152,7 @@ def build_view(adapters: Iterable[admin_pb.Adapter], pods: Iterable[admin_pb.Pod
         views.append(PodView(id=pod.id, endpoint=pod.endpoint, slots_total=state.slots.capacity,
                              slots_used=state.slots.used, slots_busy=state.slots.busy, residency=residency,
                              running=state.running_requests,
-                             waiting=state.waiting_requests, kv_usage=state.kv_cache_usage,
+                             waiting=state.waiting_requests, seats=state.max_num_seqs, kv_usage=state.kv_cache_usage,
                              precision=state.precision, prefixes=frozenset(state.prefix_hashes),
                              disk=frozenset(state.disk_digests),
                              load_times=LoadTimes(times.host_to_slot_seconds, times.disk_to_host_seconds,

@@ -72,7 +72,7 @@ def pod_state(engine: Engine, pod_id: str, base_model: str, with_prefixes: bool 
     return pb.PodState(
         slots=_tier_usage_pb(s.slots), cpu_cache=_tier_usage_pb(s.cpu), adapters=[residency_pb(r) for r in s.adapters],
         running_requests=s.running, waiting_requests=s.waiting, kv_cache_usage=s.kv_usage,
-        pod_id=pod_id, base_model=base_model, precision=engine.precision,
+        pod_id=pod_id, base_model=base_model, precision=engine.precision, max_num_seqs=engine.limits.max_num_seqs,
         prefix_hashes=engine.routing_prefixes() if with_prefixes else (),
         row_rule=engine.model.row_rule.describe() if engine.model.row_rule is not None else "",
         disk=None if s.disk is None else pb.DiskTierUsage(capacity_bytes=s.disk.capacity_bytes,

@@ -1,6 +1,6 @@
 """The router's two bounds on load over the cost's ranking (router/scoring.py, ``bounded``): the share of the
 requests it sent each pod lately, which moves a hot adapter's requests and not a rarely used one's, and the
-outstanding requests of a pod where the request would wait for an adapter slot."""
+outstanding requests of a pod where the request would wait, for an adapter slot or for a seat."""
 
 from __future__ import annotations
 
@@ -114,6 +114,40 @@ def test_the_outstanding_bound_leaves_a_request_that_would_not_wait_for_a_slot_w
     view = fleet(busy, others=2)  # 6 outstanding against 0 and 0: far past ceil(1.2 * 7 / 3) = 3, at least 4
     ranked = PodPicker(lambda: view).choose("a")
     assert (ranked[0].pod.id, ranked[0].decision, ranked[0].waits_for_slot) == ("hot", Decision.DEVICE_HIT, False)
+
+
+def seated_fleet(running: int, seats: int) -> FleetView:
+    """A pod holding "a" in a slot, running ``running`` of its ``seats``, beside two idle pods with free slots: the
+    device hit (0 + running + KV) beats their loads (14) while it runs fewer than 14."""
+    hot = PodView("hot", "h:1", slots_total=4, slots_used=1, residency={"a": Tier.DEVICE}, running=running,
+                  seats=seats, kv_usage=running / seats if seats else 0.0)
+    return fleet(hot, others=2)
+
+
+def test_where_every_seat_of_the_best_pod_is_taken_a_pod_past_the_outstanding_bound_goes_behind():
+    # 6 running of 6 seats: the request would wait for one to finish. 6 outstanding over 3 pods: each may hold
+    # ceil(1.2 * 7 / 3) = 3 with this request, at least 4
+    ranked = PodPicker(lambda: seated_fleet(running=6, seats=6)).choose("a")
+    assert [(c.pod.id, c.decision, c.waits_for_seat) for c in ranked] == [
+        ("p1", Decision.FREE_SLOT, False), ("p2", Decision.FREE_SLOT, False), ("hot", Decision.DEVICE_HIT, True)]
+    assert PodPicker(lambda: seated_fleet(running=6, seats=6), load_bound=0).choose("a")[0].pod.id == "hot"
+
+
+def test_a_pod_with_a_free_seat_and_its_adapter_in_a_slot_keeps_the_request_however_far_past_the_mean():
+    for seats in (8, 0):  # a seat free; a pod that reports no seats is never taken to be full
+        ranked = PodPicker(lambda s=seats: seated_fleet(running=6, seats=s)).choose("a")
+        assert (ranked[0].pod.id, ranked[0].waits) == ("hot", False)
+
+
+def test_requests_the_router_started_since_its_read_take_seats():
+    view = seated_fleet(running=5, seats=6)
+    picker = PodPicker(lambda: view)
+    assert picker.choose("a")[0].pod.id == "hot"  # one seat free: 5 outstanding past 4, but the request need not wait
+    picker.started("hot", "a")  # 6 of 6 seats taken as far as this router knows
+    assert [(c.pod.id, c.waits_for_seat) for c in picker.choose("a")][-1] == ("hot", True)
+    assert picker.choose("a")[0].pod.id == "p1"
+    picker.finished("hot")
+    assert picker.choose("a")[0].pod.id == "hot"
 
 
 def test_requests_the_router_started_since_its_read_count_toward_the_outstanding_bound():

@@ -100,11 +100,11 @@ def test_the_download_weighs_what_the_pod_measured_against_its_disk_reads():
     assert rank("x", [slow_net, busy_fast], remote_key=KEY)[0].pod.id == "b"
 
 
-def test_the_view_reads_each_pods_disk_tier_and_load_times_and_which_adapters_are_remote():
+def test_the_view_reads_each_pods_disk_tier_load_times_and_seats_and_which_adapters_are_remote():
     sha = "ab" * 32
     adapters = [admin_pb.Adapter(name="s3", source="s3://b/k", sha256=sha),
                 admin_pb.Adapter(name="local", source="file:///a", sha256="cd" * 32)]
-    state = pod_pb.PodState(slots=pod_pb.TierUsage(capacity=2), disk_digests=[int(sha[:16], 16)],
+    state = pod_pb.PodState(slots=pod_pb.TierUsage(capacity=2), disk_digests=[int(sha[:16], 16)], max_num_seqs=32,
                             load_times=pod_pb.LoadTimes(host_to_slot_seconds=0.02, disk_to_host_seconds=0.3,
                                                         remote_to_disk_seconds=1.5))
     view = build_view(adapters, [admin_pb.Pod(id="p", endpoint="p:1", ready=True)], {"p": state}, 0.0)
@@ -112,6 +112,7 @@ def test_the_view_reads_each_pods_disk_tier_and_load_times_and_which_adapters_ar
     (p,) = view.pods
     assert not p.must_download(view.remote["s3"]) and p.must_download(0x99) and not p.must_download(None)
     assert p.load_times == LoadTimes(0.02, 0.3, 1.5) and p.load_times.download_factor() == pytest.approx(5.0)
+    assert p.seats == 32 and not p.seats_taken(31) and p.seats_taken(32)
 
 
 def test_a_pod_whose_every_slot_is_pinned_or_serving_makes_a_cpu_hit_wait_and_loses_to_one_with_room():
