@@ -6,7 +6,7 @@
    byte-level tokenizer, PEFT adapters of rank 8 and 64 and 64 of rank 16 (gpu_checkpoint.py);
 2. correctness first: our pod's greedy tokens and log-probabilities, base and rank-8/16/64 adapters in
    one batch, against transformers (+ peft) in float32 teacher-forced on the same tokens: a pod in the
-   run's dtype, and, where that is narrower, a float32 pod (part ``parity-float32``) held to 2e-3; a
+   run's dtype, and, where that is narrower, a float32 pod held to 2e-3; a
    bfloat16/float16 pod is held to three times what transformers' own rounding to its dtype costs on the
    same tokens, a tolerance that an adapter applied at half strength fails (gpu_reference.py);
 3. the device's copy bandwidth, measured here: the floor for everything after it;
@@ -104,7 +104,7 @@ SIZES = {
 SERVING = [f"r16-{i}" for i in range(64)]  # 64 distinct rank-16 adapters
 RANKS = {"r8": 8, "r64": 64, **dict.fromkeys(SERVING, 16)}
 PARITY = [(None, 0), ("r8", 8), ("r16-0", 16), ("r64", 64)]  # (adapter, rank): one mixed batch
-PARTS = ("kernels", "parity", "parity-float32", "serving", "no-lora", "sync", "fp8", "peft")
+PARTS = ("kernels", "parity", "serving", "no-lora", "sync", "fp8", "peft")
 STEP_MIXES = {"base only": [None], "64 adapters": SERVING}  # the step-time runs' mixes (gpu_steps.py)
 OPEN_LOOP_LOAD = 0.7  # open-loop arrival rate over the closed 64-adapter run's request rate
 
@@ -287,29 +287,28 @@ def parity_requests(sizes: Sizes) -> list[tuple[list[int], str | None]]:
                                                     PARITY, strict=True)]
 
 
-def reference(report: Report, args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
+def parity_check(report: Report, args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
     """Every parity pod's tokens read by transformers + peft in float32, and, for the pods in a narrower
-    dtype, by transformers + peft in that dtype too (how far its own rounding takes it: their tolerance);
-    then the peft batch in the run's dtype."""
+    dtype, by transformers + peft in that dtype too (how far its own rounding takes it: their tolerance)."""
     from gpu_reference import FLOAT32_ATOL, ROUNDING_FACTOR, Reference, parity_row, read
 
-    asked = parity_requests(sizes)
-    every = ["r8", "r16-0", "r64", *SERVING[1:]]
-    truth = Reference(model_dir, root, every if args.dtype == "float32" else ["r8", "r16-0", "r64"], args.device,
-                      torch.float32)
-    truths = {pod: [read(truth, adapter, prompt, tokens) for (prompt, adapter), tokens in zip(asked, outputs,
-                                                                                            strict=True)]
-              for pod, (_, outputs) in found["parity"].items()}
-    peft = truth
-    if args.dtype != "float32":
-        del truth, peft
-        free_device(args.device)
-        peft = Reference(model_dir, root, every, args.device, getattr(torch, args.dtype))
-    rounded = {pod: [read(peft, adapter, prompt, tokens) for (prompt, adapter), tokens in zip(asked, outputs,
-                                                                                            strict=True)]
-               for pod, (dtype, outputs) in found["parity"].items() if dtype != "float32"}
     report.sections["parity"] = []
     report.check(bool(found["parity"]), "parity: no pod gave tokens to check")
+    if not found["parity"]:
+        return
+    asked, names = parity_requests(sizes), [adapter for adapter, _ in PARITY if adapter]
+
+    def readings(dtype: torch.dtype, pods: dict) -> dict:
+        free_device(args.device)  # the pods' KV caches and CUDA graphs before a reference's weights
+        reference = Reference(model_dir, root, names, args.device, dtype)
+        return {pod: [read(reference, adapter, prompt, tokens) for (prompt, adapter), tokens in zip(asked, outputs,
+                                                                                                 strict=True)]
+                for pod, (_, outputs) in pods.items()}
+
+    truths = readings(torch.float32, found["parity"])
+    narrow = {pod: o for pod, o in found["parity"].items() if o[0] != "float32"}
+    rounded = readings(getattr(torch, args.dtype), narrow) if narrow else {}
+    free_device(args.device)
     for pod, (dtype, outputs) in found["parity"].items():
         for k, ((adapter, rank), tokens) in enumerate(zip(PARITY, outputs, strict=True)):
             r = {"pod": pod, "dtype": dtype, "rank": rank,
@@ -322,6 +321,14 @@ def reference(report: Report, args, sizes: Sizes, model_dir: Path, root: Path, f
                                   f"{r['greedy_gap']:.3g}{effect}, atol {r['atol']:.3g}")
             report.row("parity", f"{r['adapter']} ({pod}): max |diff log-prob| against float32, {r['tokens']} tokens",
                        r["max_diff"], "", f"atol {r['atol']:.3g} ({why}){effect}", r["max_diff"] / r["atol"], "<= 1")
+
+
+def peft_batch(args, sizes: Sizes, model_dir: Path, root: Path, found: dict) -> None:
+    """transformers + peft in the run's dtype on the 64-adapter mix, one generate over the batch."""
+    from gpu_reference import Reference
+
+    free_device(args.device)
+    peft = Reference(model_dir, root, SERVING, args.device, getattr(torch, args.dtype))
     wall = peft.generate(requests(sizes.batch, sizes, SERVING, seed=200), sizes.peft_new_tokens, EOS_ID)
     found["runs"]["peft"] = {"tok_s": sizes.batch * sizes.peft_new_tokens / wall, "wall_s": wall}
 
@@ -384,12 +391,15 @@ def main() -> None:
             report.sections["step_time"] = found["steps"]
             # One event loop per pod: a stopped engine stays referenced until its loop is gone (the cancelled
             # step loop's traceback), and the next pod's KV cache takes what the device has free.
-            for eager in (False, True) if "parity" not in args.skip else ():
-                report.run(f"parity pod, enforce_eager={eager}", asyncio.run,
-                           parity_pod(report, args, sizes, model_dir, root, floor_ms, found, eager, args.dtype))
-            if args.dtype != "float32" and "parity-float32" not in args.skip:  # the strict check: no rounding
-                report.run("parity pod, float32", asyncio.run,
-                           parity_pod(report, args, sizes, model_dir, root, floor_ms, found, False, "float32"))
+            if "parity" not in args.skip:  # correctness first: the pods, then transformers + peft reads them
+                for eager in (False, True):
+                    report.run(f"parity pod, enforce_eager={eager}", asyncio.run,
+                               parity_pod(report, args, sizes, model_dir, root, floor_ms, found, eager, args.dtype))
+                if args.dtype != "float32":  # the strict check: a float32 pod, no rounding to allow for
+                    report.run("parity pod, float32", asyncio.run,
+                               parity_pod(report, args, sizes, model_dir, root, floor_ms, found, False, "float32"))
+                report.run("parity against transformers + peft", parity_check, report, args, sizes, model_dir, root,
+                           found)
             if "serving" not in args.skip:
                 report.run("serving pod", asyncio.run, serving_pod(args, sizes, model_dir, root, found))
             if "no-lora" not in args.skip:
@@ -401,7 +411,7 @@ def main() -> None:
 
                 report.run("fp8 base", fp8_section, report, args, sizes, preset, model_dir, root, gbs)
             if "peft" not in args.skip:
-                report.run("transformers + peft", reference, report, args, sizes, model_dir, root, found)
+                report.run("transformers + peft", peft_batch, args, sizes, model_dir, root, found)
             adapters_ms = 64 * adapter_bytes(preset, 16, dtype) / gbs / 1e6
             report.run("table", serving_rows, report, found["runs"], sizes, adapters_ms, always=True)
             report.run("graphs table", graph_rows, report, found["graphs"], always=True)

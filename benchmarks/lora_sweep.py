@@ -175,7 +175,7 @@ class Sweep:
                              "layer": [], "bits": [], "failures": []}
         self.started = time.perf_counter()
         self.tuned: dict[str, dict] = {}
-        self.fused_measured: set[str] = set()  # fused keys of the shapes this run timed, chosen or not
+        self.fused_measured: set[str] = set()  # fused keys of the shapes this run tuned, chosen or not
         self.fused_best: dict[tuple[str, int], object] = {}  # (projection, rank) -> best fused Tiles
 
     def elapsed(self) -> float:
@@ -203,6 +203,8 @@ class Sweep:
         counts = (*decode_counts, prefill_count)
         problems = [Problem(in_features, widths, rank, n, adapters, self.dtype, self.clock.device) for n in counts]
         winners = {}
+        fused_key = entry_key("fused", len(widths), in_features, rank, self.dtype, out_features=sum(widths))
+        self.fused_measured.add(fused_key)  # whatever wins here, an older table's choice for the shape goes
         for kind in ("shrink", "expand", "fused"):
             best = None
             for tiles in candidates(kind, rank, self.dtype, self.args.size == "tiny"):
@@ -219,10 +221,8 @@ class Sweep:
         if {"shrink", "expand", "fused"} <= winners.keys():
             pair = (winners["shrink"][1], winners["expand"][1])
             split = self.score(name, rank, "split", pair, problems, counts, None)
-            fused_key = entry_key("fused", len(widths), in_features, rank, self.dtype, out_features=sum(widths))
-            self.fused_measured.add(fused_key)
             self.fused_best[(name, rank)] = winners["fused"][1]
-            chosen = split is None or winners["fused"][0] < split[0]
+            chosen = split is not None and winners["fused"][0] < split[0]  # only where both ran correctly
             if chosen:
                 self.tuned[fused_key] = vars(winners["fused"][1])
             self.report["choices"].append({
@@ -406,7 +406,7 @@ def main() -> None:
 
         path = table_path(sweep.report["device"])
         kept = json.loads(path.read_text())["tiles"] if path.exists() else {}
-        kept = {k: v for k, v in kept.items() if k not in sweep.fused_measured}  # the pair won there this time
+        kept = {k: v for k, v in kept.items() if k not in sweep.fused_measured}  # tuned now: kept where chosen again
         table = {"device": sweep.report["device"], "date": sweep.report["date"], "command": sweep.report["command"],
                  "tiles": {**kept, **sweep.tuned}}
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,14 +58,14 @@ struct Problem {
 };
 
 // The result's block (row block m, output block n), stored from its accumulator tile in `buffer`, into
-// p.out: plus the bias, each float32 rounded to bfloat16 to nearest even (a NaN to 0x7FC0), as torch
+// p.out: plus the bias, each float32 rounded to bfloat16 to nearest even (a NaN to 0xFFFF), as torch
 // rounds; rows and outputs past the result's are left out.
 void put(const Problem& p, int m, int n, const float* buffer) {
   const int first_row = m * TILE_ROWS, first_out = n * TILE_OUTS;
   const int rows = std::min(TILE_ROWS, p.rows - first_row), outs = std::min(TILE_OUTS, p.outs - first_out);
   const __mmask16 columns = outs == TILE_OUTS ? __mmask16(0xFFFF) : __mmask16((1u << outs) - 1);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(columns, p.bias + first_out) : _mm512_setzero_ps();
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0xFFFF);
   for (int r = 0; r < rows; ++r) {
     __m512 v = _mm512_load_ps(buffer + r * TILE_OUTS);
     if (p.bias) v = _mm512_add_ps(v, bias);
