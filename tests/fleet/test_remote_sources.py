@@ -122,18 +122,21 @@ def test_s3_and_hub_adapters_serve_through_the_router_move_when_their_pod_dies_a
     assert collect(router, request(question, "signoff-hf", max_tokens=8))[2].usage.completion_tokens > 0
     assert fleet.adapter("pirate-s3").source == "s3://adapters/team/pirate"
 
-    (holder,) = fleet.placements("pirate-s3")
+    # the pod its pin is on (the router may also have loaded it on the other pod from a disk copy there)
+    (holder,) = wait_until(lambda: fleet.pinned_on("pirate-s3"), READY_WITHIN_S, "pirate-s3 pinned on one pod")
     survivor = next(p for p in fleet.pods if p != holder)
     s3_downloads = lambda: fleet.pods[survivor].metric("lorafleet_adapter_downloads_total", outcome="ok", scheme="s3")
     # The leader asks the other pod to prefetch the pinned adapter to its disk ahead of demand.
     downloads_before = wait_until(s3_downloads, READY_WITHIN_S, "pirate-s3 prefetched to the other pod's disk")
     hits_before = fleet.pods[survivor].metric("lorafleet_adapter_disk_cache_hits_total")
+    in_a_slot = any(a.name == "pirate-s3" for a in fleet.pods[survivor].state().adapters)
     fleet.pods[holder].signal(signal.SIGKILL)
     fleet.pods[holder].proc.wait(timeout=10)
     for name in ("pirate-s3", "signoff-hf"):
         wait_until(lambda n=name: fleet.pinned_on(n) == {survivor}, READY_WITHIN_S, f"{name} pinned on the survivor")
     assert s3_downloads() == downloads_before  # restored from its disk tier, not from storage
-    assert fleet.pods[survivor].metric("lorafleet_adapter_disk_cache_hits_total") > hits_before
+    if not in_a_slot:  # else the pin took the copy a request had already loaded there (from that disk copy)
+        assert fleet.pods[survivor].metric("lorafleet_adapter_disk_cache_hits_total") > hits_before
     assert collect(router, request(question, "pirate-s3", max_tokens=4))[2].usage.completion_tokens > 0
 
     # The killed pod again, alone (no control plane), on the disk tier it left behind.
