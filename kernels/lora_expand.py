@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch, lora_tuning, segments
+from kernels import lora_launch, lora_tuning
 from kernels.lora_launch import Tiles, add_to_rows, block_tokens
 from kernels.lora_meta import LoraMeta
 
@@ -162,10 +162,8 @@ def lora_expand(
     if num_tokens == 0 or out_features == 0 or max_rank == 0 or num_segments == 0:
         return
 
-    # Grid: (column tile over all slices, token block of some segment). Tiling the packed output
-    # rather than each slice keeps the grid independent of the (device-side) slice widths.
-    grid = (triton.cdiv(out_features, tiles.n * tiles.col_tiles),
-            segments.segment_block_count(num_tokens, num_segments, tiles.m))
+    # Grid: (column tile over all slices, token block of some segment).
+    grid = lora_launch.column_grid(num_tokens, out_features, num_segments, tiles)
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_expand_kernel[grid](

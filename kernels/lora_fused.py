@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lora_launch, lora_tuning, segments
+from kernels import lora_launch, lora_tuning
 from kernels.lora_launch import Tiles, add_to_rows, block_tokens, dot_features
 from kernels.lora_meta import LoraMeta
 
@@ -226,7 +226,7 @@ def lora_fused(
         return
 
     # Grid: (column group of the packed output, token block of some segment).
-    grid = launch_grid(num_tokens, out_features, num_segments, tiles)
+    grid = lora_launch.column_grid(num_tokens, out_features, num_segments, tiles)
 
     # Launch. The interpreter's tl.dot misreads bf16, so off-GPU every dot runs in float32.
     _lora_fused_kernel[grid](
@@ -245,8 +245,3 @@ def rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
-def launch_grid(num_tokens: int, out_features: int, num_segments: int, tiles: Tiles) -> tuple[int, int]:
-    """(column groups of ``tiles.n * tiles.col_tiles`` columns, token blocks): one program each. Each
-    program walks all of in_features once per slice its group meets (``in_features / tiles.k`` steps)."""
-    return (triton.cdiv(out_features, tiles.n * tiles.col_tiles),
-            segments.segment_block_count(num_tokens, num_segments, tiles.m))

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import MIN_CHUNK, MIN_TILE, LoraMeta
-from kernels.segments import segment_walk
+from kernels.segments import segment_block_count, segment_walk
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -193,3 +193,11 @@ class Tiles:
     def launch_options(self) -> dict[str, int]:
         """The launch's keyword options: warps, and stages where set."""
         return {"num_warps": self.num_warps} | ({"num_stages": self.num_stages} if self.num_stages else {})
+
+
+def column_grid(num_tokens: int, out_features: int, num_segments: int, tiles: Tiles) -> tuple[int, int]:
+    """The expand's and the fused kernel's grid: (column groups of ``tiles.n * tiles.col_tiles`` columns of
+    the packed output, token blocks of the segments), one program each. Tiling the packed output rather
+    than each slice keeps the grid independent of the (device-side) slice widths."""
+    return (triton.cdiv(out_features, tiles.n * tiles.col_tiles),
+            segment_block_count(num_tokens, num_segments, tiles.m))

@@ -173,7 +173,7 @@ def test_fused_launches_at_llama3_8b_shapes_fill_the_gpu_from_64_rows_and_bound_
     # on q/k/v, o and down: 1-2 programs per token block) h is computed at most twice per slice; h is
     # recomputed at most 28 times per slice (gate/up in groups of 512), and some candidate keeps that to
     # at most 4 on every projection (groups of 4,096: q/k/v, o and down 1x, gate/up 4x).
-    from kernels import lora_fused, lora_tuning
+    from kernels import lora_fused, lora_launch, lora_tuning
 
     rank = 16
     least = dict.fromkeys(LLAMA3_8B, math.inf)
@@ -183,7 +183,7 @@ def test_fused_launches_at_llama3_8b_shapes_fill_the_gpu_from_64_rows_and_bound_
         for name, (slices, _, out_features) in LLAMA3_8B.items():
             offsets = [0, *itertools.accumulate(LLAMA3_8B_SLICES[name])]
             assert offsets[-1] == out_features
-            grid = lora_fused.launch_grid(64, out_features, 64, tiles)
+            grid = lora_launch.column_grid(64, out_features, 64, tiles)
             met = [sum(lo < g * width + width and hi > g * width for lo, hi in itertools.pairwise(offsets))
                    for g in range(grid[0])]
             rework = sum(met) / slices  # h computed per token block and slice; the split pair's: 1
