@@ -169,6 +169,17 @@ async def capacity(stub, n: int, max_tokens: int, adapters: list[str | None], se
     return n / took
 
 
+async def warm(stub, adapters: list[str | None], max_tokens: int) -> None:
+    """One request per adapter, one after another: every adapter in a slot before the phases. One at a time, so
+    a pod's admission has nothing queued to refuse them for (a cold pod's first estimate may refuse a batch)."""
+    phase = Phase("warm-up")
+    rng = random.Random(0)
+    for adapter in adapters:
+        await one_request(stub, adapter, prompt(rng), max_tokens, phase)
+    if phase.refusals or phase.errors:
+        raise RuntimeError(f"the warm-up was refused: {len(phase.refusals)} refusals, {phase.errors}")
+
+
 async def burst(stub, args: argparse.Namespace, seed: int) -> tuple[list[float], list[float]]:
     """The streams' inter-token gaps before the burst and while its prompts are prefilled."""
     rng = random.Random(seed)
@@ -232,7 +243,7 @@ async def run_config(pod: PodProcess, args: argparse.Namespace, rate: float) -> 
     phases = []
     async with grpc.aio.insecure_channel(pod.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        await capacity(stub, len(adapters), args.max_tokens, adapters, args.seed)  # warm: every adapter in a slot
+        await warm(stub, adapters, args.max_tokens)
         plan = [(f"load {factor:g}×", [(factor * rate, adapters)]) for factor in LOADS]
         if args.mixed:
             plan += [(f"mixed {factor:g}×", [(factor * rate, adapters)]) for factor in LOADS]
