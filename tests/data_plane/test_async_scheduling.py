@@ -86,7 +86,7 @@ async def _answer(engine, label, adapter, ids, params) -> list[tuple]:
     return sorted(out, key=lambda message: message[0])  # stable: each choice's messages keep their order
 
 
-def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv_blocks: int = 12,
+def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv_blocks: int = 9,
           cancel: bool = True, constrained: bool = True) -> dict:
     """The workload's answers on a pod of ``dtype`` and what the engine saw: preemptions, steps whose inputs
     decoded a token still on the device, tokens counted, blocks in use at the end, and per request the
@@ -109,12 +109,23 @@ def serve(model_dir, root, dtype: str, async_scheduling: bool, stop: str, num_kv
             return step
 
         engine.runner.prepare = counting
+        # no step runs until every request is queued: the same start whatever the machine's pace (a request
+        # admitted while others' steps already ran could find the blocks free, and nothing be preempted)
+        queued, has_work = [False], engine.scheduler.has_work
+        engine.scheduler.has_work = lambda: queued[0] and has_work()
         engine.start()
         try:
             for name in ADAPTERS:  # resident before the requests: none waits for its load, all compete for blocks
                 await engine.adapters.load(name, str(root / name))
             requests = workload(stop, cancel, constrained)
-            answers = await asyncio.gather(*(_answer(engine, *request) for request in requests))
+            answering = asyncio.gather(*(_answer(engine, *request) for request in requests))
+            for _ in range(1000):  # the structured output's grammar is compiled on a thread before it queues
+                if engine.scheduler.num_waiting >= len(requests):
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.scheduler.num_waiting == len(requests), "the requests were not all queued"
+            queued[0] = True
+            answers = await answering
             for _ in range(100):  # the cancelled stream's blocks go back as its abort is seen
                 if engine.snapshot().running == 0:
                     break
