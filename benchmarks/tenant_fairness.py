@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 from lorafleet.v1 import generation_pb2_grpc
-from overload import Phase, capacity, poisson  # benchmarks/overload.py
+from overload import Phase, capacity, poisson, warm  # benchmarks/overload.py
 from processes import PodProcess, cpu_model, load_average, wait_until  # benchmarks/processes.py
 from stream_load import percentile_ms  # benchmarks/stream_load.py
 
@@ -54,14 +54,8 @@ async def measure_capacity(pod: PodProcess, args: argparse.Namespace) -> float:
     """Completed requests per second, closed loop over the flood adapters (a pod that queues every request)."""
     async with grpc.aio.insecure_channel(pod.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        await warm(stub, args)
+        await warm(stub, [*FLOOD, TRICKLE], args.max_tokens)
         return await capacity(stub, args.capacity_requests, args.max_tokens, FLOOD)
-
-
-async def warm(stub, args: argparse.Namespace) -> None:
-    """One request on every adapter at once: each in a slot before anything is timed."""
-    everyone: list[str | None] = [*FLOOD, TRICKLE]
-    await capacity(stub, len(everyone), args.max_tokens, everyone)
 
 
 async def run(pod: PodProcess, args: argparse.Namespace, rate: float) -> list[Phase]:
@@ -69,7 +63,7 @@ async def run(pod: PodProcess, args: argparse.Namespace, rate: float) -> list[Ph
     idle = lambda: pod.state().waiting_requests == 0 and pod.state().running_requests == 0  # noqa: E731
     async with grpc.aio.insecure_channel(pod.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        await warm(stub, args)
+        await warm(stub, [*FLOOD, TRICKLE], args.max_tokens)  # each adapter in a slot before anything is timed
         flood = args.flood_factor * rate
         for name, streams, billed in (
                 ("trickle alone", [(args.trickle_rate, [TRICKLE])], ("small",)),
